@@ -1,0 +1,364 @@
+"""Token-level draft selection: choose one token at one node of the draft tree.
+
+A *node* is one prompt at one draft position: all drafts still alive there share the same
+prefix, so they share one draft distribution p (`draft_probs`) and one target distribution
+q (`target_probs`), and their next tokens are i.i.d. samples from p. A selection rule turns
+those k draft tokens into one output token whose law is exactly q:
+
+- an **accepted** token is one of the draft tokens, kept by a randomized test;
+- a **correction** (recovered) token is drawn from a residual distribution when every
+  draft at the node was rejected.
+
+Methods share one signature and are looked up by name in `TOKEN_SELECTORS`:
+
+- ``"speculative"``: speculative sampling, K = 1. Accept X ~ p with probability
+  min(1, q(X)/p(X)), else sample norm(max(0, q - p)).
+- ``"spectr"`` (alias ``"kseq"``): K-SEQ from SpecTr (Sun et al. 2023). rho* is the root in
+  [1, k] of 1 - (1 - beta(rho))^k = rho * beta(rho) with beta(rho) = sum_x min(p(x), q(x)/rho),
+  found by bisection keeping the upper (valid) end. Drafts are tested in sampling order, each
+  accepted with probability min(1, q(X_i) / (rho* p(X_i))); if all are rejected the output is
+  drawn from norm(max(0, q - rho* p)).
+- ``"specinfer"``: SpecInfer's multi-round recursive rejection sampling with replacement:
+  round i tests X_i against the current residual r (initially q) with probability
+  min(1, r(X_i)/p(X_i)); a rejection replaces r by norm(max(0, r - p)).
+
+Uniforms are float64, one row per node, `[N, K + 1]`: column j decides the test of draft j
+(whether or not that draft is alive, so that a node's randomness does not depend on which
+drafts died), column K drives the inverse-CDF draw of the correction token. A draft token
+with p = 0 is accepted exactly when q > 0 (the ratio q/p is infinite) and never yields NaN.
+A node with no alive draft samples straight from q.
+
+This module also holds the analysis functions of the contract: `kseq_rho`,
+`kseq_acceptance`, `optimal_acceptance`. It is not the sequence-level loop over draft
+positions (see `spectr.sequence`) and it does not draw drafts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from spectr.rng import draw_uniforms, sample_categorical
+from spectr.validation import check_probabilities, check_shape, check_token_ids, check_uniforms
+
+# Bisection for rho* halves [1, k] (k <= a few hundred) until the ends meet in float64.
+_BISECTION_STEPS = 64
+
+TokenSelector = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    tuple[torch.Tensor, torch.Tensor],
+]
+
+
+# ---------------------------------------------------------------------------------------
+# rho* and the acceptance functions (unchecked internals on [N, V])
+# ---------------------------------------------------------------------------------------
+
+
+def _beta(draft_probs: torch.Tensor, target_probs: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
+    """beta(rho) = sum_x min(p(x), q(x)/rho); p, q [N, V], rho [N] -> [N] float64."""
+    scaled = target_probs / rho.unsqueeze(-1).to(target_probs.dtype)  # [N, V]
+    return torch.minimum(draft_probs, scaled).sum(-1, dtype=torch.float64)  # [N]
+
+
+def _kseq_gap(beta: torch.Tensor, rho: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
+    """f(rho) = 1 - (1 - beta)^k - rho * beta; >= 0 at rho = 1, <= 0 at rho = k."""
+    return 1.0 - (1.0 - beta).clamp(min=0.0).pow(num_drafts) - rho * beta
+
+
+def _kseq_rho(
+    draft_probs: torch.Tensor, target_probs: torch.Tensor, num_drafts: torch.Tensor
+) -> torch.Tensor:
+    """rho* per node. draft_probs, target_probs [N, V]; num_drafts [N] int -> [N] float64.
+
+    Nodes with k <= 1 get rho* = 1 (K-SEQ is speculative sampling there).
+    """
+    k = num_drafts.to(torch.float64)  # [N]
+    rho = torch.ones_like(k)  # [N]
+    rows = (num_drafts > 1).nonzero().squeeze(-1)  # [M]
+    if rows.numel() == 0:
+        return rho
+    p = draft_probs.index_select(0, rows)  # [M, V]
+    q = target_probs.index_select(0, rows)  # [M, V]
+    k_rows = k.index_select(0, rows)  # [M]
+    lo = torch.ones_like(k_rows)  # [M] f(lo) >= 0
+    hi = k_rows.clone()  # [M] f(hi) <= 0: the valid side
+    for _ in range(_BISECTION_STEPS):
+        mid = 0.5 * (lo + hi)  # [M]
+        gap = _kseq_gap(_beta(p, q, mid), mid, k_rows)  # [M]
+        above = gap > 0
+        lo = torch.where(above, mid, lo)
+        hi = torch.where(above, hi, mid)
+        if bool(((mid == lo) | (mid == hi)).all()):
+            break
+    rho[rows] = hi
+    return rho
+
+
+def _kseq_acceptance(
+    draft_probs: torch.Tensor, target_probs: torch.Tensor, num_drafts: torch.Tensor
+) -> torch.Tensor:
+    rho = _kseq_rho(draft_probs, target_probs, num_drafts)  # [N]
+    beta = _beta(draft_probs, target_probs, rho)  # [N]
+    return 1.0 - (1.0 - beta).clamp(min=0.0).pow(num_drafts.to(torch.float64))
+
+
+def _optimal_acceptance(
+    draft_probs: torch.Tensor, target_probs: torch.Tensor, num_drafts: torch.Tensor
+) -> torch.Tensor:
+    """alpha_K = min over prefixes A of the tokens sorted by q/p ascending of q(A) + 1 - p(A)^K."""
+    p = draft_probs.to(torch.float64)  # [N, V]
+    q = target_probs.to(torch.float64)  # [N, V]
+    ratio = torch.where(p > 0, q / p.clamp(min=torch.finfo(torch.float64).tiny), torch.inf)  # [N, V]
+    order = ratio.argsort(-1, stable=True)  # [N, V]
+    zero = torch.zeros_like(p[:, :1])  # [N, 1]
+    p_prefix = torch.cat([zero, p.gather(-1, order).cumsum(-1)], -1).clamp(max=1.0)  # [N, V + 1]
+    q_prefix = torch.cat([zero, q.gather(-1, order).cumsum(-1)], -1)  # [N, V + 1]
+    k = num_drafts.to(torch.float64).unsqueeze(-1)  # [N, 1]
+    value = q_prefix + 1.0 - p_prefix.pow(k)  # [N, V + 1]
+    return value.min(-1).values.clamp(0.0, 1.0)
+
+
+# ---------------------------------------------------------------------------------------
+# Token selectors (unchecked internals; one shared signature)
+# ---------------------------------------------------------------------------------------
+
+
+def _sample_residual(
+    draft_probs: torch.Tensor,  # [N, V]
+    target_probs: torch.Tensor,  # [N, V]
+    draft_scale: torch.Tensor,  # [N] float64: rho (0 for nodes with no alive draft)
+    uniforms: torch.Tensor,  # [N] float64
+) -> torch.Tensor:
+    """Correction token from norm(max(0, q - scale * p)); from q where that mass is zero."""
+    scale = draft_scale.to(target_probs.dtype).unsqueeze(-1)  # [N, 1]
+    residual = (target_probs - scale * draft_probs).clamp_(min=0)  # [N, V]
+    empty = residual.sum(-1) <= 0  # [N]
+    if bool(empty.any()):
+        # Only reachable with probability 0 when drafts really come from p (e.g. p == q).
+        residual[empty] = target_probs[empty]
+    return sample_categorical(residual, uniforms)
+
+
+def _test_in_order_then_correct(
+    draft_tokens: torch.Tensor,  # [N, K]
+    alive: torch.Tensor,  # [N, K] bool
+    draft_probs: torch.Tensor,  # [N, V]
+    target_probs: torch.Tensor,  # [N, V]
+    uniforms: torch.Tensor,  # [N, K + 1] float64
+    rho: torch.Tensor,  # [N] float64
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept alive draft j when u_j * rho * p(X_j) < q(X_j); the first accepted one wins."""
+    num_drafts = draft_tokens.shape[1]
+    draft_p = draft_probs.gather(1, draft_tokens).to(torch.float64)  # [N, K]
+    draft_q = target_probs.gather(1, draft_tokens).to(torch.float64)  # [N, K]
+    passes = alive & (uniforms[:, :num_drafts] * rho.unsqueeze(1) * draft_p < draft_q)  # [N, K]
+    accepted = passes.any(1)  # [N]
+    first = passes.to(torch.int8).argmax(1, keepdim=True)  # [N, 1] first passing draft
+    token = draft_tokens.gather(1, first).squeeze(1)  # [N]
+    rejected_rows = (~accepted).nonzero().squeeze(-1)  # [M]
+    if rejected_rows.numel() > 0:
+        has_drafts = alive.index_select(0, rejected_rows).any(1)  # [M]
+        scale = torch.where(has_drafts, rho.index_select(0, rejected_rows), 0.0)  # [M] 0 -> sample q
+        correction = _sample_residual(
+            draft_probs.index_select(0, rejected_rows),
+            target_probs.index_select(0, rejected_rows),
+            scale,
+            uniforms[:, num_drafts].index_select(0, rejected_rows),
+        )
+        token = token.index_copy(0, rejected_rows, correction)
+    return token, accepted
+
+
+def select_speculative(draft_tokens, alive, draft_probs, target_probs, uniforms):
+    """Speculative sampling (K = 1): K-SEQ with rho = 1 on the single draft."""
+    if draft_tokens.shape[1] != 1:
+        raise ValueError(
+            f"method 'speculative' needs exactly one draft per node, got K = {draft_tokens.shape[1]}"
+        )
+    rho = torch.ones(draft_tokens.shape[0], dtype=torch.float64, device=draft_tokens.device)  # [N]
+    return _test_in_order_then_correct(draft_tokens, alive, draft_probs, target_probs, uniforms, rho)
+
+
+def select_kseq(draft_tokens, alive, draft_probs, target_probs, uniforms):
+    """K-SEQ: rho* per node for its alive count k (duplicates counted), drafts in sampling order."""
+    rho = _kseq_rho(draft_probs, target_probs, alive.sum(1))  # [N]
+    return _test_in_order_then_correct(draft_tokens, alive, draft_probs, target_probs, uniforms, rho)
+
+
+def select_specinfer(draft_tokens, alive, draft_probs, target_probs, uniforms):
+    """SpecInfer recursive rejection sampling with replacement, drafts in sampling order."""
+    num_nodes, num_drafts = draft_tokens.shape
+    residual = target_probs.to(torch.float64)  # [N, V] current target of the next round
+    p = draft_probs.to(torch.float64)  # [N, V]
+    accepted = torch.zeros(num_nodes, dtype=torch.bool, device=draft_tokens.device)  # [N]
+    token = torch.zeros(num_nodes, dtype=torch.int64, device=draft_tokens.device)  # [N]
+    for j in range(num_drafts):
+        candidate = draft_tokens[:, j : j + 1]  # [N, 1]
+        tested = alive[:, j] & ~accepted  # [N]
+        passes = tested & (
+            uniforms[:, j] * p.gather(1, candidate).squeeze(1) < residual.gather(1, candidate).squeeze(1)
+        )
+        token = torch.where(passes, candidate.squeeze(1), token)
+        accepted = accepted | passes
+        rejected_rows = (tested & ~passes).nonzero().squeeze(-1)  # [M]
+        if rejected_rows.numel() > 0:
+            leftover = (residual.index_select(0, rejected_rows) - p.index_select(0, rejected_rows)).clamp_(
+                min=0
+            )  # [M, V]
+            mass = leftover.sum(-1, keepdim=True)  # [M, 1]
+            # Zero leftover means r == p: a rejection then has probability 0; keep r as is.
+            updated = torch.where(
+                mass > 0,
+                leftover / mass.clamp(min=torch.finfo(torch.float64).tiny),
+                residual.index_select(0, rejected_rows),
+            )
+            residual = residual.index_copy(0, rejected_rows, updated)
+    rejected_rows = (~accepted).nonzero().squeeze(-1)  # [M]
+    if rejected_rows.numel() > 0:
+        correction = sample_categorical(
+            residual.index_select(0, rejected_rows), uniforms[:, num_drafts].index_select(0, rejected_rows)
+        )
+        token = token.index_copy(0, rejected_rows, correction)
+    return token, accepted
+
+
+TOKEN_SELECTORS: dict[str, TokenSelector] = {
+    "speculative": select_speculative,
+    "spectr": select_kseq,
+    "kseq": select_kseq,
+    "specinfer": select_specinfer,
+}
+
+
+def get_token_selector(method: str) -> TokenSelector:
+    """The selection rule registered under `method`; ValueError for an unknown name."""
+    try:
+        return TOKEN_SELECTORS[method]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown selection method {method!r}; known: {sorted(TOKEN_SELECTORS)}") from None
+
+
+# ---------------------------------------------------------------------------------------
+# Public entry points
+# ---------------------------------------------------------------------------------------
+
+
+def select_tokens(
+    method: str,
+    draft_tokens: torch.Tensor,  # [N, K] int64, in sampling order
+    alive: torch.Tensor,  # [N, K] bool
+    draft_probs: torch.Tensor,  # [N, V]
+    target_probs: torch.Tensor,  # [N, V]
+    uniforms: torch.Tensor,  # [N, K + 1] float64
+    *,
+    validate: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One output token per node and whether it is an accepted draft token.
+
+    Returns (token [N] int64, accepted [N] bool). The token's law is exactly `target_probs`
+    when the alive drafts of a node are i.i.d. samples from `draft_probs`.
+    """
+    selector = get_token_selector(method)
+    if validate:
+        _check_token_inputs(draft_tokens, alive, draft_probs, target_probs, uniforms)
+    return selector(draft_tokens, alive, draft_probs, target_probs, uniforms)
+
+
+def sample_tokens(
+    method: str,
+    draft_tokens: torch.Tensor,  # [N, K] int64
+    alive: torch.Tensor,  # [N, K] bool
+    draft_probs: torch.Tensor,  # [N, V]
+    target_probs: torch.Tensor,  # [N, V]
+    generators: Sequence[torch.Generator],  # N
+    *,
+    validate: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`select_tokens` with K + 1 float64 uniforms drawn from each node's own generator."""
+    if len(generators) != draft_tokens.shape[0]:
+        raise ValueError(
+            f"generators has {len(generators)} entries, expected one per node (N = {draft_tokens.shape[0]})"
+        )
+    uniforms = draw_uniforms(
+        generators, (draft_tokens.shape[1] + 1,), device=draft_tokens.device
+    )  # [N, K + 1]
+    return select_tokens(method, draft_tokens, alive, draft_probs, target_probs, uniforms, validate=validate)
+
+
+def _check_token_inputs(draft_tokens, alive, draft_probs, target_probs, uniforms) -> None:
+    if not isinstance(draft_tokens, torch.Tensor) or draft_tokens.dim() != 2:
+        raise ValueError(
+            f"draft_tokens must be a [N, K] tensor, got {getattr(draft_tokens, 'shape', type(draft_tokens))}"
+        )
+    num_nodes, num_drafts = draft_tokens.shape
+    if num_drafts < 1:
+        raise ValueError(f"draft_tokens must hold K >= 1 drafts per node, got K = {num_drafts}")
+    if not isinstance(draft_probs, torch.Tensor) or draft_probs.dim() != 2:
+        raise ValueError(
+            f"draft_probs must be a [N, V] tensor, got {getattr(draft_probs, 'shape', type(draft_probs))}"
+        )
+    vocab_size = draft_probs.shape[1]
+    check_shape("draft_probs", draft_probs, (num_nodes, vocab_size), "[N, V]")
+    check_shape("target_probs", target_probs, (num_nodes, vocab_size), "[N, V] (same as draft_probs)")
+    check_shape("alive", alive, (num_nodes, num_drafts), "[N, K]")
+    if alive.dtype != torch.bool:
+        raise ValueError(f"alive must be a bool tensor, got {alive.dtype}")
+    check_shape("uniforms", uniforms, (num_nodes, num_drafts + 1), "[N, K + 1]")
+    check_token_ids("draft_tokens", draft_tokens, vocab_size)
+    check_probabilities("draft_probs", draft_probs)
+    check_probabilities("target_probs", target_probs)
+    check_uniforms("uniforms", uniforms)
+
+
+def _flatten_analysis_inputs(draft_probs, target_probs, num_drafts):
+    """Check the [..., V] pair and the draft count; return [N, V], [N, V], [N] and the batch shape."""
+    check_probabilities("draft_probs", draft_probs)
+    check_probabilities("target_probs", target_probs)
+    if draft_probs.shape != target_probs.shape:
+        raise ValueError(
+            f"draft_probs has shape {tuple(draft_probs.shape)} but target_probs has {tuple(target_probs.shape)}; they must match"
+        )
+    batch_shape = draft_probs.shape[:-1]
+    counts = torch.as_tensor(num_drafts, device=draft_probs.device)
+    if counts.is_floating_point() or counts.dtype == torch.bool or counts.is_complex():
+        if not bool((counts == counts.round()).all()) or counts.dtype == torch.bool:
+            raise ValueError(f"num_drafts must be integer, got {num_drafts!r}")
+    counts = counts.to(torch.int64)
+    if bool((counts < 1).any()):
+        raise ValueError(f"num_drafts must be >= 1, got {counts.min().item()}")
+    try:
+        counts = torch.broadcast_to(counts, batch_shape)
+    except RuntimeError:
+        raise ValueError(
+            f"num_drafts of shape {tuple(counts.shape)} does not broadcast to the batch shape {tuple(batch_shape)}"
+        ) from None
+    vocab_size = draft_probs.shape[-1]
+    return (
+        draft_probs.reshape(-1, vocab_size).to(torch.float64),
+        target_probs.reshape(-1, vocab_size).to(torch.float64),
+        counts.reshape(-1),
+        batch_shape,
+    )
+
+
+def kseq_rho(draft_probs: torch.Tensor, target_probs: torch.Tensor, num_drafts) -> torch.Tensor:
+    """rho* of K-SEQ for [..., V] distributions and K drafts (int or tensor) -> [...] float64."""
+    p, q, k, batch_shape = _flatten_analysis_inputs(draft_probs, target_probs, num_drafts)
+    return _kseq_rho(p, q, k).reshape(batch_shape)
+
+
+def kseq_acceptance(draft_probs: torch.Tensor, target_probs: torch.Tensor, num_drafts) -> torch.Tensor:
+    """Probability that K-SEQ accepts some draft: 1 - (1 - beta(rho*))^K -> [...] float64."""
+    p, q, k, batch_shape = _flatten_analysis_inputs(draft_probs, target_probs, num_drafts)
+    return _kseq_acceptance(p, q, k).reshape(batch_shape)
+
+
+def optimal_acceptance(draft_probs: torch.Tensor, target_probs: torch.Tensor, num_drafts) -> torch.Tensor:
+    """alpha_K(p, q) = min over token subsets A of q(A) + 1 - p(A)^K -> [...] float64.
+
+    The best acceptance any valid selection of one token from K i.i.d. drafts can reach.
+    """
+    p, q, k, batch_shape = _flatten_analysis_inputs(draft_probs, target_probs, num_drafts)
+    return _optimal_acceptance(p, q, k).reshape(batch_shape)

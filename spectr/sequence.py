@@ -1,0 +1,162 @@
+"""Sequence-level draft selection: walk a draft set position by position (SpecTr).
+
+Given K drafts of L tokens per prompt, each with the draft distribution it was sampled from
+and the target distribution after each of its prefixes, produce the tokens that one target
+call yields for that prompt:
+
+1) start with all K drafts alive;
+2) at position i, run the token-level rule (`spectr.selection`) on the i-th tokens of the
+   alive drafts. Alive drafts share their prefix, so the node's p and q are read from the
+   first alive draft; the alive count k counts duplicates and rho* is recomputed per node;
+3) keep alive only the drafts whose i-th token equals the output (a correction token that
+   happens to equal a rejected draft's token keeps that draft alive: the drafts' later
+   tokens are still i.i.d. from p given the new prefix);
+4) stop at the first position where no draft is alive: its output is the correction token.
+   After L positions with drafts alive, add a bonus token drawn from q at position L.
+
+Each row consumes exactly (L + 1) * (K + 1) float64 uniforms from its own generator per
+call, whatever it accepts, so a row's randomness never depends on the other rows.
+
+This module does not draft, run models, or touch KV caches; it returns what the engine
+needs to commit: the tokens, their count, and a draft consistent with the accepted prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from spectr.rng import draw_uniforms, sample_categorical
+from spectr.selection import get_token_selector
+from spectr.validation import check_probabilities, check_shape, check_token_ids
+
+PAD_TOKEN = -1
+
+
+@dataclass
+class SequenceSelection:
+    """What one target call yields per prompt.
+
+    tokens: [B, L + 1] int64, accepted draft tokens then one correction or bonus token;
+        positions >= num_tokens hold PAD_TOKEN (-1).
+    num_tokens: [B] int64 in 1..L+1.
+    num_accepted: [B] int64 = num_tokens - 1, the accepted draft tokens.
+    draft_index: [B] int64, a draft whose first num_accepted tokens equal the accepted ones
+        (its KV cache can be committed).
+    accepted_per_position: [L] int64, how many rows accepted a draft token at position i.
+    """
+
+    tokens: torch.Tensor
+    num_tokens: torch.Tensor
+    num_accepted: torch.Tensor
+    draft_index: torch.Tensor
+    accepted_per_position: torch.Tensor
+
+
+def uniforms_shape(num_drafts: int, draft_length: int) -> tuple[int, int]:
+    """Per-row uniforms of one call: row i (< L) decides position i, row L the bonus token."""
+    return (draft_length + 1, num_drafts + 1)
+
+
+def select_sequences(
+    draft_tokens: torch.Tensor,  # [B, K, L] int64, drafts in sampling order
+    draft_probs: torch.Tensor,  # [B, K, L, V] p at each draft position given that draft's prefix
+    target_probs: torch.Tensor,  # [B, K, L + 1, V] q given that draft's prefix (L = bonus position)
+    generators: Sequence[torch.Generator],  # one per row
+    *,
+    method: str = "spectr",
+    validate: bool = True,
+) -> SequenceSelection:
+    """Sequence-level selection for a batch of draft sets; see the module docstring."""
+    selector = get_token_selector(method)
+    if validate:
+        _check_sequence_inputs(draft_tokens, draft_probs, target_probs, generators, method)
+    batch_size, num_drafts, draft_length = draft_tokens.shape
+    uniforms = draw_uniforms(generators, uniforms_shape(num_drafts, draft_length), device=draft_tokens.device)
+    return select_sequences_with_uniforms(draft_tokens, draft_probs, target_probs, uniforms, selector)
+
+
+def select_sequences_with_uniforms(
+    draft_tokens: torch.Tensor,  # [B, K, L] int64
+    draft_probs: torch.Tensor,  # [B, K, L, V]
+    target_probs: torch.Tensor,  # [B, K, L + 1, V]
+    uniforms: torch.Tensor,  # [B, L + 1, K + 1] float64
+    selector,
+) -> SequenceSelection:
+    """The walk itself, with the uniforms given (unchecked)."""
+    batch_size, num_drafts, draft_length = draft_tokens.shape
+    device = draft_tokens.device
+    tokens = torch.full(
+        (batch_size, draft_length + 1), PAD_TOKEN, dtype=torch.int64, device=device
+    )  # [B, L + 1]
+    alive = torch.ones(batch_size, num_drafts, dtype=torch.bool, device=device)  # [B, K]
+    draft_index = torch.zeros(batch_size, dtype=torch.int64, device=device)  # [B]
+    num_accepted = torch.zeros(batch_size, dtype=torch.int64, device=device)  # [B]
+    accepted_per_position = torch.zeros(draft_length, dtype=torch.int64, device=device)  # [L]
+    # Rows still walking; every row with a draft alive at position i is in `active`.
+    active = torch.arange(batch_size, device=device)  # [A]
+    for position in range(draft_length):
+        alive_here = alive.index_select(0, active)  # [A, K]
+        first_alive = alive_here.to(torch.int8).argmax(1)  # [A] any alive draft carries the node's prefix
+        node_p = draft_probs[active, first_alive, position]  # [A, V]
+        node_q = target_probs[active, first_alive, position]  # [A, V]
+        node_drafts = draft_tokens[active, :, position]  # [A, K]
+        token, _ = selector(node_drafts, alive_here, node_p, node_q, uniforms[active, position])  # [A]
+        tokens[active, position] = token
+        still_alive = alive_here & (node_drafts == token.unsqueeze(1))  # [A, K]
+        alive[active] = still_alive
+        continues = still_alive.any(1)  # [A]
+        # A draft consistent with the prefix so far: the first one still alive.
+        draft_index[active] = torch.where(continues, still_alive.to(torch.int8).argmax(1), first_alive)
+        num_accepted[active] += continues.to(torch.int64)
+        accepted_per_position[position] = continues.sum()
+        active = active[continues]
+        if active.numel() == 0:
+            break
+    if active.numel() > 0:
+        # All L positions accepted: the bonus token comes from q after the full draft.
+        bonus_q = target_probs[active, draft_index[active], draft_length]  # [A, V]
+        tokens[active, draft_length] = sample_categorical(bonus_q, uniforms[active, draft_length, num_drafts])
+    num_tokens = num_accepted + 1  # [B]
+    return SequenceSelection(
+        tokens=tokens,
+        num_tokens=num_tokens,
+        num_accepted=num_accepted,
+        draft_index=draft_index,
+        accepted_per_position=accepted_per_position,
+    )
+
+
+def _check_sequence_inputs(draft_tokens, draft_probs, target_probs, generators, method) -> None:
+    if not isinstance(draft_tokens, torch.Tensor) or draft_tokens.dim() != 3:
+        raise ValueError(
+            f"draft_tokens must be a [B, K, L] tensor, got {getattr(draft_tokens, 'shape', type(draft_tokens))}"
+        )
+    batch_size, num_drafts, draft_length = draft_tokens.shape
+    if num_drafts < 1:
+        raise ValueError(f"draft_tokens must hold K >= 1 drafts per row, got K = {num_drafts}")
+    if draft_length < 1:
+        raise ValueError(f"draft_tokens must hold drafts of length L >= 1, got L = {draft_length}")
+    if method == "speculative" and num_drafts != 1:
+        raise ValueError(f"method 'speculative' needs K = 1 draft per row, got K = {num_drafts}")
+    if not isinstance(draft_probs, torch.Tensor) or draft_probs.dim() != 4:
+        raise ValueError(
+            f"draft_probs must be a [B, K, L, V] tensor, got {getattr(draft_probs, 'shape', type(draft_probs))}"
+        )
+    vocab_size = draft_probs.shape[-1]
+    check_shape(
+        "draft_probs", draft_probs, (batch_size, num_drafts, draft_length, vocab_size), "[B, K, L, V]"
+    )
+    check_shape(
+        "target_probs",
+        target_probs,
+        (batch_size, num_drafts, draft_length + 1, vocab_size),
+        "[B, K, L + 1, V]",
+    )
+    if len(generators) != batch_size:
+        raise ValueError(f"generators has {len(generators)} entries, expected one per row (B = {batch_size})")
+    check_token_ids("draft_tokens", draft_tokens, vocab_size)
+    check_probabilities("draft_probs", draft_probs)
+    check_probabilities("target_probs", target_probs)
