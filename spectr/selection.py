@@ -90,8 +90,9 @@ def _kseq_rho(
         above = gap > 0
         lo = torch.where(above, mid, lo)
         hi = torch.where(above, hi, mid)
-        if bool(((mid == lo) | (mid == hi)).all()):
-            break
+        next_mid = 0.5 * (lo + hi)  # [M]
+        if bool(((next_mid == lo) | (next_mid == hi)).all()):
+            break  # the ends are adjacent floats
     rho[rows] = hi
     return rho
 
@@ -111,7 +112,7 @@ def _optimal_acceptance(
     p = draft_probs.to(torch.float64)  # [N, V]
     q = target_probs.to(torch.float64)  # [N, V]
     ratio = torch.where(p > 0, q / p.clamp(min=torch.finfo(torch.float64).tiny), torch.inf)  # [N, V]
-    order = ratio.argsort(-1, stable=True)  # [N, V]
+    order = ratio.argsort(dim=-1, stable=True)  # [N, V]
     zero = torch.zeros_like(p[:, :1])  # [N, 1]
     p_prefix = torch.cat([zero, p.gather(-1, order).cumsum(-1)], -1).clamp(max=1.0)  # [N, V + 1]
     q_prefix = torch.cat([zero, q.gather(-1, order).cumsum(-1)], -1)  # [N, V + 1]

@@ -1,0 +1,283 @@
+"""Slow reference implementation of draft selection, the oracle of the tests.
+
+Everything here is plain Python on lists of floats, one row and one draft at a time, so it
+can be read against the algorithm text in DESIGN.md line by line. It consumes uniforms
+exactly like the batched code (`spectr.selection`, `spectr.sequence`): at a node, uniform j
+decides the test of draft j and uniform K the correction token; a sequence uses row i of its
+[L + 1, K + 1] block at position i and row L for the bonus token. Under the same generators
+the batched code must return the same tensors.
+
+Two kinds of functions:
+
+- samplers (`reference_select_token`, `reference_select_sequence`,
+  `reference_select_sequences`) that turn given uniforms into tokens;
+- exact distributions (`token_output_distribution`, `sequence_output_distribution`) that
+  integrate over the uniforms analytically, by walking the algorithm's branches with their
+  probabilities. Summed over draft sets, they prove exactness without sampling.
+
+This module is not fast and not used by the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from spectr.sequence import PAD_TOKEN, SequenceSelection, uniforms_shape
+
+# Same bisection budget as the batched code, so both stop at the same float64 end point.
+_BISECTION_STEPS = 64
+
+Probs = Sequence[float]
+
+
+def reference_beta(p: Probs, q: Probs, rho: float) -> float:
+    return sum(min(px, qx / rho) for px, qx in zip(p, q))
+
+
+def reference_rho(p: Probs, q: Probs, num_drafts: int) -> float:
+    """rho* of K-SEQ by bisection on [1, k], keeping the upper end (where f <= 0)."""
+    if num_drafts <= 1:
+        return 1.0
+    lo, hi = 1.0, float(num_drafts)
+    for _ in range(_BISECTION_STEPS):
+        mid = 0.5 * (lo + hi)
+        beta = reference_beta(p, q, mid)
+        gap = 1.0 - max(0.0, 1.0 - beta) ** num_drafts - mid * beta
+        if gap > 0:
+            lo = mid
+        else:
+            hi = mid
+        if 0.5 * (lo + hi) in (lo, hi):
+            break  # the ends are adjacent floats
+    return hi
+
+
+def _acceptance_probability(target_mass: float, draft_mass: float) -> float:
+    """min(1, target_mass / draft_mass); a draft with draft_mass = 0 passes iff target_mass > 0."""
+    if draft_mass <= 0:
+        return 1.0 if target_mass > 0 else 0.0
+    return min(1.0, target_mass / draft_mass)
+
+
+def _kseq_residual(p: Probs, q: Probs, scale: float) -> list[float]:
+    """max(0, q - scale * p), unnormalised; q itself when that is all zero."""
+    residual = [max(0.0, qx - scale * px) for px, qx in zip(p, q)]
+    return residual if sum(residual) > 0 else list(q)
+
+
+def _specinfer_update(residual: Probs, p: Probs) -> list[float]:
+    """norm(max(0, r - p)); r unchanged when that is all zero (a rejection of probability 0)."""
+    leftover = [max(0.0, rx - px) for rx, px in zip(residual, p)]
+    mass = sum(leftover)
+    return [x / mass for x in leftover] if mass > 0 else list(residual)
+
+
+def reference_sample(weights: Probs, u: float) -> int:
+    """Inverse CDF: the first token whose cumulative weight exceeds u * total (never a zero one)."""
+    total = sum(weights)
+    threshold = u * total
+    cumulative = 0.0
+    last_positive = max(i for i, w in enumerate(weights) if w > 0)
+    for token, weight in enumerate(weights):
+        cumulative += weight
+        if cumulative > threshold and weight > 0:
+            return token
+    return last_positive
+
+
+def reference_select_token(
+    method: str, drafts: Sequence[int], alive: Sequence[bool], p: Probs, q: Probs, uniforms: Sequence[float]
+) -> tuple[int, bool]:
+    """One node: (output token, whether it is an accepted draft token)."""
+    num_drafts = len(drafts)
+    if method in ("spectr", "kseq", "speculative"):
+        if method == "speculative" and num_drafts != 1:
+            raise ValueError("speculative needs K = 1")
+        alive_count = sum(bool(a) for a in alive)
+        rho = 1.0 if method == "speculative" else reference_rho(p, q, alive_count)
+        for j in range(num_drafts):
+            if not alive[j]:
+                continue
+            x = drafts[j]
+            if uniforms[j] * rho * p[x] < q[x]:
+                return x, True
+        scale = rho if alive_count > 0 else 0.0
+        return reference_sample(_kseq_residual(p, q, scale), uniforms[num_drafts]), False
+    if method == "specinfer":
+        residual = list(q)
+        for j in range(num_drafts):
+            if not alive[j]:
+                continue
+            x = drafts[j]
+            if uniforms[j] * p[x] < residual[x]:
+                return x, True
+            residual = _specinfer_update(residual, p)
+        return reference_sample(residual, uniforms[num_drafts]), False
+    raise ValueError(f"unknown method {method!r}")
+
+
+def reference_select_sequence(
+    method: str,
+    draft_tokens: Sequence[Sequence[int]],  # [K][L]
+    draft_probs: Sequence[Sequence[Probs]],  # [K][L][V]
+    target_probs: Sequence[Sequence[Probs]],  # [K][L + 1][V]
+    uniforms: Sequence[Sequence[float]],  # [L + 1][K + 1]
+) -> tuple[list[int], int, list[bool]]:
+    """One prompt: (produced tokens, a draft index consistent with the accepted prefix,
+    accepted flag per position walked)."""
+    num_drafts, draft_length = len(draft_tokens), len(draft_tokens[0])
+    alive = [True] * num_drafts
+    produced: list[int] = []
+    draft_index = 0
+    for position in range(draft_length):
+        first_alive = alive.index(True)
+        node_drafts = [draft_tokens[j][position] for j in range(num_drafts)]
+        token, _ = reference_select_token(
+            method,
+            node_drafts,
+            alive,
+            draft_probs[first_alive][position],
+            target_probs[first_alive][position],
+            uniforms[position],
+        )
+        produced.append(token)
+        alive = [alive[j] and node_drafts[j] == token for j in range(num_drafts)]
+        if not any(alive):
+            return produced, first_alive, [True] * position + [False]
+        draft_index = alive.index(True)
+    bonus = reference_sample(target_probs[draft_index][draft_length], uniforms[draft_length][num_drafts])
+    produced.append(bonus)
+    return produced, draft_index, [True] * draft_length
+
+
+def reference_select_sequences(
+    draft_tokens: torch.Tensor,  # [B, K, L]
+    draft_probs: torch.Tensor,  # [B, K, L, V]
+    target_probs: torch.Tensor,  # [B, K, L + 1, V]
+    generators: Sequence[torch.Generator],
+    *,
+    method: str = "spectr",
+) -> SequenceSelection:
+    """Row by row version of `spectr.sequence.select_sequences`, same uniforms per row."""
+    batch_size, num_drafts, draft_length = draft_tokens.shape
+    tokens = torch.full((batch_size, draft_length + 1), PAD_TOKEN, dtype=torch.int64)
+    num_tokens = torch.zeros(batch_size, dtype=torch.int64)
+    draft_index = torch.zeros(batch_size, dtype=torch.int64)
+    accepted_per_position = torch.zeros(draft_length, dtype=torch.int64)
+    for row in range(batch_size):
+        uniforms = torch.rand(
+            uniforms_shape(num_drafts, draft_length), generator=generators[row], dtype=torch.float64
+        ).tolist()
+        produced, index, accepted = reference_select_sequence(
+            method,
+            draft_tokens[row].tolist(),
+            draft_probs[row].to(torch.float64).tolist(),
+            target_probs[row].to(torch.float64).tolist(),
+            uniforms,
+        )
+        tokens[row, : len(produced)] = torch.tensor(produced)
+        num_tokens[row] = len(produced)
+        draft_index[row] = index
+        for position, ok in enumerate(accepted):
+            accepted_per_position[position] += int(ok)
+    return SequenceSelection(
+        tokens=tokens,
+        num_tokens=num_tokens,
+        num_accepted=num_tokens - 1,
+        draft_index=draft_index,
+        accepted_per_position=accepted_per_position,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Exact output distributions (no sampling)
+# ---------------------------------------------------------------------------------------
+
+TokenDistribution = Callable[[Sequence[int], Sequence[bool], Probs, Probs], tuple[list[float], float]]
+
+
+def token_output_distribution(
+    method: str, drafts: Sequence[int], alive: Sequence[bool], p: Probs, q: Probs
+) -> tuple[list[float], float]:
+    """Law of the output token given these drafts, and the probability that a draft is accepted.
+
+    Walks the drafts in order: draft j is reached with the probability that all earlier alive
+    drafts were rejected, and passes with its acceptance probability; the rest goes to the
+    correction distribution.
+    """
+    vocab_size = len(p)
+    law = [0.0] * vocab_size
+    reach = 1.0
+    if method in ("spectr", "kseq", "speculative"):
+        alive_count = sum(bool(a) for a in alive)
+        rho = 1.0 if method == "speculative" else reference_rho(p, q, alive_count)
+        for x, is_alive in zip(drafts, alive):
+            if is_alive:
+                passes = _acceptance_probability(q[x], rho * p[x])
+                law[x] += reach * passes
+                reach *= 1.0 - passes
+        correction = _kseq_residual(p, q, rho if alive_count > 0 else 0.0)
+    elif method == "specinfer":
+        correction = list(q)
+        for x, is_alive in zip(drafts, alive):
+            if is_alive:
+                passes = _acceptance_probability(correction[x], p[x])
+                law[x] += reach * passes
+                reach *= 1.0 - passes
+                correction = _specinfer_update(correction, p)
+    else:
+        raise ValueError(f"unknown method {method!r}")
+    total = sum(correction)
+    for token in range(vocab_size):
+        law[token] += reach * correction[token] / total
+    return law, 1.0 - reach
+
+
+def sequence_output_distribution(
+    method: str | TokenDistribution,
+    draft_tokens: Sequence[Sequence[int]],  # [K][L]
+    draft_probs: Sequence[Sequence[Probs]],  # [K][L][V]
+    target_probs: Sequence[Sequence[Probs]],  # [K][L + 1][V]
+) -> dict[tuple[int, ...], float]:
+    """Law of the tokens one call produces for this draft set: {produced tokens: probability}.
+
+    `method` is a method name, or a function with the signature of
+    `token_output_distribution` minus the method (used by tests for broken rules).
+    """
+    if isinstance(method, str):
+        name = method
+
+        def token_law(drafts, alive, p, q):
+            return token_output_distribution(name, drafts, alive, p, q)
+
+    else:
+        token_law = method
+    num_drafts, draft_length = len(draft_tokens), len(draft_tokens[0])
+    outcomes: dict[tuple[int, ...], float] = {}
+
+    def walk(position: int, alive: list[bool], produced: tuple[int, ...], probability: float) -> None:
+        first_alive = alive.index(True)
+        if position == draft_length:
+            for token, mass in enumerate(target_probs[first_alive][draft_length]):
+                if mass > 0:
+                    key = (*produced, token)
+                    outcomes[key] = outcomes.get(key, 0.0) + probability * mass
+            return
+        node_drafts = [draft_tokens[j][position] for j in range(num_drafts)]
+        law, _ = token_law(
+            node_drafts, alive, draft_probs[first_alive][position], target_probs[first_alive][position]
+        )
+        for token, mass in enumerate(law):
+            if mass <= 0:
+                continue
+            still_alive = [alive[j] and node_drafts[j] == token for j in range(num_drafts)]
+            if any(still_alive):
+                walk(position + 1, still_alive, (*produced, token), probability * mass)
+            else:
+                key = (*produced, token)
+                outcomes[key] = outcomes.get(key, 0.0) + probability * mass
+
+    walk(0, [True] * num_drafts, (), 1.0)
+    return outcomes
