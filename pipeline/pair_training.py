@@ -8,10 +8,10 @@ What this is: the logic behind ``python -m jobs.train_pair``. It
 3. trains a Llama-style target and a Llama-style draft in one loop. The draft learns from the data
    and, distilled online, from the target's detached next-token distribution;
 4. saves both with ``save_pretrained`` (safetensors) next to the tokenizer files, so each directory
-   loads through ``AutoModelForCausalLM`` and ``AutoTokenizer``, and writes a manifest of the run.
+   loads through ``AutoModelForCausalLM`` and ``AutoTokenizer``, and writes a manifest of the run;
+5. writes the default prompts from the held-out modules (``pipeline/pair_training_prompts.py``).
 
-What this is not: an evaluation (see ``scripts/eval_pair.py``) or a prompt builder
-(see ``pipeline/pair_training_prompts.py``). It never downloads anything.
+What this is not: an evaluation (see ``scripts/eval_pair.py``). It never downloads anything.
 
 Training stops at whichever comes first, ``max_steps`` or the wall-clock budget ``max_minutes``; the
 learning rate follows a cosine over that same progress, so a run stopped by the clock is annealed.
@@ -99,6 +99,8 @@ class TrainSpec:
     bf16_autocast: bool = True
     save_dtype: str = "bfloat16"
     seed: int = 0
+    prompt_max_tokens: int = 200  # default prompts longer than this (BOS included) are dropped
+    max_prompts: int = 1000
 
 
 @dataclass
@@ -498,9 +500,17 @@ def train_pair(spec: TrainSpec, output_dir: str | os.PathLike, *, show_progress:
                     stopped_by=stopped_by, partial=False, final_target_train_loss=target_loss_value,
                     final_draft_train_ce=draft_loss_value)
     save_pair(output_dir / "pair", target, draft, tokenizer, spec.save_dtype, manifest)
+
+    # 6) the default prompts, from the held-out modules
+    from pipeline.pair_training_prompts import build_prompts, write_jsonl
+
+    prompts = build_prompts(root, heldout_files, tokenizer, max_prompt_tokens=spec.prompt_max_tokens,
+                            max_prompts=spec.max_prompts)
+    write_jsonl(prompts, output_dir / "prompts.jsonl")
     return TrainingResult(output_dir=str(output_dir / "pair"), steps=step, tokens_seen=tokens_seen,
                           train_seconds=train_seconds, final_target_loss=target_loss_value,
-                          final_draft_loss=draft_loss_value, stopped_by=stopped_by)
+                          final_draft_loss=draft_loss_value, stopped_by=stopped_by,
+                          extra={"prompts_path": str(output_dir / "prompts.jsonl"), "num_prompts": len(prompts)})
 
 
 def _jsonable(value):
