@@ -1,0 +1,90 @@
+"""Fixtures for the selection tests: a toy context-dependent draft/target pair over a tiny
+vocabulary (`toy_pair_factory`)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+
+def dirichlet(generator: torch.Generator, vocab_size: int, concentration: float = 1.0) -> list[float]:
+    """A random distribution (float64 list) from a seeded generator, no global RNG."""
+    gamma = torch._standard_gamma(torch.full((vocab_size,), concentration, dtype=torch.float64), generator)
+    return (gamma / gamma.sum()).tolist()
+
+
+class ToyPair:
+    """A draft/target pair whose next-token distributions depend on the whole prefix.
+
+    Every prefix (a tuple of token ids, up to `max_length`) gets its own p and q, cycling
+    through kinds: random, identical, disjoint supports, p = 0 where q > 0, sparse.
+    """
+
+    def __init__(self, vocab_size: int, max_length: int, seed: int):
+        self.vocab_size = vocab_size
+        g = torch.Generator().manual_seed(seed)
+        self._p: dict[tuple[int, ...], list[float]] = {}
+        self._q: dict[tuple[int, ...], list[float]] = {}
+        prefixes = [()]
+        for length in range(1, max_length + 1):
+            prefixes += list(itertools.product(range(vocab_size), repeat=length))
+        for index, prefix in enumerate(prefixes):
+            p = dirichlet(g, vocab_size, 0.7)
+            q = dirichlet(g, vocab_size, 0.7)
+            kind = index % 5
+            if kind == 1:
+                q = list(p)
+            elif kind == 2:  # disjoint: p on the low half, q on the rest
+                half = vocab_size // 2
+                p = [x if t < half else 0.0 for t, x in enumerate(p)]
+                q = [x if t >= half else 0.0 for t, x in enumerate(q)]
+            elif kind == 3:  # p misses a token q likes
+                p[prefix[-1] if prefix else 0] = 0.0
+            elif kind == 4:  # both sparse
+                p[(index + 1) % vocab_size] = 0.0
+                q[index % vocab_size] = 0.0
+            self._p[prefix] = [x / sum(p) for x in p]
+            self._q[prefix] = [x / sum(q) for x in q]
+
+    def p(self, prefix) -> list[float]:
+        return self._p[tuple(prefix)]
+
+    def q(self, prefix) -> list[float]:
+        return self._q[tuple(prefix)]
+
+    def sequence_probability(self, tokens, which: str) -> float:
+        law = self.p if which == "p" else self.q
+        return math.prod(law(tokens[:i])[t] for i, t in enumerate(tokens))
+
+    def draft_inputs(self, drafts):
+        """Per-draft distributions for a draft set: draft_probs [K][L][V], target_probs [K][L+1][V]."""
+        draft_length = len(drafts[0])
+        draft_probs = [[self.p(d[:i]) for i in range(draft_length)] for d in drafts]
+        target_probs = [[self.q(d[:i]) for i in range(draft_length + 1)] for d in drafts]
+        return draft_probs, target_probs
+
+    def tables(self, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """p and q for every prefix up to max_length as [num_prefixes, V], by `prefix_index`."""
+        prefixes = [()]
+        for length in range(1, max_length + 1):
+            prefixes += list(itertools.product(range(self.vocab_size), repeat=length))
+        p = torch.tensor([self.p(x) for x in prefixes], dtype=torch.float64)
+        q = torch.tensor([self.q(x) for x in prefixes], dtype=torch.float64)
+        return p, q
+
+    def prefix_index(self, tokens: torch.Tensor, length: int) -> torch.Tensor:
+        """Row index into `tables` of the first `length` tokens of each row of tokens [N, >= length]."""
+        offset = sum(self.vocab_size**i for i in range(length))
+        code = torch.zeros(tokens.shape[0], dtype=torch.int64)
+        for i in range(length):
+            code = code * self.vocab_size + tokens[:, i]
+        return code + offset
+
+
+@pytest.fixture
+def toy_pair_factory():
+    """The ToyPair class (tests build pairs with their own vocabulary size and seed)."""
+    return ToyPair
