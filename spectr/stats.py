@@ -1,0 +1,151 @@
+"""Statistics of one `spectr.generate` call, returned as data (never printed), and the phase timer.
+
+Definitions:
+- generated_tokens[i]: tokens emitted for prompt i (EOS included; truncation at EOS or
+  max_new_tokens already applied).
+- target_calls[i]: target forwards that produced tokens for prompt i (the prompt prefill is
+  not counted: it produces no token). Autoregressive decoding therefore has block efficiency 1.
+- block_efficiency: sum(generated_tokens) / sum(target_calls), the mean tokens per target call
+  (vLLM's "mean acceptance length"); `row_block_efficiency` is the same per prompt.
+- accepted_per_position[j]: over all rows and iterations, how often draft position j was
+  accepted by the selection (before EOS/length truncation); `tested_positions` counts the draft
+  positions the selection examined (accepted ones plus the first rejected one), so
+  acceptance_rate = accepted_tokens / tested_positions.
+- tokens_per_call_histogram[n]: how many (row, target call) pairs emitted n tokens, after
+  truncation; length L+2 so it can be indexed by n = 1..L+1 directly (entry 0 stays 0).
+- seconds: wall time split into draft forwards, target forwards, selection (warps, sampling,
+  draft selection) and everything else. On CUDA the phases are timed with CUDA events, so the
+  loop needs no extra host syncs; on CPU with perf_counter.
+
+Not here: the loop itself (`spectr.generate`), per-token traces.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+PHASES = ("draft", "target", "selection")
+
+
+@dataclass
+class GenerationStats:
+    """Per-row lists (index = prompt index) and aggregates of one generate call."""
+
+    method: str
+    num_drafts: int
+    draft_length: int
+    generated_tokens: list[int] = field(default_factory=list)
+    target_calls: list[int] = field(default_factory=list)
+    finish_reason: list[str] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    tested_positions: int = 0
+    tokens_per_call_histogram: list[int] = field(default_factory=list)
+    draft_seconds: float = 0.0
+    target_seconds: float = 0.0
+    selection_seconds: float = 0.0
+    other_seconds: float = 0.0
+    wall_seconds: float = 0.0
+
+    @property
+    def total_generated_tokens(self) -> int:
+        return int(sum(self.generated_tokens))
+
+    @property
+    def total_target_calls(self) -> int:
+        return int(sum(self.target_calls))
+
+    @property
+    def block_efficiency(self) -> float:
+        calls = self.total_target_calls
+        return self.total_generated_tokens / calls if calls else 0.0
+
+    @property
+    def row_block_efficiency(self) -> list[float]:
+        return [g / c if c else 0.0 for g, c in zip(self.generated_tokens, self.target_calls)]
+
+    @property
+    def accepted_tokens(self) -> int:
+        return int(sum(self.accepted_per_position))
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.tested_positions if self.tested_positions else 0.0
+
+    @property
+    def forward_seconds(self) -> float:
+        return self.draft_seconds + self.target_seconds
+
+    def to_dict(self) -> dict:
+        """Plain dict of all fields and derived aggregates (JSON-serialisable)."""
+        out = asdict(self)
+        out.update(
+            block_efficiency=self.block_efficiency,
+            row_block_efficiency=self.row_block_efficiency,
+            accepted_tokens=self.accepted_tokens,
+            acceptance_rate=self.acceptance_rate,
+            total_generated_tokens=self.total_generated_tokens,
+            total_target_calls=self.total_target_calls,
+        )
+        return out
+
+
+class PhaseTimer:
+    """Accumulates seconds per phase; CUDA events on GPU (resolved once at the end), perf_counter on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self._events: list[tuple[str, object, object]] = []
+        self._phase: str | None = None
+        self._start = None
+        self._wall_start = time.perf_counter()
+
+    def _now(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def start(self, phase: str) -> None:
+        self._phase, self._start = phase, self._now()
+
+    def stop(self) -> None:
+        end = self._now()
+        if self.cuda:
+            self._events.append((self._phase, self._start, end))
+        else:
+            self.seconds[self._phase] += end - self._start
+        self._phase = None
+
+    def phase(self, name: str) -> _Phase:
+        return _Phase(self, name)
+
+    def finish(self, stats: GenerationStats) -> None:
+        """Write the phase totals and wall time into `stats` (one device sync on CUDA)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            for phase, start, end in self._events:
+                self.seconds[phase] += start.elapsed_time(end) / 1000.0
+        wall = time.perf_counter() - self._wall_start
+        stats.draft_seconds = self.seconds["draft"]
+        stats.target_seconds = self.seconds["target"]
+        stats.selection_seconds = self.seconds["selection"]
+        stats.wall_seconds = wall
+        stats.other_seconds = max(0.0, wall - sum(self.seconds.values()))
+
+
+class _Phase:
+    def __init__(self, timer: PhaseTimer, name: str):
+        self.timer, self.name = timer, name
+
+    def __enter__(self):
+        self.timer.start(self.name)
+        return self
+
+    def __exit__(self, *exc):
+        self.timer.stop()
+        return False
