@@ -1,0 +1,206 @@
+"""The stateful predictor each Ray actor runs: load the pair once, then map shards to output rows.
+
+`ShardGenerator(model, spectr, num_threads)` loads the target, the draft and the target's tokenizer in
+`__init__`; `__call__(shard)` cuts the shard into batches of `spectr.batch_size`, calls
+`spectr.generate` on each, and returns a `ShardResult` of contract rows plus the shard's statistics.
+It is a plain class: tests call it directly; `pipeline.runner` wraps it with `ray.remote`.
+
+A batch that fails (e.g. one prompt too long for the model makes `spectr.generate` raise for the whole
+batch) is retried row by row, so that the good rows complete and only the bad rows are written with
+`finish_reason="error"` and the message. This class does not write files or talk to MLflow.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.config import ModelConfig, SpectrConfig
+from pipeline.shards import Shard
+
+# Statistic fields summed over batches (lists element-wise).
+_SUMMED = (
+    "tested_positions",
+    "draft_seconds",
+    "target_seconds",
+    "selection_seconds",
+    "other_seconds",
+    "wall_seconds",
+)
+_SUMMED_LISTS = ("accepted_per_position", "tokens_per_call_histogram")
+
+
+@dataclass
+class ShardResult:
+    index: int
+    rows: list[dict[str, Any]]
+    stats: dict[str, Any]  # see `empty_stats`
+    worker: dict[str, Any] = field(default_factory=dict)  # node, pid, device: where it ran
+
+
+def empty_stats() -> dict[str, Any]:
+    stats: dict[str, Any] = {name: 0.0 for name in _SUMMED}
+    stats["tested_positions"] = 0
+    stats.update({name: [] for name in _SUMMED_LISTS})
+    stats.update(generated_tokens=0, target_calls=0, prompts_completed=0, prompts_failed=0, shard_seconds=0.0)
+    return stats
+
+
+def merge_stats(total: dict[str, Any], part: dict[str, Any]) -> dict[str, Any]:
+    """Add `part` into `total` (in place) and return it; lists are summed element-wise."""
+    for name in (
+        *_SUMMED,
+        "generated_tokens",
+        "target_calls",
+        "prompts_completed",
+        "prompts_failed",
+        "shard_seconds",
+    ):
+        total[name] = total.get(name, 0) + part.get(name, 0)
+    for name in _SUMMED_LISTS:
+        a, b = list(total.get(name, [])), list(part.get(name, []))
+        width = max(len(a), len(b))
+        a += [0] * (width - len(a))
+        b += [0] * (width - len(b))
+        total[name] = [x + y for x, y in zip(a, b)]
+    return total
+
+
+def _stats_of(generation_stats: Any) -> dict[str, Any]:
+    """The summable part of one `spectr.generate` call's stats."""
+    stats = empty_stats()
+    for name in _SUMMED:
+        stats[name] = getattr(generation_stats, name)
+    for name in _SUMMED_LISTS:
+        stats[name] = [int(x) for x in getattr(generation_stats, name)]
+    stats["generated_tokens"] = int(sum(generation_stats.generated_tokens))
+    stats["target_calls"] = int(sum(generation_stats.target_calls))
+    return stats
+
+
+class ShardGenerator:
+    """Holds one draft/target pair; turns a `Shard` into output rows."""
+
+    def __init__(
+        self,
+        model: ModelConfig,
+        spectr: SpectrConfig,
+        num_threads: int | None = None,
+        device: str | None = None,
+    ):
+        import torch
+
+        from pipeline import models
+
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cpu" and num_threads:
+            torch.set_num_threads(int(num_threads))
+        self.device = device
+        self.spectr = spectr
+        self.tokenizer = models.load_tokenizer(
+            models.check_model_dir(model.target, "model.target", model.allow_pickle),
+            "model.target",
+            model.trust_remote_code,
+        )
+        self.target = models.load_model(model.target, model, device)
+        self.draft = models.load_model(model.draft, model, device)
+        self.eos_token_id = models.eos_token_id_of(self.target, self.tokenizer)
+
+    def ready(self) -> dict[str, Any]:
+        """Where this generator runs (called once so that load errors surface before any shard)."""
+        import socket
+
+        import torch
+
+        return {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "device": self.device,
+            "torch_threads": torch.get_num_threads(),
+        }
+
+    def generate_shard(self, shard: Shard) -> ShardResult:
+        """The Ray-callable name of `__call__`."""
+        return self(shard)
+
+    def __call__(self, shard: Shard) -> ShardResult:
+        started = time.perf_counter()
+        rows: list[dict[str, Any]] = []
+        stats = empty_stats()
+        batch_size = self.spectr.batch_size
+        for start in range(0, len(shard), batch_size):
+            batch = range(start, min(start + batch_size, len(shard)))
+            rows.extend(self._generate_batch(shard, list(batch), stats))
+        stats["prompts_failed"] = sum(row["finish_reason"] == "error" for row in rows)
+        stats["prompts_completed"] = len(rows) - stats["prompts_failed"]
+        stats["shard_seconds"] = time.perf_counter() - started
+        return ShardResult(index=shard.index, rows=rows, stats=stats, worker=self.ready())
+
+    def _generate_batch(
+        self, shard: Shard, positions: list[int], stats: dict[str, Any]
+    ) -> list[dict[str, Any]]:
+        import spectr
+
+        s = self.spectr
+        try:
+            output = spectr.generate(
+                self.target,
+                self.draft,
+                [shard.prompt_token_ids[i] for i in positions],
+                method=s.method,
+                num_drafts=s.num_drafts,
+                draft_length=s.draft_length,
+                max_new_tokens=s.max_new_tokens,
+                temperature=s.temperature,
+                top_k=s.top_k,
+                top_p=s.top_p,
+                eos_token_id=self.eos_token_id,
+                seed=[shard.seeds[i] for i in positions],
+            )
+        except Exception as err:  # noqa: BLE001 - isolated below: only the failing rows get an error row
+            if len(positions) == 1:
+                return [self._error_row(shard, positions[0], err)]
+            rows = []
+            for i in positions:  # a row's output does not depend on its batch, so this loses nothing
+                rows.extend(self._generate_batch(shard, [i], stats))
+            return rows
+        merge_stats(stats, _stats_of(output.stats))
+        per_row = output.stats
+        rows = []
+        for j, i in enumerate(positions):
+            tokens = [int(t) for t in output.tokens[j]]
+            calls = int(per_row.target_calls[j])
+            rows.append(
+                {
+                    "id": shard.ids[i],
+                    "prompt": shard.prompts[i],
+                    "completion": self.tokenizer.decode(tokens, skip_special_tokens=True),
+                    "completion_token_ids": tokens,
+                    "prompt_tokens": len(shard.prompt_token_ids[i]),
+                    "completion_tokens": len(tokens),
+                    "finish_reason": str(per_row.finish_reason[j]),
+                    "target_calls": calls,
+                    "block_efficiency": len(tokens) / calls if calls else 0.0,
+                    "seed": shard.seeds[i],
+                    "error": None,
+                }
+            )
+        return rows
+
+    def _error_row(self, shard: Shard, i: int, err: BaseException) -> dict[str, Any]:
+        return {
+            "id": shard.ids[i],
+            "prompt": shard.prompts[i],
+            "completion": "",
+            "completion_token_ids": [],
+            "prompt_tokens": len(shard.prompt_token_ids[i]),
+            "completion_tokens": 0,
+            "finish_reason": "error",
+            "target_calls": 0,
+            "block_efficiency": None,
+            "seed": shard.seeds[i],
+            "error": f"{type(err).__name__}: {err}",
+        }

@@ -1,0 +1,164 @@
+"""The draft/target pair on disk: checks, tokenizers, tokenization and loading.
+
+Up-front checks (run by the driver before any actor starts), each raising `JobInputError`:
+a model directory that is missing or is not a Hugging Face model, pickle-only weights without
+`model.allow_pickle=true`, vocabularies of different sizes, draft and target tokenizers that differ
+(vocabulary, merges, normalisation, special tokens), and chat mode without a chat template.
+
+`load_model` is what each actor calls once. This module does not generate (that is `spectr.generate`)
+and knows nothing of Ray.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import DataConfig, ModelConfig
+from pipeline.errors import JobInputError
+
+_SAFE_PATTERNS = ("*.safetensors", "*.safetensors.index.json")
+_PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.bin.index.json")
+
+
+def check_model_dir(path: str, key: str, allow_pickle: bool) -> Path:
+    """A local Hugging Face model directory with safetensors weights (or pickle weights when allowed)."""
+    model_dir = Path(path).expanduser()
+    if not model_dir.exists():
+        raise JobInputError(f"{key}: no such model directory: {model_dir}")
+    if not model_dir.is_dir():
+        raise JobInputError(f"{key}: {model_dir} is a file; expected a Hugging Face model directory")
+    if not (model_dir / "config.json").is_file():
+        raise JobInputError(
+            f"{key}: {model_dir} has no config.json; expected a directory written by save_pretrained"
+        )
+    safe = [p.name for pattern in _SAFE_PATTERNS for p in model_dir.glob(pattern)]
+    pickled = [p.name for pattern in _PICKLE_PATTERNS for p in model_dir.glob(pattern)]
+    if not safe and not pickled:
+        raise JobInputError(f"{key}: {model_dir} holds no weights (*.safetensors)")
+    if not safe and not allow_pickle:
+        raise JobInputError(
+            f"{key}: {model_dir} holds only pickle-format weights ({', '.join(sorted(pickled))}), which can run "
+            "code when loaded; convert them to safetensors, or set model.allow_pickle=true if you trust them"
+        )
+    return model_dir
+
+
+def vocab_size_of(model_dir: Path, trust_remote_code: bool) -> int:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(text_config.vocab_size)
+
+
+def load_tokenizer(model_dir: Path, key: str, trust_remote_code: bool) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+    except Exception as err:  # transformers raises OSError/ValueError/... for a missing or broken tokenizer
+        raise JobInputError(f"{key}: cannot load a tokenizer from {model_dir}: {err}") from None
+
+
+def tokenizer_differences(target_tok: Any, draft_tok: Any) -> list[str]:
+    """What differs between two tokenizers, in words; empty when they tokenize identically."""
+    differences = []
+    target_vocab, draft_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
+    if target_vocab != draft_vocab:
+        only_target = sorted(set(target_vocab) - set(draft_vocab))
+        only_draft = sorted(set(draft_vocab) - set(target_vocab))
+        moved = sorted(t for t in set(target_vocab) & set(draft_vocab) if target_vocab[t] != draft_vocab[t])
+        parts = [f"vocabulary sizes {len(target_vocab)} (target) vs {len(draft_vocab)} (draft)"]
+        if only_target:
+            parts.append(f"{len(only_target)} token(s) only in the target, e.g. {only_target[:3]}")
+        if only_draft:
+            parts.append(f"{len(only_draft)} token(s) only in the draft, e.g. {only_draft[:3]}")
+        if moved:
+            parts.append(f"{len(moved)} token(s) with different ids, e.g. {moved[:3]}")
+        differences.append("vocabulary differs: " + "; ".join(parts))
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        a, b = getattr(target_tok, name, None), getattr(draft_tok, name, None)
+        if a != b:
+            differences.append(f"{name} differs: {a} (target) vs {b} (draft)")
+    target_backend = _backend_json(target_tok)
+    draft_backend = _backend_json(draft_tok)
+    if target_backend is not None and draft_backend is not None:
+        for section in ("model", "normalizer", "pre_tokenizer", "post_processor", "decoder", "added_tokens"):
+            if target_backend.get(section) != draft_backend.get(section):
+                what = "merges or model" if section == "model" else section
+                differences.append(f"{what} differs")
+    elif (target_backend is None) != (draft_backend is None):
+        differences.append("one tokenizer is a fast (tokenizers) tokenizer and the other is not")
+    return differences
+
+
+def _backend_json(tokenizer: Any) -> dict[str, Any] | None:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    return json.loads(backend.to_str())
+
+
+def check_same_tokenizer(target_tok: Any, draft_tok: Any, target_dir: Path, draft_dir: Path) -> None:
+    differences = tokenizer_differences(target_tok, draft_tok)
+    if differences:
+        raise JobInputError(
+            f"model.draft: the draft tokenizer ({draft_dir}) differs from the target tokenizer ({target_dir}): "
+            + "; ".join(differences)
+            + ". Speculative decoding needs the same tokenizer for both models"
+        )
+
+
+def render_prompts(tokenizer: Any, data: DataConfig, prompts: list[str] | None, messages: Any) -> list[str]:
+    """Prompt texts; in chat mode, the messages rendered with the tokenizer's chat template."""
+    if not data.chat:
+        return list(prompts or [])
+    if not getattr(tokenizer, "chat_template", None):
+        raise JobInputError(
+            "data.chat: chat mode needs a chat template, and the target tokenizer has none "
+            "(set chat_template in its tokenizer_config.json, or turn data.chat off)"
+        )
+    return [
+        tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        for conversation in messages
+    ]
+
+
+def tokenize(tokenizer: Any, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    if not texts:
+        return []
+    encoded = tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]
+    return [list(map(int, ids)) for ids in encoded]
+
+
+def eos_token_id_of(model: Any, tokenizer: Any) -> int | None:
+    """The EOS id generation stops at: the model's generation config, else the tokenizer's."""
+    generation_config = getattr(model, "generation_config", None)
+    eos = getattr(generation_config, "eos_token_id", None) if generation_config is not None else None
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    return None if eos is None else int(eos)
+
+
+def load_model(model_dir: str, model: ModelConfig, device: str) -> Any:
+    """One causal LM, in eval mode, on `device`. Safetensors only unless `model.allow_pickle`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one bar per weight file per actor is noise in the job's output
+    dtype = "auto" if model.dtype == "auto" else getattr(torch, model.dtype)
+    loaded = AutoModelForCausalLM.from_pretrained(
+        model_dir,
+        dtype=dtype,
+        use_safetensors=None if model.allow_pickle else True,
+        trust_remote_code=model.trust_remote_code,
+    )
+    loaded.to(device)
+    loaded.eval()
+    loaded.requires_grad_(False)
+    return loaded

@@ -1,0 +1,355 @@
+"""The generation job, as the driver runs it: prepare, start actors, hand out shards, write, log.
+
+    plan = prepare(config)        # every check; reads and tokenizes prompts; writes nothing
+    report = run_generate(config) # prepare -> MLflow run -> Ray actors -> shards -> Parquet -> summary
+
+Ray does the scheduling: each `ShardGenerator` actor asks for `ray.cpus_per_actor` CPUs (and a GPU when
+the cluster has GPUs), Ray places them, restarts one that dies (`ray.max_restarts`) and re-runs its
+unfinished shard on the restarted actor (`ray.max_task_retries`). The driver keeps the queue of shards,
+gives the next shard to whichever actor returns one, and writes each result as it arrives; a shard whose
+task still fails (e.g. the actor is gone for good) goes back into the queue for another actor, up to
+`ray.shard_attempts` tries.
+
+Not here: reading files (`pipeline.io`), model checks (`pipeline.models`), the output layout
+(`pipeline.output`), MLflow (`pipeline.tracking`), the generation itself (`spectr.generate`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline import io, models
+from pipeline.actor import ShardGenerator, ShardResult
+from pipeline.config import GenerateConfig, RayConfig, generation_settings, stable_hash
+from pipeline.errors import JobFailedError, JobInputError
+from pipeline.output import (
+    Manifest,
+    finished_shards,
+    open_output_dir,
+    output_schema,
+    remove_stale_temporaries,
+    write_shard,
+    write_success,
+)
+from pipeline.shards import Shard, cut_shards, num_shards
+from pipeline.summary import JobSummary
+from pipeline.tracking import check_reachable, make_tracker
+
+log = logging.getLogger("pipeline")
+
+
+@dataclass
+class JobPlan:
+    """Everything decided before any actor starts."""
+
+    config: GenerateConfig
+    output_dir: Path
+    config_hash: str
+    settings: dict[str, Any]
+    shards: list[Shard]
+    todo: list[Shard]
+    manifest: Manifest
+    id_kind: str
+    num_rows: int
+
+
+@dataclass
+class JobReport:
+    plan: JobPlan
+    summary: JobSummary
+    run_id: str | None
+    tracking_uri: str | None
+    exit_code: int
+    messages: list[str] = field(default_factory=list)
+    tracker_lines: list[tuple[str, str]] = field(default_factory=list)  # where the MLflow run is
+
+
+@dataclass
+class RunHooks:
+    """Observation points for tests and tools; the job itself needs none of them."""
+
+    on_actors_ready: Callable[[list[Any], list[dict[str, Any]]], None] | None = None
+    on_dispatch: Callable[[Any, Shard], None] | None = None
+    on_shard_written: Callable[[ShardResult], None] | None = None
+
+
+def prepare(config: GenerateConfig) -> JobPlan:
+    """All input checks, in the order a user would fix them. Raises JobInputError; writes nothing."""
+    target_dir = models.check_model_dir(config.model.target, "model.target", config.model.allow_pickle)
+    draft_dir = models.check_model_dir(config.model.draft, "model.draft", config.model.allow_pickle)
+    target_vocab = models.vocab_size_of(target_dir, config.model.trust_remote_code)
+    draft_vocab = models.vocab_size_of(draft_dir, config.model.trust_remote_code)
+    if target_vocab != draft_vocab:
+        raise JobInputError(
+            f"model.draft: vocabulary sizes differ: target {target_dir} has {target_vocab}, draft {draft_dir} has {draft_vocab}"
+        )
+    target_tok = models.load_tokenizer(target_dir, "model.target", config.model.trust_remote_code)
+    draft_tok = models.load_tokenizer(draft_dir, "model.draft", config.model.trust_remote_code)
+    models.check_same_tokenizer(target_tok, draft_tok, target_dir, draft_dir)
+
+    table = io.read_prompts(config.data)
+    texts = models.render_prompts(target_tok, config.data, table.prompts, table.messages)
+    token_ids = models.tokenize(target_tok, texts, config.data.add_special_tokens)
+    shards = cut_shards(table.ids, texts, token_ids, config.shard_size, config.spectr.seed)
+
+    settings = generation_settings(config)
+    # the prompts themselves are part of what the output depends on
+    settings["prompts_sha256"] = stable_hash([table.ids, token_ids])
+    settings["num_prompts"] = len(table)
+    config_hash = stable_hash(settings)
+    output_dir = Path(config.output_dir or f"runs/generate-{config_hash[:12]}").expanduser().resolve()
+    manifest = open_output_dir(
+        output_dir, config_hash, settings, len(table), num_shards(len(table), config.shard_size)
+    )
+    done = finished_shards(output_dir, manifest) if output_dir.exists() else set()
+    todo = [shard for shard in shards if shard.index not in done]
+    return JobPlan(
+        config, output_dir, config_hash, settings, shards, todo, manifest, table.id_kind, len(table)
+    )
+
+
+@contextlib.contextmanager
+def ray_session(config: RayConfig) -> Iterator[None]:
+    """Join the configured cluster, or start a local Ray; shut down only what we started."""
+    import ray
+
+    if ray.is_initialized():
+        yield
+        return
+    if config.address:
+        ray.init(address=config.address, log_to_driver=True)
+    else:
+        ray.init(
+            num_cpus=config.local_num_cpus,
+            include_dashboard=False,
+            object_store_memory=config.local_object_store_mb * 1024 * 1024,
+        )
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def actor_resources(
+    config: RayConfig, cluster: dict[str, float], shards_to_do: int
+) -> tuple[int, float, float]:
+    """(number of actors, CPUs each, GPUs each): one actor per GPU when there are GPUs, else per N CPUs."""
+    gpus = float(cluster.get("GPU", 0))
+    cpus = float(cluster.get("CPU", 0))
+    gpus_each = config.gpus_per_actor if config.gpus_per_actor is not None else (1.0 if gpus > 0 else 0.0)
+    cpus_each = float(config.cpus_per_actor)
+    if config.num_actors is not None:
+        count = config.num_actors
+    elif gpus_each > 0:
+        count = int(gpus // gpus_each)
+    else:
+        count = int(cpus // cpus_each)
+    if gpus_each > gpus or count * gpus_each > gpus + 1e-9 or count * cpus_each > cpus + 1e-9:
+        raise JobInputError(
+            f"ray: {count} actor(s) x ({cpus_each:g} CPU, {gpus_each:g} GPU) do not fit the cluster "
+            f"({cpus:g} CPUs, {gpus:g} GPUs); lower ray.num_actors or ray.cpus_per_actor"
+        )
+    count = max(1, min(count, max(1, shards_to_do)))
+    return count, cpus_each, gpus_each
+
+
+class ActorPool:
+    """The job's actors and the shard queue. Ray places, restarts and retries; we only hand out shards."""
+
+    def __init__(self, config: GenerateConfig, count: int, cpus_each: float, gpus_each: float):
+        import ray
+
+        self._ray = ray
+        self.config = config
+        remote_class = ray.remote(ShardGenerator).options(
+            num_cpus=cpus_each,
+            num_gpus=gpus_each,
+            max_restarts=config.ray.max_restarts,
+            max_task_retries=config.ray.max_task_retries,
+        )
+        threads = max(1, int(cpus_each))
+        self.actors = [remote_class.remote(config.model, config.spectr, threads) for _ in range(count)]
+
+    def wait_ready(self) -> list[dict[str, Any]]:
+        from ray.exceptions import RayActorError, RayTaskError
+
+        try:
+            return self._ray.get([actor.ready.remote() for actor in self.actors])
+        except (RayActorError, RayTaskError) as err:
+            raise RuntimeError(f"an actor failed to load the model pair: {err}") from err
+
+    def run(
+        self, shards: list[Shard], on_result: Callable[[ShardResult], None], hooks: RunHooks | None = None
+    ) -> None:
+        """Generate every shard exactly once (as far as the output is concerned), calling `on_result` per shard."""
+        from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
+
+        ray = self._ray
+        pending = deque(shards)
+        attempts = dict.fromkeys((s.index for s in shards), 0)
+        idle = list(self.actors)
+        in_flight: dict[Any, tuple[Any, Shard]] = {}
+        while pending or in_flight:
+            while idle and pending:
+                actor, shard = idle.pop(0), pending.popleft()
+                attempts[shard.index] += 1
+                in_flight[actor.generate_shard.remote(shard)] = (actor, shard)
+                if hooks and hooks.on_dispatch:
+                    hooks.on_dispatch(actor, shard)
+            if not in_flight:
+                raise RuntimeError(f"no live actors left; {len(pending)} shard(s) not generated")
+            (ref,), _ = ray.wait(list(in_flight), num_returns=1)
+            actor, shard = in_flight.pop(ref)
+            try:
+                result = ray.get(ref)
+            except (RayActorError, RayTaskError) as err:
+                if attempts[shard.index] >= self.config.ray.shard_attempts:
+                    raise RuntimeError(
+                        f"shard {shard.index} failed {attempts[shard.index]} time(s); last error: {err}"
+                    ) from err
+                log.warning("shard %d: %s; handing it to another actor", shard.index, type(err).__name__)
+                pending.appendleft(shard)
+                if not isinstance(err, ActorDiedError):
+                    idle.append(actor)  # the actor is alive (or restarting): keep using it
+                continue
+            on_result(result)
+            idle.append(actor)
+
+
+def run_generate(config: GenerateConfig, hooks: RunHooks | None = None) -> JobReport:
+    started = time.perf_counter()
+    plan = prepare(config)
+    check_reachable(config.mlflow)
+    tracker = make_tracker(config.mlflow)
+    tracker.start(
+        params=_params(plan), tags={"output_dir": str(plan.output_dir), "config_hash": plan.config_hash}
+    )
+    try:
+        report = _execute(plan, tracker, hooks, started)
+    except BaseException:
+        tracker.fail()
+        raise
+    return report
+
+
+def _params(plan: JobPlan) -> dict[str, Any]:
+    params = plan.config.to_dict()
+    params["output_dir"] = str(plan.output_dir)
+    params["config_hash"] = plan.config_hash
+    params["num_prompts"] = plan.num_rows
+    return params
+
+
+def _execute(plan: JobPlan, tracker: Any, hooks: RunHooks | None, started: float) -> JobReport:
+    import ray
+    from tqdm import tqdm
+
+    config, output_dir, manifest = plan.config, plan.output_dir, plan.manifest
+    output_dir.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(output_dir)
+    if not (output_dir / "_manifest.json").exists():
+        manifest.save(output_dir)
+    schema = output_schema(plan.id_kind, {**plan.settings, "config_hash": plan.config_hash})
+    this_run: list[dict[str, Any]] = []
+    num_actors, device = 0, "-"
+    generation_started = time.perf_counter()
+
+    if plan.todo:
+        with ray_session(config.ray):
+            count, cpus_each, gpus_each = actor_resources(config.ray, ray.cluster_resources(), len(plan.todo))
+            pool = ActorPool(config, count, cpus_each, gpus_each)
+            workers = pool.wait_ready()
+            if hooks and hooks.on_actors_ready:
+                hooks.on_actors_ready(pool.actors, workers)
+            num_actors = count
+            device = (
+                f"{workers[0]['device']} ({cpus_each:g} CPU, {gpus_each:g} GPU, "
+                f"{workers[0]['torch_threads']} torch threads each)"
+            )
+            rows_done = plan.num_rows - sum(len(s) for s in plan.todo)
+            progress = tqdm(
+                total=plan.num_rows,
+                initial=rows_done,
+                unit="prompt",
+                disable=not config.progress,
+                dynamic_ncols=True,
+            )
+            generation_started = time.perf_counter()
+
+            def on_result(result: ShardResult) -> None:
+                write_shard(output_dir, result.index, result.rows, schema)
+                manifest.record_shard(output_dir, result.index, len(result.rows), result.stats)
+                this_run.append(result.stats)
+                tokens = sum(s["generated_tokens"] for s in this_run)
+                calls = sum(s["target_calls"] for s in this_run)
+                elapsed = time.perf_counter() - generation_started
+                progress.set_postfix(
+                    tok_per_s=f"{tokens / elapsed:.0f}" if elapsed > 0 else "-",
+                    block_eff=f"{tokens / calls:.2f}" if calls else "-",
+                    refresh=False,
+                )
+                progress.update(len(result.rows))
+                if hooks and hooks.on_shard_written:
+                    hooks.on_shard_written(result)
+
+            try:
+                pool.run(plan.todo, on_result, hooks)
+            finally:
+                progress.close()
+    generation_s = time.perf_counter() - generation_started if plan.todo else 0.0
+    startup_s = generation_started - started if plan.todo else 0.0
+
+    if manifest.complete:
+        write_success(output_dir)
+    summary = JobSummary.build(
+        [manifest.shards[i]["stats"] for i in sorted(manifest.shards)],
+        this_run,
+        num_prompts=plan.num_rows,
+        wall_time_s=time.perf_counter() - started,
+        generation_s=generation_s,
+        startup_s=startup_s,
+        num_actors=num_actors,
+        actor_device=device,
+        output_dir=str(output_dir),
+        num_shards=manifest.num_shards,
+    )
+    failed_too_many = summary.failed_fraction > config.max_failed_fraction
+    tracker.finish(summary, _params(plan), status="FAILED" if failed_too_many else "FINISHED")
+    messages = []
+    if failed_too_many:
+        messages.append(
+            f"{summary.prompts_failed} of {summary.num_prompts} prompts failed ({100 * summary.failed_fraction:.1f}%), "
+            f"more than max_failed_fraction={config.max_failed_fraction:g}; their rows have finish_reason=error "
+            f"and the message in column 'error' of {output_dir}"
+        )
+    report = JobReport(
+        plan=plan,
+        summary=summary,
+        run_id=tracker.run_id,
+        tracking_uri=tracker.tracking_uri,
+        exit_code=1 if failed_too_many else 0,
+        messages=messages,
+        tracker_lines=tracker.describe(),
+    )
+    return report
+
+
+def format_report(report: JobReport) -> str:
+    lines = ["SpecTr generation summary", report.summary.table()]
+    width = 16
+    for name, value in report.tracker_lines:
+        lines.append(f"  {name.ljust(width)}  {value}")
+    lines.extend(f"error: {message}" for message in report.messages)
+    return "\n".join(lines)
+
+
+def raise_if_failed(report: JobReport) -> None:
+    if report.exit_code:
+        raise JobFailedError("; ".join(report.messages))
