@@ -100,6 +100,7 @@ def measure_latency(target, draft, vocab_size: int, prefill_tokens: int, repeats
     for name in ("target", "draft"):
         for phase in ("prefill", "decode"):
             result[f"{name}_{phase}_ms"] = 1000 * statistics.median(times[name][phase])
+    result["prefill_tokens"] = prefill_tokens
     result["prefill_ratio"] = result["target_prefill_ms"] / result["draft_prefill_ms"]
     result["decode_ratio"] = result["target_decode_ms"] / result["draft_decode_ms"]
     return result
@@ -117,6 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--latency-repeats", type=int, default=30)
     parser.add_argument("--prefill-tokens", type=int, default=128)
     parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--markdown", default=None, help="write the model card's results table here")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -162,7 +164,44 @@ def main(argv: list[str] | None = None) -> dict:
 
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    if args.markdown:
+        Path(args.markdown).write_text(results_table(results, manifest))
     return results
+
+
+def results_table(results: dict, manifest: dict) -> str:
+    """The model card's table of measured numbers."""
+    heldout, latency = results["heldout"], results["latency"]
+    prompts = results.get("prompts")
+    rows = [
+        ("parameters", f"{results['target_parameters']:,}", f"{results['draft_parameters']:,}"),
+        (f"held-out loss, nats/token ({heldout['positions']:,} positions, {heldout['modules']} modules)",
+         f"{heldout['target_loss']:.3f}", f"{heldout['draft_loss']:.3f}"),
+    ]
+    if prompts:
+        rows.append((f"loss on the default prompts, nats/token ({prompts['positions']:,} positions)",
+                     f"{prompts['target_loss']:.3f}", f"{prompts['draft_loss']:.3f}"))
+    rows += [
+        (f"B=1 prefill of {latency.get('prefill_tokens', 128)} tokens, ms (median, fp32, "
+         f"{results['torch_threads']} threads)", f"{latency['target_prefill_ms']:.2f}",
+         f"{latency['draft_prefill_ms']:.2f}"),
+        ("B=1 cached one-token decode step, ms (median)", f"{latency['target_decode_ms']:.2f}",
+         f"{latency['draft_decode_ms']:.2f}"),
+    ]
+    lines = ["| measured | target | draft |", "|---|---|---|"]
+    lines += [f"| {name} | {t} | {d} |" for name, t, d in rows]
+    lines += [
+        "",
+        f"- Single-draft acceptance sum_x min(p, q) at temperature 1, mean over the held-out positions: "
+        f"**{heldout['acceptance']:.3f}**" + (f"; over the default prompts' positions: {prompts['acceptance']:.3f}"
+                                               if prompts else ""),
+        f"- Target/draft B=1 forward cost: **{latency['prefill_ratio']:.1f}x** for the prefill, "
+        f"**{latency['decode_ratio']:.1f}x** for a cached decode step.",
+        f"- Training: {manifest.get('steps', '?')} steps, {manifest.get('tokens_seen', 0):,} tokens seen, "
+        f"{manifest.get('train_seconds', 0) / 60:.1f} min, stopped by {manifest.get('stopped_by', '?')}.",
+        "",
+    ]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
