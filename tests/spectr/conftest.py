@@ -20,7 +20,7 @@ class ToyPair:
     """A draft/target pair whose next-token distributions depend on the whole prefix.
 
     Every prefix (a tuple of token ids, up to `max_length`) gets its own p and q, cycling
-    through kinds: random, identical, disjoint supports, p = 0 where q > 0, sparse.
+    through kinds: close, identical, disjoint supports, p = 0 where q > 0, sparse, independent.
     """
 
     def __init__(self, vocab_size: int, max_length: int, seed: int):
@@ -34,7 +34,9 @@ class ToyPair:
         for index, prefix in enumerate(prefixes):
             p = dirichlet(g, vocab_size, 0.7)
             q = dirichlet(g, vocab_size, 0.7)
-            kind = index % 5
+            kind = index % 6
+            if kind in (0, 3):  # close to p: drafts are often accepted
+                q = [0.7 * a + 0.3 * b for a, b in zip(p, q)]
             if kind == 1:
                 q = list(p)
             elif kind == 2:  # disjoint: p on the low half, q on the rest
@@ -82,6 +84,33 @@ class ToyPair:
         for i in range(length):
             code = code * self.vocab_size + tokens[:, i]
         return code + offset
+
+    def sample_draft_set(
+        self, batch_size: int, num_drafts: int, draft_length: int, generator: torch.Generator
+    ):
+        """Batched draft sets drawn from p, with their distributions.
+
+        Returns draft_tokens [B, K, L], draft_probs [B, K, L, V], target_probs [B, K, L + 1, V].
+        """
+        from spectr.rng import sample_categorical
+
+        p_table, q_table = self.tables(draft_length)
+        rows = batch_size * num_drafts
+        drafts = torch.zeros(rows, draft_length, dtype=torch.int64)  # [B * K, L]
+        for i in range(draft_length):
+            node_p = p_table[self.prefix_index(drafts, i)]  # [B * K, V]
+            drafts[:, i] = sample_categorical(
+                node_p, torch.rand(rows, generator=generator, dtype=torch.float64)
+            )
+        draft_probs = torch.stack([p_table[self.prefix_index(drafts, i)] for i in range(draft_length)], 1)
+        target_probs = torch.stack(
+            [q_table[self.prefix_index(drafts, i)] for i in range(draft_length + 1)], 1
+        )
+        return (
+            drafts.view(batch_size, num_drafts, draft_length),
+            draft_probs.view(batch_size, num_drafts, draft_length, self.vocab_size),
+            target_probs.view(batch_size, num_drafts, draft_length + 1, self.vocab_size),
+        )
 
 
 @pytest.fixture
