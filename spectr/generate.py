@@ -246,10 +246,7 @@ def prefill(model: HFCausalLM, cache, prompts: list[list[int]], device) -> None:
     width = max(len(p) for p in prompts) - 1
     if width == 0:
         return
-    padded = torch.zeros(len(prompts), width, dtype=torch.int64)
-    for row, prompt in enumerate(prompts):
-        padded[row, : len(prompt) - 1] = torch.tensor(prompt[:-1], dtype=torch.int64)
-    padded = padded.to(device)
+    padded = torch.tensor([p[:-1] + [0] * (width + 1 - len(p)) for p in prompts], dtype=torch.int64, device=device)
     positions = torch.arange(width, device=device).expand(len(prompts), width)  # [B, P]
     causal = positions[0][:, None] >= positions[0][None, :]  # [P, P]
     # Padded queries see only real keys before them (or themselves); real keys never see padding.

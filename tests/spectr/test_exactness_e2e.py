@@ -1,0 +1,151 @@
+"""End-to-end exactness of spectr.generate on real (tiny, random) HF Llama models with V = 8.
+
+The exact law of the first 3 generated tokens is computed by enumerating the warped target
+model over all 8^3 continuations (cache-free full forwards). The engine then generates 3
+tokens for thousands of copies of the same prompt in ONE batched call (row i has seed i),
+and a chi-square test compares the joint counts with the exact law. Cells with an expected
+count below 5 are pooled; a sample in a cell of exact probability 0 fails outright.
+
+Negative controls, which the same test must reject:
+- a selection rule that skips the residual (a rejected draft is replaced by a fresh sample
+  from q instead of norm(max(0, q - p))), injected through the method registry;
+- a commit that forgets to gather the accepted path in the KV caches (keep_path no-op).
+
+The default suite runs a representative subset; the full grid (every method, K in {1, 3},
+L in {1, 2, 4}, with and without temperature/top-k/top-p) is marked slow.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_tiny import exact_joint_distribution, tiny_model
+from scipy.stats import chi2
+
+import spectr
+import spectr.selection as selection
+from spectr.kv_cache import RowKVCache
+from spectr.rng import sample_categorical
+from spectr.warps import SamplingWarp
+
+VOCAB = 8
+PROMPT = [1, 2, 3]
+LENGTH = 3
+ACCEPT_P = 1e-3  # a correct engine must not be rejected at this level (seeds are fixed: deterministic)
+REJECT_P = 1e-6  # a broken engine must be rejected at least this strongly
+WARPS = {"plain": (1.0, 0, 1.0), "warped": (0.8, 5, 0.85)}
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """Peaked, context-dependent random models, so acceptance is far from 0 and from 1."""
+    target = tiny_model(
+        vocab_size=VOCAB, hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=1, init_std=0.5, seed=1
+    )
+    draft = tiny_model(
+        vocab_size=VOCAB, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, init_std=0.5, seed=2
+    )
+    return target, draft
+
+
+@pytest.fixture(scope="module")
+def exact_laws(pair):
+    target, _ = pair
+    return {
+        name: exact_joint_distribution(target, PROMPT, LENGTH, SamplingWarp(*w)).reshape(-1)
+        for name, w in WARPS.items()
+    }
+
+
+def chi_square_pvalue(tokens: list[list[int]], exact: torch.Tensor) -> float:
+    """p-value of the joint counts of the first 3 tokens against `exact` ([V^3] float64)."""
+    samples = torch.tensor(tokens)  # [N, 3]
+    assert samples.shape[1] == LENGTH
+    codes = (samples[:, 0] * VOCAB + samples[:, 1]) * VOCAB + samples[:, 2]
+    counts = torch.bincount(codes, minlength=VOCAB**LENGTH).to(torch.float64)
+    if counts[exact == 0].sum() > 0:
+        return 0.0  # a continuation the warped target can never produce
+    expected = exact * samples.shape[0]
+    large = expected >= 5
+    observed = [counts[large]]
+    expected_cells = [expected[large]]
+    if expected[~large].sum() > 0:
+        observed.append(counts[~large].sum().reshape(1))
+        expected_cells.append(expected[~large].sum().reshape(1))
+    observed, expected_cells = torch.cat(observed), torch.cat(expected_cells)
+    statistic = float(((observed - expected_cells) ** 2 / expected_cells).sum())
+    return float(chi2.sf(statistic, len(observed) - 1))
+
+
+def run(pair, method, num_drafts, draft_length, warp_name, num_samples):
+    target, draft = pair
+    temperature, top_k, top_p = WARPS[warp_name]
+    out = spectr.generate(
+        target,
+        draft,
+        [PROMPT] * num_samples,
+        method=method,
+        num_drafts=num_drafts,
+        draft_length=draft_length,
+        max_new_tokens=LENGTH,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=list(range(num_samples)),
+    )
+    assert all(len(t) == LENGTH for t in out.tokens)
+    return out
+
+
+DEFAULT_CASES = [
+    ("autoregressive", 1, 1, "warped"),
+    ("speculative", 1, 2, "plain"),
+    ("spectr", 3, 1, "plain"),
+    ("spectr", 3, 4, "warped"),
+    ("specinfer", 3, 2, "warped"),
+]
+FULL_GRID = [
+    (method, k, length, warp)
+    for method, ks in (("speculative", (1,)), ("spectr", (1, 3)), ("specinfer", (1, 3)))
+    for k in ks
+    for length in (1, 2, 4)
+    for warp in WARPS
+]
+
+
+@pytest.mark.parametrize("method,num_drafts,draft_length,warp", DEFAULT_CASES)
+def test_first_three_tokens_follow_the_target(pair, exact_laws, method, num_drafts, draft_length, warp):
+    out = run(pair, method, num_drafts, draft_length, warp, 6000)
+    if method != "autoregressive":  # the drafts really were tested and sometimes rejected
+        assert 0.05 < out.stats.acceptance_rate < 0.95
+    assert chi_square_pvalue(out.tokens, exact_laws[warp]) > ACCEPT_P
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,num_drafts,draft_length,warp", FULL_GRID)
+def test_full_grid_first_three_tokens_follow_the_target(
+    pair, exact_laws, method, num_drafts, draft_length, warp
+):
+    out = run(pair, method, num_drafts, draft_length, warp, 20000)
+    assert chi_square_pvalue(out.tokens, exact_laws[warp]) > ACCEPT_P
+
+
+def _skip_residual(draft_tokens, alive, draft_probs, target_probs, uniforms):
+    """Broken speculative sampling: on rejection sample q itself instead of the residual."""
+    token, accepted = selection.select_speculative(draft_tokens, alive, draft_probs, target_probs, uniforms)
+    from_q = sample_categorical(target_probs, uniforms[:, -1])
+    return torch.where(accepted, token, from_q), accepted
+
+
+@pytest.mark.parametrize("warp", ["plain", "warped"])
+def test_negative_control_skipping_the_residual_is_rejected(pair, exact_laws, monkeypatch, warp):
+    monkeypatch.setitem(selection.TOKEN_SELECTORS, "skip_residual", _skip_residual)
+    out = run(pair, "skip_residual", 1, 2, warp, 6000)
+    assert chi_square_pvalue(out.tokens, exact_laws[warp]) < REJECT_P
+
+
+def test_negative_control_a_commit_without_path_gather_is_rejected(pair, exact_laws, monkeypatch):
+    # Without keep_path the caches keep draft 0's entries even when another draft was accepted.
+    monkeypatch.setattr(RowKVCache, "keep_path", lambda self, source, dest: None)
+    out = run(pair, "spectr", 3, 1, "plain", 6000)
+    assert chi_square_pvalue(out.tokens, exact_laws["plain"]) < REJECT_P
