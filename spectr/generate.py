@@ -78,67 +78,23 @@ def generate(
     uses seed + i) or one int per prompt; a row's output depends only on its prompt, its
     seed, the models and the settings.
     """
-    prompts = _check_prompts(prompts)
-    if method not in known_methods():
-        raise ValueError(f"unknown method {method!r}; expected one of {known_methods()}")
-    for name, value in (("num_drafts", num_drafts), ("draft_length", draft_length)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    validate_sampling(temperature, top_k, top_p)
-    warp = SamplingWarp(float(temperature), int(top_k), float(top_p))
-    eos_ids = _check_eos(eos_token_id)
-    seeds = _check_seeds(seed, len(prompts))
-    if method == "speculative":
-        num_drafts = 1
-
-    target_model = HFCausalLM(target, role="target")
-    draft_model = None
-    if method != AUTOREGRESSIVE:
-        if draft is None:
-            raise ValueError(f"method {method!r} needs a draft model; got draft=None")
-        draft_model = HFCausalLM(draft, role="draft")
-        if draft_model.vocab_size != target_model.vocab_size:
-            raise ValueError(
-                f"target and draft must share a vocabulary: target vocab size {target_model.vocab_size} "
-                f"({target_model.model_type}), draft vocab size {draft_model.vocab_size} ({draft_model.model_type})"
-            )
-        if draft_model.device != target_model.device:
-            raise ValueError(
-                f"target and draft must be on the same device: target on {target_model.device}, "
-                f"draft on {draft_model.device}"
-            )
-    models = [m for m in (target_model, draft_model) if m is not None]
-    for model in models:
-        _check_prompts_fit(prompts, model, max_new_tokens)
-
-    stats = GenerationStats(
-        method=method,
-        num_drafts=num_drafts if method != AUTOREGRESSIVE else 0,
-        draft_length=draft_length if method != AUTOREGRESSIVE else 0,
-        generated_tokens=[0] * len(prompts),
-        target_calls=[0] * len(prompts),
-        finish_reason=["length"] * len(prompts),
-        accepted_per_position=[0] * (draft_length if method != AUTOREGRESSIVE else 0),
-        tokens_per_call_histogram=[0] * ((draft_length if method != AUTOREGRESSIVE else 1) + 2),
-    )
-    outputs: list[list[int]] = [[] for _ in prompts]
-    if not prompts or max_new_tokens == 0:
-        return GenerationOutput(tokens=outputs, stats=stats)
-
-    was_training = [m.model.training for m in models]
+    generation = Generation(target, draft, prompts, method=method, num_drafts=num_drafts,
+                            draft_length=draft_length, max_new_tokens=max_new_tokens, temperature=temperature,
+                            top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, seed=seed)
+    models = [m.model for m in (generation.target, generation.draft) if m is not None]
+    was_training = [m.training for m in models]
     try:
         for m in models:
-            m.model.eval()
+            m.eval()  # dropout off: the output law is the model's, not a dropout ensemble's
         with torch.inference_mode():
-            loop = _Loop(target_model, draft_model, prompts, method, num_drafts, draft_length,
-                         max_new_tokens, warp, eos_ids, seeds, stats, outputs)
-            loop.run()
+            generation.start()
+            while not generation.done:
+                generation.step()
+            generation.finish()
     finally:
         for m, training in zip(models, was_training):
-            m.model.train(training)
-    return GenerationOutput(tokens=outputs, stats=stats)
+            m.train(training)
+    return generation.output()
 
 
 # ---------------------------------------------------------------------------------------
@@ -256,50 +212,120 @@ def prefill(model: HFCausalLM, cache, prompts: list[list[int]], device) -> None:
     cache.rows.lengths = lengths
 
 
-class _Loop:
-    def __init__(self, target, draft, prompts, method, num_drafts, draft_length, max_new_tokens,
-                 warp, eos_ids, seeds, stats, outputs):
-        self.target, self.draft = target, draft
-        self.method, self.num_drafts, self.draft_length = method, num_drafts, draft_length
-        self.max_new_tokens, self.warp, self.eos_ids = max_new_tokens, warp, set(eos_ids)
-        self.stats, self.outputs = stats, outputs
-        self.device = target.device
-        self.timer = PhaseTimer(self.device)
+class Generation:
+    """One batched generation, step by step: `start()` (prefill), `step()` until `done`, `finish()`.
+
+    `spectr.generate` is the usual entry point; this class exists so that tests (and callers
+    that want to inspect caches between iterations) can drive the loop themselves. The
+    constructor validates everything and raises ValueError naming the bad argument or row.
+    Drive it under `torch.inference_mode()` with models in eval mode.
+    """
+
+    def __init__(self, target, draft, prompts, *, method="spectr", num_drafts=4, draft_length=4,
+                 max_new_tokens=64, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=None, seed=0):
+        prompts = _check_prompts(prompts)
+        if method not in known_methods():
+            raise ValueError(f"unknown method {method!r}; expected one of {known_methods()}")
+        for name, value in (("num_drafts", num_drafts), ("draft_length", draft_length)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        validate_sampling(temperature, top_k, top_p)
+        self.warp = SamplingWarp(float(temperature), int(top_k), float(top_p))
+        self.eos_ids = set(_check_eos(eos_token_id))
+        seeds = _check_seeds(seed, len(prompts))
+        if method == "speculative":
+            num_drafts = 1
+        speculative = method != AUTOREGRESSIVE
+
+        self.target = HFCausalLM(target, role="target")
+        self.draft = None
+        if speculative:
+            if draft is None:
+                raise ValueError(f"method {method!r} needs a draft model; got draft=None")
+            self.draft = HFCausalLM(draft, role="draft")
+            if self.draft.vocab_size != self.target.vocab_size:
+                raise ValueError(
+                    f"target and draft must share a vocabulary: target vocab size {self.target.vocab_size} "
+                    f"({self.target.model_type}), draft vocab size {self.draft.vocab_size} ({self.draft.model_type})"
+                )
+            if self.draft.device != self.target.device:
+                raise ValueError(
+                    f"target and draft must be on the same device: target on {self.target.device}, "
+                    f"draft on {self.draft.device}"
+                )
+        for model in (self.target, self.draft):
+            if model is not None:
+                _check_prompts_fit(prompts, model, max_new_tokens)
+
+        self.method, self.max_new_tokens = method, max_new_tokens
+        self.num_drafts = num_drafts if speculative else 0
+        self.draft_length = draft_length if speculative else 0
         self.prompts = prompts
-        self.rows = list(range(len(prompts)))  # active row -> prompt index
-        self.generators = make_generators(seeds, self.device)
+        self.seeds = seeds
+        self.device = self.target.device
+        self.stats = GenerationStats(
+            method=method,
+            num_drafts=self.num_drafts,
+            draft_length=self.draft_length,
+            generated_tokens=[0] * len(prompts),
+            target_calls=[0] * len(prompts),
+            finish_reason=["length"] * len(prompts),
+            accepted_per_position=[0] * self.draft_length,
+            tokens_per_call_histogram=[0] * (max(self.draft_length, 1) + 2),
+        )
+        self.outputs: list[list[int]] = [[] for _ in prompts]
+        self.rows: list[int] = []  # active row -> prompt index; empty until start()
+        self.timer = PhaseTimer(self.device)
+
+    @property
+    def done(self) -> bool:
+        return not self.rows
+
+    def output(self) -> GenerationOutput:
+        return GenerationOutput(tokens=self.outputs, stats=self.stats)
+
+    def step(self) -> None:
+        """One iteration for every active row."""
+        if self.method == AUTOREGRESSIVE:
+            self._autoregressive_step()
+        else:
+            self._speculative_step()
+
+    def finish(self) -> None:
+        self.timer.finish(self.stats)
 
     # -- setup ------------------------------------------------------------------------
     def _prefill(self, model: HFCausalLM, tree_width: int):
         capacity = max(len(p) for p in self.prompts) + self.max_new_tokens + tree_width
         cache = model.new_cache(len(self.prompts), capacity)
-        phase = "target" if model is self.target else "draft"
-        with self.timer.phase(phase):
+        with self.timer.phase("target" if model is self.target else "draft"):
             prefill(model, cache, self.prompts, self.device)
         return cache
 
-    def run(self) -> None:
+    def start(self) -> None:
+        """Prefill both caches with every prompt but its last token (which becomes pending)."""
+        self.timer = PhaseTimer(self.device)
+        if not self.prompts or self.max_new_tokens == 0:
+            return
+        self.rows = list(range(len(self.prompts)))
+        self.generators = make_generators(self.seeds, self.device)
         last_tokens = torch.tensor([p[-1] for p in self.prompts], dtype=torch.int64, device=self.device)
-        self.lengths_host = [len(p) - 1 for p in self.prompts]
+        self.pending = last_tokens  # [B] the last committed token, not yet in the target cache
+        self.lengths_host = [len(p) - 1 for p in self.prompts]  # host mirror of target cache lengths
         if self.method == AUTOREGRESSIVE:
             self.target_cache = self._prefill(self.target, 1)
-            self.pending = last_tokens  # [B] the last committed token, not yet in the cache
             self.self_only = torch.ones(1, 1, dtype=torch.bool, device=self.device)  # [1, 1]
             self.uniforms = _UniformBlocks(self.generators, (), 32, self.device)
-            while self.rows:
-                self._autoregressive_step()
         else:
             k, length = self.num_drafts, self.draft_length
             self.target_cache = self._prefill(self.target, 1 + k * length)
             draft_cache = self._prefill(self.draft, 2 + k * length)
             self.drafter = TreeDrafter(self.draft, draft_cache, self.warp, k, length, last_tokens,
                                        self.lengths_host)
-            self.pending = last_tokens
             self.uniforms = _UniformBlocks(self.generators, (k, length), 8, self.device)
             self._tree_shape(k, length)
-            while self.rows:
-                self._speculative_step()
-        self.timer.finish(self.stats)
 
     def _tree_shape(self, num_drafts: int, draft_length: int) -> None:
         """Static layout of the verification tree: node 0 = last committed token, node 1 + k*L + j = draft k's token j."""
@@ -414,5 +440,5 @@ class _Loop:
         self.pending = self.pending.index_select(0, rows)
         self.target_cache.rows.select_rows(rows)
         self.uniforms.select_rows(rows, self.generators)
-        if self.draft is not None and self.method != AUTOREGRESSIVE:
+        if self.method != AUTOREGRESSIVE:
             self.drafter.select_rows(rows, keep)
