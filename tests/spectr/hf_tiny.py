@@ -98,3 +98,16 @@ def exact_joint_distribution(model, prompt: list[int], length: int, warp) -> tor
         step = warp.probs(logits).to(torch.float64).reshape([vocab] * depth + [vocab])
         joint = joint.unsqueeze(-1) * step
     return joint
+
+
+def noisy_copy(model, noise_std: float, seed: int):
+    """A draft that partly agrees with `model`: its weights plus seeded Gaussian noise."""
+    import copy
+
+    draft = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in draft.parameters():
+            noise = torch.randn(parameter.shape, generator=generator, dtype=torch.float32)
+            parameter.add_((noise * noise_std).to(parameter.dtype))
+    return draft

@@ -1,0 +1,140 @@
+"""The HF adapter on real tiny architectures: tree verification, greedy == HF greedy, refusals, bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from hf_tiny import ARCHITECTURES, full_last_logits, hf_greedy, noisy_copy, tiny_model
+
+import spectr
+from spectr.hf import HFCausalLM
+from spectr.kv_cache import tree_attention
+
+PROMPTS = [[3, 17, 42, 8, 1], [9], [5, 6, 7, 8, 9, 10, 11, 12, 13]]
+METHODS = ["autoregressive", "speculative", "spectr", "specinfer"]
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def arch_pair(request):
+    target = tiny_model(request.param, vocab_size=64, init_std=0.2, seed=3)
+    # a draft that agrees with the target often but not always, so greedy runs both accept and reject
+    draft = noisy_copy(target, noise_std=0.05, seed=4)
+    return request.param, target, draft
+
+
+@torch.inference_mode()
+def test_tree_forward_matches_separate_full_forwards(arch_pair):
+    """Prefix in the cache, then K=3 branches of L=2 tokens in ONE forward == each path run alone."""
+    _, target, _ = arch_pair
+    model = HFCausalLM(target)
+    prompts = [[3, 17, 42, 8, 1], [9, 2]]
+    branches = torch.tensor([[[4, 5], [6, 7], [4, 9]], [[1, 1], [2, 3], [60, 61]]])  # [B, K, L]
+    cache = model.new_cache(2, 32)
+    from spectr.generate import prefill
+
+    prefill(model, cache, prompts, torch.device("cpu"))
+    lengths = cache.rows.lengths  # [B] = prompt length - 1
+    num_drafts, draft_length = 3, 2
+    nodes = 1 + num_drafts * draft_length
+    depth = torch.tensor([0] + [1 + j for _ in range(num_drafts) for j in range(draft_length)])
+    visible = torch.zeros(nodes, nodes, dtype=torch.bool)
+    visible[:, 0] = True
+    for k in range(num_drafts):
+        for j in range(draft_length):
+            node = 1 + k * draft_length + j
+            visible[node, 1 + k * draft_length : node + 1] = True
+    tokens = torch.cat([torch.tensor([[p[-1]] for p in prompts]), branches.reshape(2, -1)], 1)  # [B, T]
+    slots = lengths[:, None] + torch.arange(nodes)
+    allowed = tree_attention(lengths, visible, int(lengths.max()) + nodes)
+    logits = model.forward(tokens, lengths[:, None] + depth, allowed, cache, slots)  # [B, T, V]
+    for b, prompt in enumerate(prompts):
+        sequences = [prompt]
+        node_index = [0]
+        for k in range(num_drafts):
+            for j in range(draft_length):
+                sequences.append(prompt + branches[b, k, : j + 1].tolist())
+                node_index.append(1 + k * draft_length + j)
+        torch.testing.assert_close(logits[b, node_index], full_last_logits(target, sequences), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_equals_hugging_face_greedy(arch_pair, method):
+    arch, target, draft = arch_pair
+    out = spectr.generate(target, draft, PROMPTS, method=method, num_drafts=3, draft_length=3,
+                          max_new_tokens=12, temperature=0.0, seed=[1, 2, 3])
+    expected = [hf_greedy(target, prompt, 12) for prompt in PROMPTS]
+    assert out.tokens == expected, arch
+    if method != "autoregressive":
+        # the noisy draft is right often enough that some iterations yield several tokens
+        assert out.stats.block_efficiency > 1.0
+        assert out.stats.acceptance_rate < 1.0
+
+
+def test_unequal_vocabularies_name_both_sizes():
+    target = tiny_model(vocab_size=64)
+    draft = tiny_model(vocab_size=48, seed=1)
+    with pytest.raises(ValueError, match=r"target vocab size 64.*draft vocab size 48"):
+        spectr.generate(target, draft, [[1, 2]], method="spectr", max_new_tokens=2)
+
+
+def test_model_without_attention_mask_support_names_the_model_type():
+    config = transformers.MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=4)
+    mamba = transformers.MambaForCausalLM(config).eval()
+    with pytest.raises(ValueError, match=r"draft model type 'mamba'.*position_ids"):
+        spectr.generate(tiny_model(), mamba, [[1, 2]], method="spectr", max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"target model type 'mamba'"):
+        spectr.generate(mamba, None, [[1, 2]], method="autoregressive", max_new_tokens=2)
+
+
+def test_attention_implementation_that_cannot_take_the_mask_names_model_type_and_implementation():
+    llama = tiny_model()
+    llama.config._attn_implementation = "flex_attention"
+    with pytest.raises(ValueError, match=r"target model type 'llama'.*'flex_attention'.*sdpa"):
+        spectr.generate(llama, tiny_model(), [[1, 2]], method="spectr", max_new_tokens=2)
+
+
+def test_eager_attention_works_like_sdpa():
+    eager = tiny_model("llama", init_std=0.2, seed=3, attn_implementation="eager")
+    sdpa = tiny_model("llama", init_std=0.2, seed=3)
+    kwargs = dict(method="spectr", num_drafts=2, draft_length=2, max_new_tokens=8, temperature=0.0)
+    assert (spectr.generate(eager, noisy_copy(eager, 0.05, 4), PROMPTS, **kwargs).tokens
+            == spectr.generate(sdpa, noisy_copy(sdpa, 0.05, 4), PROMPTS, **kwargs).tokens)
+
+
+def test_sequences_beyond_a_sliding_window_are_refused():
+    mistral = tiny_model("mistral")
+    mistral.config.sliding_window = 8
+    with pytest.raises(ValueError, match=r"prompt 1: 10 tokens exceed.*sliding window 8.*mistral"):
+        spectr.generate(mistral, None, [[1], [1, 2, 3, 4]], method="autoregressive", max_new_tokens=6)
+    # within the window it runs
+    out = spectr.generate(mistral, None, [[1, 2]], method="autoregressive", max_new_tokens=6, temperature=0)
+    assert out.tokens == [hf_greedy(mistral, [1, 2], 6)]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_bfloat16_models_run_every_method_and_keep_consistent_caches(method):
+    from spectr.generate import Generation
+
+    target = tiny_model("llama", init_std=0.2, seed=3, dtype=torch.bfloat16)
+    draft = noisy_copy(target, 0.05, 4)
+    generation = Generation(target, draft, PROMPTS, method=method, num_drafts=2, draft_length=3,
+                            max_new_tokens=30, seed=[7, 8, 9])
+    with torch.inference_mode():
+        generation.start()
+        for _ in range(3):
+            generation.step()
+        lengths = generation.target_cache.rows.lengths
+        slots = lengths[:, None]
+        allowed = tree_attention(lengths, torch.ones(1, 1, dtype=torch.bool), int(lengths.max()) + 1)
+        cached = generation.target.forward(generation.pending[:, None], slots, allowed,
+                                           generation.target_cache, slots)[:, 0]
+    sequences = [PROMPTS[i] + generation.outputs[i] for i in generation.rows]
+    assert cached.dtype == torch.bfloat16
+    full = full_last_logits(target, sequences)
+    # bf16 keeps ~3 significant digits: compare at that precision
+    torch.testing.assert_close(cached.float(), full.float(), atol=0.05 * float(full.abs().max()), rtol=0)
+    out = spectr.generate(target, draft, PROMPTS, method=method, num_drafts=2, draft_length=3,
+                          max_new_tokens=10, seed=[7, 8, 9])
+    assert [len(t) for t in out.tokens] == [10, 10, 10]
+    assert all(0 <= t < 64 for row in out.tokens for t in row)
