@@ -21,6 +21,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -224,18 +225,33 @@ class ActorPool:
 
 
 def run_generate(config: GenerateConfig, hooks: RunHooks | None = None) -> JobReport:
+    """Run the whole job. Raises JobInputError (before anything starts) for bad input."""
     started = time.perf_counter()
     plan = prepare(config)
     check_reachable(config.mlflow)
-    tracker = make_tracker(config.mlflow)
-    tracker.start(
-        params=_params(plan), tags={"output_dir": str(plan.output_dir), "config_hash": plan.config_hash}
+    done = plan.num_rows - sum(len(s) for s in plan.todo)
+    log.info(
+        "checked config, models and %d prompts in %.1f s; %d of %d shards to generate%s",
+        plan.num_rows,
+        time.perf_counter() - started,
+        len(plan.todo),
+        len(plan.shards),
+        f" (resuming: {done} prompts already done)" if done else "",
     )
-    try:
-        report = _execute(plan, tracker, hooks, started)
-    except BaseException:
-        tracker.fail()
-        raise
+    tracker = make_tracker(config.mlflow)
+    # MLflow's start-up (import, database, run) overlaps Ray's start and the actors' model loading.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlflow") as background:
+        tracker_started = background.submit(
+            tracker.start,
+            params=_params(plan),
+            tags={"output_dir": str(plan.output_dir), "config_hash": plan.config_hash},
+        )
+        try:
+            report = _execute(plan, tracker, tracker_started, hooks, started)
+        except BaseException:
+            if tracker_started.done() and tracker_started.exception() is None:
+                tracker.fail()
+            raise
     return report
 
 
@@ -247,7 +263,9 @@ def _params(plan: JobPlan) -> dict[str, Any]:
     return params
 
 
-def _execute(plan: JobPlan, tracker: Any, hooks: RunHooks | None, started: float) -> JobReport:
+def _execute(
+    plan: JobPlan, tracker: Any, tracker_started: Future, hooks: RunHooks | None, started: float
+) -> JobReport:
     import ray
     from tqdm import tqdm
 
@@ -259,13 +277,18 @@ def _execute(plan: JobPlan, tracker: Any, hooks: RunHooks | None, started: float
     schema = output_schema(plan.id_kind, {**plan.settings, "config_hash": plan.config_hash})
     this_run: list[dict[str, Any]] = []
     num_actors, device = 0, "-"
-    generation_started = time.perf_counter()
+    generation_started, generation_s = time.perf_counter(), 0.0
 
     if plan.todo:
         with ray_session(config.ray):
             count, cpus_each, gpus_each = actor_resources(config.ray, ray.cluster_resources(), len(plan.todo))
+            log.info("ray ready (%.1f s); starting %d actor(s)", time.perf_counter() - started, count)
             pool = ActorPool(config, count, cpus_each, gpus_each)
             workers = pool.wait_ready()
+            log.info("actors loaded the pair (%.1f s)", time.perf_counter() - started)
+            tracker_started.result()  # re-raises an MLflow failure before any generation
+            if tracker.run_id:
+                log.info("mlflow run %s (%.1f s)", tracker.run_id, time.perf_counter() - started)
             if hooks and hooks.on_actors_ready:
                 hooks.on_actors_ready(pool.actors, workers)
             num_actors = count
@@ -303,7 +326,8 @@ def _execute(plan: JobPlan, tracker: Any, hooks: RunHooks | None, started: float
                 pool.run(plan.todo, on_result, hooks)
             finally:
                 progress.close()
-    generation_s = time.perf_counter() - generation_started if plan.todo else 0.0
+            generation_s = time.perf_counter() - generation_started
+    tracker_started.result()
     startup_s = generation_started - started if plan.todo else 0.0
 
     if manifest.complete:
@@ -325,11 +349,12 @@ def _execute(plan: JobPlan, tracker: Any, hooks: RunHooks | None, started: float
     messages = []
     if failed_too_many:
         messages.append(
-            f"{summary.prompts_failed} of {summary.num_prompts} prompts failed ({100 * summary.failed_fraction:.1f}%), "
-            f"more than max_failed_fraction={config.max_failed_fraction:g}; their rows have finish_reason=error "
-            f"and the message in column 'error' of {output_dir}"
+            f"{summary.prompts_failed} of {summary.num_prompts} prompts failed "
+            f"({100 * summary.failed_fraction:.1f}%), more than max_failed_fraction="
+            f"{config.max_failed_fraction:g}; their rows have finish_reason=error and the message in column "
+            f"'error' of {output_dir}"
         )
-    report = JobReport(
+    return JobReport(
         plan=plan,
         summary=summary,
         run_id=tracker.run_id,
@@ -338,7 +363,6 @@ def _execute(plan: JobPlan, tracker: Any, hooks: RunHooks | None, started: float
         messages=messages,
         tracker_lines=tracker.describe(),
     )
-    return report
 
 
 def format_report(report: JobReport) -> str:

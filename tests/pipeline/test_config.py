@@ -1,0 +1,106 @@
+"""The typed config: the real Hydra configs compose and validate; every bad value is named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from pipeline.config import PROJECT_ROOT, from_dict, from_omegaconf, generation_settings, stable_hash
+from pipeline.errors import JobInputError
+
+CONF = str(Path(__file__).resolve().parents[2] / "conf")
+
+
+def compose_generate(overrides: list[str]):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose(config_name="generate", overrides=overrides)
+
+
+def base(**overrides) -> dict:
+    raw = {
+        "model": {"target": "t", "draft": "d"},
+        "data": {"path": "p.jsonl"},
+        "spectr": {},
+        "ray": {},
+        "mlflow": {},
+    }
+    for dotted, value in overrides.items():
+        section, key = dotted.split(".") if "." in dotted else (None, dotted)
+        (raw[section] if section else raw)[key] = value
+    return raw
+
+
+def test_default_config_composes_to_the_embedded_pair_and_contract_defaults():
+    config = from_omegaconf(compose_generate([]))
+    assert config.model.target == str(PROJECT_ROOT / "assets/models/target")
+    assert config.model.draft == str(PROJECT_ROOT / "assets/models/draft")
+    assert config.data.path == str(PROJECT_ROOT / "assets/prompts.jsonl")
+    assert (config.spectr.method, config.spectr.num_drafts, config.spectr.draft_length) == ("spectr", 4, 4)
+    assert config.data.prompt_column == "prompt" and config.data.id_column == "id"
+    assert config.ray.address is None and config.mlflow.enabled and config.mlflow.tracking_uri is None
+    assert config.max_failed_fraction == 0.0 and config.model.allow_pickle is False
+    assert config.model.trust_remote_code is False
+
+
+def test_overrides_and_groups():
+    config = from_omegaconf(
+        compose_generate(["ray=cluster", "mlflow=disabled", "spectr.num_drafts=2", "data.limit=null"])
+    )
+    assert config.ray.address == "auto" and not config.mlflow.enabled
+    assert config.spectr.num_drafts == 2 and config.data.limit is None
+
+
+def test_speculative_means_one_draft():
+    config = from_dict(base(**{"spectr.method": "speculative", "spectr.num_drafts": 4}))
+    assert config.spectr.num_drafts == 1
+
+
+@pytest.mark.parametrize(
+    "key, value, words",
+    [
+        ("spectr.num_drafts", 0, "spectr.num_drafts (K) must be >= 1"),
+        ("spectr.draft_length", 0, "spectr.draft_length (L) must be >= 1"),
+        ("spectr.temperature", -0.5, "spectr.temperature must be a finite number >= 0"),
+        ("spectr.temperature", float("nan"), "spectr.temperature"),
+        ("spectr.top_k", -1, "spectr.top_k must be >= 0"),
+        ("spectr.top_p", 0.0, "spectr.top_p must be in (0, 1]"),
+        ("spectr.top_p", 1.5, "spectr.top_p must be in (0, 1]"),
+        ("spectr.method", "beam", "spectr.method must be one of"),
+        ("spectr.max_new_tokens", 0, "spectr.max_new_tokens"),
+        ("spectr.batch_size", 0, "spectr.batch_size"),
+        ("spectr.num_drafts", "four", "spectr.num_drafts must be int"),
+        ("spectr.num_drafts", True, "spectr.num_drafts must be int"),
+        ("data.format", "xml", "data.format must be one of"),
+        ("data.limit", 0, "data.limit must be >= 1"),
+        ("model.dtype", "int8", "model.dtype must be one of"),
+        ("ray.cpus_per_actor", 0, "ray.cpus_per_actor"),
+        ("shard_size", 0, "shard_size must be >= 1"),
+        ("max_failed_fraction", 2.0, "max_failed_fraction must be in [0, 1]"),
+        ("mlflow.enabled", "yes", "mlflow.enabled must be bool"),
+    ],
+)
+def test_out_of_range_values_are_named(key, value, words):
+    with pytest.raises(JobInputError, match=None) as caught:
+        from_dict(base(**{key: value}))
+    assert words in str(caught.value)
+
+
+def test_unknown_and_missing_keys():
+    with pytest.raises(JobInputError, match=r"unknown key\(s\) spectr.num_draft"):
+        from_dict(base(**{"spectr.num_draft": 3}))
+    raw = base()
+    del raw["model"]["draft"]
+    with pytest.raises(JobInputError, match="model.draft is required"):
+        from_dict(raw)
+    with pytest.raises(JobInputError, match="missing section 'ray'"):
+        from_dict({k: v for k, v in base().items() if k != "ray"})
+
+
+def test_hash_covers_what_changes_rows_and_not_where_they_run():
+    a = from_dict(base())
+    same = from_dict(base(**{"ray.num_actors": 7, "spectr.batch_size": 3, "mlflow.enabled": False}))
+    other = from_dict(base(**{"spectr.seed": 1}))
+    assert stable_hash(generation_settings(a)) == stable_hash(generation_settings(same))
+    assert stable_hash(generation_settings(a)) != stable_hash(generation_settings(other))

@@ -1,0 +1,70 @@
+"""Model-directory and tokenizer checks: missing dirs, pickle weights, different tokenizers, chat mode."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from conftest import WORDS, build_tokenizer
+
+from pipeline import models
+from pipeline.config import DataConfig
+from pipeline.errors import JobInputError
+
+
+def test_model_dir_checks(tiny_pair, tmp_path):
+    assert models.check_model_dir(str(tiny_pair["target"]), "model.target", allow_pickle=False).is_dir()
+    with pytest.raises(JobInputError, match="model.target: no such model directory: .*missing"):
+        models.check_model_dir(str(tmp_path / "missing"), "model.target", allow_pickle=False)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(JobInputError, match="model.draft: .*has no config.json"):
+        models.check_model_dir(str(tmp_path / "empty"), "model.draft", allow_pickle=False)
+
+
+def test_pickle_weights_are_refused_unless_allowed(tiny_pair, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    pickled = tmp_path / "pickled"
+    shutil.copytree(tiny_pair["draft"], pickled)
+    (pickled / "model.safetensors").unlink()
+    torch.save(load_file(str(tiny_pair["draft"] / "model.safetensors")), pickled / "pytorch_model.bin")
+    with pytest.raises(
+        JobInputError, match=r"only pickle-format weights \(pytorch_model.bin\).*model.allow_pickle=true"
+    ):
+        models.check_model_dir(str(pickled), "model.draft", allow_pickle=False)
+    assert models.check_model_dir(str(pickled), "model.draft", allow_pickle=True) == pickled
+
+
+def test_identical_tokenizers_pass_and_different_ones_are_described(tiny_pair, tmp_path):
+    target = models.load_tokenizer(tiny_pair["target"], "model.target", False)
+    draft = models.load_tokenizer(tiny_pair["draft"], "model.draft", False)
+    assert models.tokenizer_differences(target, draft) == []
+    models.check_same_tokenizer(target, draft, tiny_pair["target"], tiny_pair["draft"])
+
+    other_words = build_tokenizer(list(reversed(WORDS)), tmp_path / "reordered")
+    differences = models.tokenizer_differences(target, other_words)
+    assert any("with different ids" in d for d in differences)
+    with pytest.raises(
+        JobInputError, match="model.draft: the draft tokenizer .* differs from the target tokenizer"
+    ):
+        models.check_same_tokenizer(target, other_words, tiny_pair["target"], tmp_path / "reordered")
+
+    # same vocabulary, different pre-tokenization: still a different tokenizer
+    from tokenizers import pre_tokenizers
+
+    same_vocab = build_tokenizer(WORDS + ["user", "assistant", ":"], tmp_path / "same_vocab")
+    same_vocab.backend_tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    assert models.tokenizer_differences(target, same_vocab) == ["pre_tokenizer differs"]
+
+
+def test_chat_template_rendering(tiny_pair, tmp_path):
+    tokenizer = models.load_tokenizer(tiny_pair["target"], "model.target", False)
+    chat = DataConfig(path="x", chat=True)
+    texts = models.render_prompts(tokenizer, chat, None, [[{"role": "user", "content": "def x"}]])
+    assert texts == ["user : def x assistant :"]
+    plain = build_tokenizer(WORDS, tmp_path / "plain")
+    with pytest.raises(JobInputError, match="data.chat: chat mode needs a chat template"):
+        models.render_prompts(plain, chat, None, [[{"role": "user", "content": "x"}]])
+    ids = models.tokenize(tokenizer, texts, add_special_tokens=False)
+    assert tokenizer.decode(ids[0]) == texts[0]
