@@ -116,7 +116,7 @@ def ray_local():
     ray.shutdown()
 
 
-def job_config(tiny_pair: dict[str, Path], data_path: Path, output_dir: Path, **overrides) -> dict:
+def job_config(tiny_pair: dict[str, Path], data_path: Path, output_dir: Path, /, **overrides) -> dict:
     """A plain config dict for the tiny pair (what the YAML would give), with dotted overrides."""
     raw = {
         "model": {"target": str(tiny_pair["target"]), "draft": str(tiny_pair["draft"]), "dtype": "float32"},

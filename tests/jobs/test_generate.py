@@ -1,0 +1,320 @@
+"""The generation job end to end on a real local Ray, with the tiny random pair.
+
+Covers: one row per prompt with contract types, manifest and _SUCCESS; MLflow in a local SQLite file;
+resume (only missing shards, finished ones untouched); a different config refused; every bad input
+refused before any actor starts with nothing written; per-row failures and max_failed_fraction;
+actors killed mid-shard; the CLI's one-line error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import job_config
+
+from pipeline import runner
+from pipeline.config import from_dict
+from pipeline.errors import JobInputError
+from pipeline.output import read_output, read_settings
+from pipeline.runner import RunHooks, run_generate
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def prompt_ids(path: Path) -> list[str]:
+    return [json.loads(line)["id"] for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tiny_pair, prompts_jsonl, tmp_path_factory, ray_local):
+    """One complete job: 40 prompts, 5 shards of 8, 2 actors, MLflow in a SQLite file."""
+    folder = tmp_path_factory.mktemp("job")
+    raw = job_config(
+        tiny_pair,
+        prompts_jsonl,
+        folder / "out",
+        **{"mlflow.enabled": True, "mlflow.tracking_uri": f"sqlite:///{folder / 'mlflow.db'}"},
+    )
+    report = run_generate(from_dict(raw))
+    return {"report": report, "raw": raw, "folder": folder, "out": folder / "out"}
+
+
+def test_one_row_per_prompt_with_contract_types(finished_run, prompts_jsonl):
+    report, out = finished_run["report"], finished_run["out"]
+    assert report.exit_code == 0 and report.messages == []
+    table = read_output(out)
+    assert table.column("id").to_pylist() == prompt_ids(prompts_jsonl)  # input order, no loss, no duplicate
+    schema = table.schema
+    assert schema.field("completion_token_ids").type == pa.list_(pa.int32())
+    assert [f.name for f in schema] == [
+        "id", "prompt", "completion", "completion_token_ids", "prompt_tokens", "completion_tokens",
+        "finish_reason", "target_calls", "block_efficiency", "seed", "error",
+    ]  # fmt: skip
+    assert set(table.column("finish_reason").to_pylist()) <= {"eos", "length"}
+    assert table.column("error").null_count == 40
+    assert sorted(p.name for p in out.iterdir()) == ["_SUCCESS", "_manifest.json"] + [
+        f"part-{i:05d}.parquet" for i in range(5)
+    ]
+    manifest = json.loads((out / "_manifest.json").read_text())
+    assert manifest["num_rows"] == 40 and [s["rows"] for s in manifest["shards"].values()] == [8] * 5
+    settings = read_settings(out / "part-00000.parquet")
+    assert settings["spectr"]["num_drafts"] == 2 and settings["spectr"]["draft_length"] == 3
+    assert settings["model"]["target"] == finished_run["raw"]["model"]["target"]
+    assert settings["config_hash"] == manifest["config_hash"]
+    summary = report.summary
+    assert summary.generated_tokens == sum(table.column("completion_tokens").to_pylist())
+    assert summary.target_calls == sum(table.column("target_calls").to_pylist())
+    assert summary.num_actors == 2 and summary.prompts_completed == 40
+
+
+def test_mlflow_sqlite_run_has_contract_metrics_params_and_artifacts(finished_run):
+    from mlflow.tracking import MlflowClient
+
+    report = finished_run["report"]
+    client = MlflowClient(tracking_uri=report.tracking_uri)
+    run = client.get_run(report.run_id)
+    assert run.info.status == "FINISHED"
+    metrics = run.data.metrics
+    for name in (
+        "throughput_tokens_per_s", "block_efficiency", "acceptance_rate", "generated_tokens",
+        "target_calls", "prompts_completed", "prompts_failed", "wall_time_s",
+    ):  # fmt: skip
+        assert name in metrics, name
+    assert metrics["generated_tokens"] == report.summary.generated_tokens
+    assert metrics["prompts_completed"] == 40 and metrics["prompts_failed"] == 0
+    assert 1.0 <= metrics["block_efficiency"] <= 4.0 and 0.0 <= metrics["acceptance_rate"] <= 1.0
+    params = run.data.params
+    assert (
+        params["spectr.num_drafts"] == "2"
+        and params["shard_size"] == "8"
+        and params["mlflow.enabled"] == "True"
+    )
+    artifacts = {a.path for a in client.list_artifacts(report.run_id)}
+    assert {"config.yaml", "summary.json", "summary.txt", "tokens_per_target_call.png"} <= artifacts
+    assert "mlflow ui --backend-store-uri sqlite:///" in runner.format_report(report)
+
+
+def test_resume_does_only_missing_shards(finished_run, tmp_path, ray_local):
+    out = tmp_path / "out"
+    shutil.copytree(finished_run["out"], out)
+    # as if the driver died after shard 3's file was renamed but before the manifest listed it,
+    # with shard 4 never finished and a temporary file left behind
+    manifest = json.loads((out / "_manifest.json").read_text())
+    del manifest["shards"]["00003"], manifest["shards"]["00004"]
+    (out / "_manifest.json").write_text(json.dumps(manifest))
+    (out / "part-00004.parquet").unlink()
+    (out / "_SUCCESS").unlink()
+    (out / ".part-00004.parquet.tmp-99").write_bytes(b"half a file")
+    before = {i: digest(out / f"part-{i:05d}.parquet") for i in range(3)}
+
+    dispatched = []
+    raw = dict(finished_run["raw"], output_dir=str(out), mlflow={"enabled": False}, ray={"num_actors": 1})
+    report = run_generate(
+        from_dict(raw), RunHooks(on_dispatch=lambda actor, shard: dispatched.append(shard.index))
+    )
+    assert sorted(dispatched) == [3, 4] and report.summary.prompts_this_run == 16
+    assert {i: digest(out / f"part-{i:05d}.parquet") for i in range(3)} == before
+    assert (out / "_SUCCESS").exists() and not list(out.glob(".*tmp*"))
+    assert (
+        read_output(out).column("id").to_pylist() == read_output(finished_run["out"]).column("id").to_pylist()
+    )
+    # a complete directory: nothing to do, no Ray needed
+    dispatched.clear()
+    again = run_generate(from_dict(raw), RunHooks(on_dispatch=lambda actor, shard: dispatched.append(shard)))
+    assert dispatched == [] and again.exit_code == 0 and again.summary.prompts_completed == 40
+
+
+def test_different_config_on_the_same_dir_is_refused(finished_run):
+    raw = json.loads(json.dumps(finished_run["raw"]))
+    raw["spectr"]["temperature"] = 0.5
+    raw["mlflow"] = {"enabled": False}
+    before = {p.name: digest(p) for p in finished_run["out"].iterdir()}
+    with pytest.raises(
+        JobInputError, match=r"holds results of a different config \(spectr.temperature: 1.0 there"
+    ):
+        run_generate(from_dict(raw))
+    assert {p.name: digest(p) for p in finished_run["out"].iterdir()} == before
+
+
+def _write(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+BAD_INPUTS = {
+    "missing file": ({"data.path": "{tmp}/nope.jsonl"}, "data.path: no such file"),
+    "unknown format": ({"data.path": "{tmp}/prompts.txt"}, "data.format: cannot tell the format"),
+    "missing prompt column": ({"data.prompt_column": "text"}, "column 'text' not found"),
+    "non-string prompt": ({"data.path": "{tmp}/numbers.jsonl"}, "prompt is int 5, expected a string"),
+    "duplicate ids": ({"data.path": "{tmp}/dupes.jsonl"}, "duplicate ids"),
+    "empty dataset": ({"data.path": "{tmp}/empty.jsonl"}, "holds no rows"),
+    "tokenizers differ": ({"model.draft": "{tmp}/other_draft"}, "draft tokenizer .* differs"),
+    "K out of range": ({"spectr.num_drafts": 0}, "spectr.num_drafts"),
+    "L out of range": ({"spectr.draft_length": -1}, "spectr.draft_length"),
+    "temperature": ({"spectr.temperature": -1.0}, "spectr.temperature"),
+    "top-k": ({"spectr.top_k": -3}, "spectr.top_k"),
+    "top-p": ({"spectr.top_p": 0.0}, "spectr.top_p"),
+    "missing model": ({"model.target": "{tmp}/no_model"}, "model.target: no such model directory"),
+    "pickle weights": ({"model.draft": "{tmp}/pickled"}, "pickle-format weights"),
+    "other config in output dir": ({"output_dir": "{tmp}/taken"}, "holds results of a different config"),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_input_files(tiny_pair, tmp_path_factory):
+    import torch
+    from conftest import WORDS, build_llama, build_tokenizer
+    from safetensors.torch import load_file
+
+    tmp = tmp_path_factory.mktemp("bad")
+    (tmp / "prompts.txt").write_text("def x\n")
+    _write(tmp / "numbers.jsonl", [{"id": 1, "prompt": "def"}, {"id": 2, "prompt": 5}])
+    _write(tmp / "dupes.jsonl", [{"id": 1, "prompt": "def"}, {"id": 1, "prompt": "x"}])
+    (tmp / "empty.jsonl").write_text("")
+    other = build_tokenizer(WORDS[::-1] + ["user", "assistant", ":"], tmp / "other_draft")
+    build_llama(tmp / "other_draft", len(other), hidden=16, layers=1, seed=3)
+    shutil.copytree(tiny_pair["draft"], tmp / "pickled")
+    torch.save(load_file(str(tmp / "pickled" / "model.safetensors")), tmp / "pickled" / "pytorch_model.bin")
+    (tmp / "pickled" / "model.safetensors").unlink()
+    (tmp / "taken").mkdir()
+    (tmp / "taken" / "_manifest.json").write_text(
+        json.dumps(
+            {"config_hash": "0" * 64, "settings": {"spectr": {"seed": 99}}, "num_rows": 1, "num_shards": 1}
+        )
+    )
+    return tmp
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_is_refused_before_any_actor_starts(
+    case, tiny_pair, prompts_jsonl, bad_input_files, tmp_path, monkeypatch
+):
+    overrides, message = BAD_INPUTS[case]
+    overrides = {k: v.format(tmp=bad_input_files) if isinstance(v, str) else v for k, v in overrides.items()}
+    out = tmp_path / "out"
+    db = tmp_path / "mlflow.db"
+    raw = job_config(
+        tiny_pair, prompts_jsonl, out, **{"mlflow.enabled": True, "mlflow.tracking_uri": f"sqlite:///{db}"}
+    )
+    raw = job_config(tiny_pair, prompts_jsonl, out, **{**_flat(raw), **overrides})
+
+    def no_actors(*args, **kwargs):
+        raise AssertionError("an actor pool was started for bad input")
+
+    monkeypatch.setattr(runner, "ActorPool", no_actors)
+    monkeypatch.setattr(runner, "ray_session", no_actors)
+    with pytest.raises(JobInputError, match=message):
+        run_generate(from_dict(raw))
+    assert not out.exists() and not db.exists()  # nothing written: no output, no MLflow run
+    if case == "other config in output dir":
+        assert sorted(p.name for p in (bad_input_files / "taken").iterdir()) == ["_manifest.json"]
+
+
+def _flat(raw: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in raw.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def test_failing_rows_are_written_and_fail_the_job(tiny_pair, tmp_path, ray_local):
+    rows = [{"id": i, "prompt": "def x y"} for i in range(6)]
+    rows[4]["prompt"] = " ".join(["x"] * 60)  # too long for 64 positions with 8 new tokens
+    data = _write(tmp_path / "p.jsonl", rows)
+    db = tmp_path / "mlflow.db"
+    raw = job_config(
+        tiny_pair, data, tmp_path / "out", shard_size=3,
+        **{"mlflow.enabled": True, "mlflow.tracking_uri": f"sqlite:///{db}", "ray.num_actors": 1},
+    )  # fmt: skip
+    report = run_generate(from_dict(raw))
+    table = read_output(tmp_path / "out")
+    assert table.num_rows == 6 and table.column("finish_reason").to_pylist()[4] == "error"
+    assert "exceeds" in table.column("error").to_pylist()[4]
+    assert table.column("error").null_count == 5
+    assert report.exit_code == 1 and "1 of 6 prompts failed" in report.messages[0]
+    assert report.summary.prompts_failed == 1 and report.summary.prompts_completed == 5
+    assert (tmp_path / "out" / "_SUCCESS").exists()  # every prompt has a row
+
+    from mlflow.tracking import MlflowClient
+
+    run = MlflowClient(tracking_uri=report.tracking_uri).get_run(report.run_id)
+    assert run.data.metrics["prompts_failed"] == 1 and run.info.status == "FAILED"
+    # (a tolerant max_failed_fraction is exercised by the MLflow server test)
+
+
+def test_actors_killed_mid_shard_lose_and_duplicate_nothing(tiny_pair, prompts_jsonl, tmp_path, ray_local):
+    """Kill one actor so that Ray restarts it, and another for good: every shard still comes out once."""
+    import ray
+
+    raw = job_config(
+        tiny_pair, prompts_jsonl, tmp_path / "out", shard_size=10,
+        **{"spectr.max_new_tokens": 40, "spectr.batch_size": 1, "ray.max_restarts": 1},
+    )  # fmt: skip
+    pids: dict = {}
+    killed: dict[int, int] = {}  # shard index -> pid of the actor killed while it held the shard
+    shard_pids: dict[int, int] = {}
+    timers = []
+
+    def on_ready(actors, workers):
+        pids.update({actor: worker["pid"] for actor, worker in zip(actors, workers)})
+
+    def on_dispatch(actor, shard):
+        if len(killed) < 2 and shard.index not in killed and shard.index in (0, 1):
+            killed[shard.index] = pids[actor]
+            permanently = shard.index == 1
+            timers.append(threading.Timer(0.3, ray.kill, (actor,), {"no_restart": permanently}))
+            timers[-1].start()
+
+    def on_written(result):
+        shard_pids[result.index] = result.worker["pid"]
+
+    report = run_generate(from_dict(raw), RunHooks(on_ready, on_dispatch, on_written))
+    for timer in timers:
+        timer.join()
+    assert set(killed) == {0, 1}
+    for index, pid in killed.items():
+        assert shard_pids[index] != pid, f"shard {index} was not redone after its actor was killed"
+    table = read_output(tmp_path / "out")
+    assert table.column("id").to_pylist() == prompt_ids(prompts_jsonl)
+    assert report.exit_code == 0 and report.summary.prompts_completed == 40
+
+
+def test_cli_prints_one_line_and_exits_2_for_bad_input(tiny_pair, tmp_path):
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "jobs.generate",
+            f"model.target={tiny_pair['target']}", f"model.draft={tiny_pair['draft']}",
+            f"data.path={tmp_path}/missing.parquet", f"output_dir={tmp_path}/out", "mlflow.enabled=false",
+        ],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"error: data.path: no such file or directory: {tmp_path}/missing.parquet"
+    ]
+    assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
+
+
+def test_parquet_rows_read_back_with_pyarrow_dataset(finished_run):
+    """The output directory is a plain Parquet dataset for downstream tools."""
+    import pyarrow.dataset as ds
+
+    dataset = ds.dataset(str(finished_run["out"]), format="parquet", exclude_invalid_files=True)
+    assert dataset.count_rows() == 40
+    assert pq.read_metadata(finished_run["out"] / "part-00000.parquet").num_rows == 8
