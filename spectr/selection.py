@@ -42,7 +42,8 @@ import torch
 from spectr.rng import draw_uniforms, sample_categorical
 from spectr.validation import check_probabilities, check_shape, check_token_ids, check_uniforms
 
-# Bisection for rho* halves [1, k] (k <= a few hundred) until the ends meet in float64.
+# Bisection for rho* halves [1, k] until its ends are as close as the input dtype can tell
+# apart (relative 2 * eps), at most this many times (float64 reaches adjacent floats first).
 _BISECTION_STEPS = 64
 
 TokenSelector = Callable[
@@ -57,13 +58,19 @@ TokenSelector = Callable[
 
 
 def _beta(draft_probs: torch.Tensor, target_probs: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
-    """beta(rho) = sum_x min(p(x), q(x)/rho); p, q [N, V], rho [N] -> [N] float64."""
-    scaled = target_probs / rho.unsqueeze(-1).to(target_probs.dtype)  # [N, V]
-    return torch.minimum(draft_probs, scaled).sum(-1, dtype=torch.float64)  # [N]
+    """beta(rho) = sum_x min(p(x), q(x)/rho); p, q [N, V], rho [N] -> [N] float64.
+
+    Computed as (sum q - sum max(0, q - rho p)) / rho: one fused multiply-add, an in-place
+    clamp and a sum over V, in the dtype of the inputs.
+    """
+    scale = rho.to(draft_probs.dtype).unsqueeze(-1)  # [N, 1]
+    excess = torch.addcmul(target_probs, draft_probs, scale, value=-1.0).clamp_(min=0)  # [N, V]
+    target_mass = target_probs.sum(-1).to(torch.float64)  # [N]
+    return (target_mass - excess.sum(-1).to(torch.float64)) / rho
 
 
 def _kseq_gap(beta: torch.Tensor, rho: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
-    """f(rho) = 1 - (1 - beta)^k - rho * beta; >= 0 at rho = 1, <= 0 at rho = k."""
+    """f(rho) = 1 - (1 - beta)^k - rho * beta; >= 0 at rho = 1, <= 0 at rho = k, decreasing."""
     return 1.0 - (1.0 - beta).clamp(min=0.0).pow(num_drafts) - rho * beta
 
 
@@ -72,27 +79,41 @@ def _kseq_rho(
 ) -> torch.Tensor:
     """rho* per node. draft_probs, target_probs [N, V]; num_drafts [N] int -> [N] float64.
 
+    Bisection on [1, k] keeping the upper end, where 1 - (1 - beta)^k <= rho * beta: there
+    the accepted mass of every token stays below q, so the residual is a distribution.
     Nodes with k <= 1 get rho* = 1 (K-SEQ is speculative sampling there).
     """
     k = num_drafts.to(torch.float64)  # [N]
     rho = torch.ones_like(k)  # [N]
-    rows = (num_drafts > 1).nonzero().squeeze(-1)  # [M]
-    if rows.numel() == 0:
+    several = num_drafts > 1  # [N]
+    if not bool(several.any()):
         return rho
-    p = draft_probs.index_select(0, rows)  # [M, V]
-    q = target_probs.index_select(0, rows)  # [M, V]
-    k_rows = k.index_select(0, rows)  # [M]
+    if bool(several.all()):
+        rows, p, q, k_rows = None, draft_probs, target_probs, k
+    else:
+        rows = several.nonzero().squeeze(-1)  # [M]
+        p = draft_probs.index_select(0, rows)  # [M, V]
+        q = target_probs.index_select(0, rows)  # [M, V]
+        k_rows = k.index_select(0, rows)  # [M]
+    # Stop once the bracket is as narrow as the input dtype resolves (float64: adjacent
+    # floats; float32: beta itself is only known to about this relative precision).
+    resolution = 2.0 * torch.finfo(draft_probs.dtype).eps
     lo = torch.ones_like(k_rows)  # [M] f(lo) >= 0
     hi = k_rows.clone()  # [M] f(hi) <= 0: the valid side
+    # beta(mid) as in `_beta`, with one [M, V] buffer reused by every step.
+    excess = torch.empty_like(q)  # [M, V]
+    target_mass = q.sum(-1).to(torch.float64)  # [M]
     for _ in range(_BISECTION_STEPS):
         mid = 0.5 * (lo + hi)  # [M]
-        gap = _kseq_gap(_beta(p, q, mid), mid, k_rows)  # [M]
-        above = gap > 0
+        torch.addcmul(q, p, mid.to(p.dtype).unsqueeze(-1), value=-1.0, out=excess).clamp_(min=0)
+        beta = (target_mass - excess.sum(-1).to(torch.float64)) / mid  # [M]
+        above = _kseq_gap(beta, mid, k_rows) > 0  # [M]
         lo = torch.where(above, mid, lo)
         hi = torch.where(above, hi, mid)
-        next_mid = 0.5 * (lo + hi)  # [M]
-        if bool(((next_mid == lo) | (next_mid == hi)).all()):
-            break  # the ends are adjacent floats
+        if bool((hi - lo <= resolution * hi).all()):
+            break
+    if rows is None:
+        return hi
     rho[rows] = hi
     return rho
 

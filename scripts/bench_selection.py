@@ -1,0 +1,138 @@
+"""Benchmark of sequence-level selection on the CPU, as a ratio to one softmax.
+
+Times `spectr.sequence.select_sequences` at B = 64, K = 8, L = 8, V = 32000 (defaults) and,
+in the same run, one `torch.softmax` over the [B, K, L + 1, V] target logits; reports the
+ratio of medians (the steps are interleaved), and the peak resident memory each step adds
+above what is already held (Linux VmHWM, reset before each step).
+
+The inputs are built like the engine builds them: logits from random "models", where the
+target is the draft plus noise, so acceptance is realistic (neither all nor nothing).
+
+    python scripts/bench_selection.py [--batch 64 --drafts 8 --length 8 --vocab 32000]
+
+It does not time the models or drafting; it is not a test (no assertion on speed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from spectr.rng import make_generators, sample_categorical  # noqa: E402
+from spectr.sequence import select_sequences  # noqa: E402
+
+
+def build_inputs(batch: int, drafts: int, length: int, vocab: int, seed: int, dtype: torch.dtype):
+    """Draft tokens [B, K, L], draft probs [B, K, L, V], target logits [B, K, L + 1, V]."""
+    g = torch.Generator().manual_seed(seed)
+    draft_logits = 2.0 * torch.randn(batch, drafts, length + 1, vocab, generator=g, dtype=dtype)
+    target_logits = draft_logits + 0.5 * torch.randn(draft_logits.shape, generator=g, dtype=dtype)
+    draft_logits = draft_logits[:, :, :length]
+    draft_probs = torch.softmax(draft_logits, -1)  # [B, K, L, V]
+    del draft_logits
+    uniforms = torch.rand(batch, drafts, length, generator=g, dtype=torch.float64)
+    draft_tokens = sample_categorical(draft_probs, uniforms)  # [B, K, L]
+    # Drafts share prefixes in reality; make all drafts of a row agree on their first token
+    # half the time, so that the walk sees duplicates and alive counts below K.
+    share = torch.rand(batch, generator=g) < 0.5
+    draft_tokens[share, :, 0] = draft_tokens[share, :1, 0]
+    return draft_tokens, draft_probs, target_logits
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def peak_extra_memory_mib(fn) -> float:
+    """Peak resident memory `fn()` adds above the current RSS (Linux: resets VmHWM first)."""
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")  # reset the peak-RSS high-water mark of this process
+    before = _status_kib("VmRSS")
+    fn()
+    return (_status_kib("VmHWM") - before) / 1024
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--drafts", type=int, default=8)
+    parser.add_argument("--length", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--method", default="spectr")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    print("command:", " ".join(["python", *sys.argv]))
+    print(
+        f"B={args.batch} K={args.drafts} L={args.length} V={args.vocab} method={args.method} "
+        f"dtype={args.dtype} torch threads={args.threads} repeats={args.repeats} "
+        f"load average before={os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs"
+    )
+    dtype = getattr(torch, args.dtype)
+    draft_tokens, draft_probs, target_logits = build_inputs(
+        args.batch, args.drafts, args.length, args.vocab, args.seed, dtype
+    )
+    target_probs = torch.softmax(target_logits, -1)  # [B, K, L + 1, V]
+    call = {"n": 0}
+
+    def softmax():
+        return torch.softmax(target_logits, -1)
+
+    def select(validate: bool):
+        call["n"] += 1
+        seeds = range(call["n"] * args.batch, (call["n"] + 1) * args.batch)
+        return select_sequences(
+            draft_tokens,
+            draft_probs,
+            target_probs,
+            make_generators(seeds),
+            method=args.method,
+            validate=validate,
+        )
+
+    steps = {
+        "softmax": softmax,
+        "select": lambda: select(False),
+        "select+validate": lambda: select(True),
+    }
+    memory = {name: peak_extra_memory_mib(fn) for name, fn in steps.items()}  # also warms up
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    tokens_per_call = []
+    for _ in range(args.repeats):  # interleaved, so that load changes hit every step alike
+        for name, fn in steps.items():
+            start = time.perf_counter()
+            out = fn()
+            times[name].append(time.perf_counter() - start)
+            if name == "select":
+                tokens_per_call.append(float(out.num_tokens.double().mean()))
+    softmax_s = statistics.median(times["softmax"])
+    input_mib = sum(t.numel() * t.element_size() for t in (draft_probs, target_probs, target_logits)) / 2**20
+    print(f"inputs held: {input_mib:.0f} MiB; mean tokens per call {statistics.mean(tokens_per_call):.2f}")
+    for name in steps:
+        median = statistics.median(times[name])
+        print(
+            f"{name:16s} median {median * 1e3:8.1f} ms  (min {min(times[name]) * 1e3:7.1f} ms)  "
+            f"ratio to softmax {median / softmax_s:5.2f}x  peak extra memory {memory[name]:7.1f} MiB"
+        )
+    print(f"load average after={os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
