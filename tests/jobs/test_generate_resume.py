@@ -1,0 +1,91 @@
+"""Resume after the driver is SIGKILLed mid-run: exactly one row per prompt, finished shards untouched.
+
+The job runs as a real `python -m jobs.generate` process with its own local Ray. Once the manifest lists
+two finished shards, the driver gets SIGKILL (no cleanup of any kind); the same command is then run
+again in the same output directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.output import read_output
+
+
+def command(tiny_pair, data: Path, out: Path) -> list[str]:
+    return [
+        sys.executable, "-m", "jobs.generate",
+        f"model.target={tiny_pair['target']}", f"model.draft={tiny_pair['draft']}",
+        f"data.path={data}", f"output_dir={out}", "shard_size=4", "ray.num_actors=1", "ray.local_num_cpus=1",
+        "spectr.num_drafts=2", "spectr.draft_length=3", "spectr.max_new_tokens=40", "spectr.batch_size=1",
+        "mlflow.enabled=false", "progress=false",
+    ]  # fmt: skip
+
+
+def listed_shards(out: Path) -> dict[str, dict]:
+    try:
+        return json.loads((out / "_manifest.json").read_text())["shards"]
+    except (FileNotFoundError, json.JSONDecodeError, KeyError):
+        return {}
+
+
+def kill_session(process: subprocess.Popen) -> None:
+    """SIGKILL whatever is left of the process group we started (the job's own Ray processes)."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def test_driver_sigkill_then_rerun(tiny_pair, prompts_jsonl, tmp_path):
+    out = tmp_path / "out"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    driver = subprocess.Popen(
+        command(tiny_pair, prompts_jsonl, out),
+        cwd=tmp_path, env=env, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while len(listed_shards(out)) < 2:
+            assert driver.poll() is None, f"the job ended before it could be killed:\n{driver.stderr.read()}"
+            assert time.monotonic() < deadline, "no shard finished in time"
+            time.sleep(0.05)
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(timeout=30)
+    finally:
+        kill_session(driver)
+    before = listed_shards(out)
+    assert 2 <= len(before) < 10, "the kill should land mid-run"
+    assert not (out / "_SUCCESS").exists()
+    digests = {
+        entry["file"]: hashlib.sha256((out / entry["file"]).read_bytes()).hexdigest()
+        for entry in before.values()
+    }
+
+    rerun = subprocess.run(
+        command(tiny_pair, prompts_jsonl, out), cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=300, start_new_session=True,
+    )  # fmt: skip
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"resuming: {4 * len(before)} prompts already done" in rerun.stdout + rerun.stderr
+
+    ids = [json.loads(line)["id"] for line in prompts_jsonl.read_text().splitlines()]
+    assert read_output(out).column("id").to_pylist() == ids  # exactly one row per prompt, in order
+    assert (out / "_SUCCESS").exists() and len(listed_shards(out)) == 10
+    for name, digest in digests.items():
+        assert hashlib.sha256((out / name).read_bytes()).hexdigest() == digest, f"{name} changed"
+    assert not list(out.glob(".*tmp*"))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))
