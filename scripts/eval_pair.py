@@ -69,10 +69,15 @@ def score_sequences(target, draft, sequences: list[torch.Tensor], batch_size: in
 
 
 def heldout_windows(stream: torch.Tensor, window: int, max_tokens: int | None) -> list[torch.Tensor]:
-    """Non-overlapping windows of ``window`` predicted tokens (``window + 1`` ids each). # list of [window+1]"""
-    if max_tokens is not None:
-        stream = stream[: max_tokens + 1]
-    return [stream[i: i + window + 1].long() for i in range(0, stream.numel() - window, window)]
+    """Non-overlapping windows of ``window`` predicted tokens (``window + 1`` ids each). # list of [window+1]
+
+    With ``max_tokens``, an evenly spaced subset of the windows, so that every part of the stream is sampled.
+    """
+    windows = [stream[i: i + window + 1].long() for i in range(0, stream.numel() - window, window)]
+    if max_tokens is not None and len(windows) * window > max_tokens:
+        keep = max(1, max_tokens // window)
+        windows = [windows[round(i * (len(windows) - 1) / max(keep - 1, 1))] for i in range(keep)]
+    return windows
 
 
 @torch.no_grad()
@@ -143,6 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
     heldout = score_sequences(target, draft, heldout_windows(stream, args.window, args.max_heldout_tokens),
                               args.batch_size)
     results["heldout"] = {**heldout, "modules": len(manifest["heldout_modules"]),
+                          "stream_tokens": int(stream.numel()),
                           "seconds": round(time.perf_counter() - start, 1)}
     print(f"held-out: {heldout}", flush=True)
 
@@ -175,7 +181,8 @@ def results_table(results: dict, manifest: dict) -> str:
     prompts = results.get("prompts")
     rows = [
         ("parameters", f"{results['target_parameters']:,}", f"{results['draft_parameters']:,}"),
-        (f"held-out loss, nats/token ({heldout['positions']:,} positions, {heldout['modules']} modules)",
+        (f"held-out loss, nats/token ({heldout['positions']:,} scored positions of the {heldout['modules']} "
+         f"held-out modules' {heldout.get('stream_tokens', 0):,} tokens)",
          f"{heldout['target_loss']:.3f}", f"{heldout['draft_loss']:.3f}"),
     ]
     if prompts:
