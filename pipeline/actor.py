@@ -113,10 +113,13 @@ class ShardGenerator:
         """Where this generator runs (called once so that load errors surface before any shard)."""
         import socket
 
+        import ray
         import torch
 
+        node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
         return {
             "host": socket.gethostname(),
+            "node_id": node_id,
             "pid": os.getpid(),
             "device": self.device,
             "torch_threads": torch.get_num_threads(),

@@ -124,8 +124,20 @@ class Manifest:
     def save(self, output_dir: Path) -> None:
         _atomic_write_bytes(output_dir / MANIFEST_NAME, json.dumps(self.to_json(), indent=1).encode())
 
-    def record_shard(self, output_dir: Path, index: int, rows: int, stats: dict[str, Any]) -> None:
-        self.shards[index] = {"file": shard_file_name(index), "rows": rows, "stats": stats}
+    def record_shard(
+        self,
+        output_dir: Path,
+        index: int,
+        rows: int,
+        stats: dict[str, Any],
+        worker: dict[str, Any] | None = None,
+    ) -> None:
+        self.shards[index] = {
+            "file": shard_file_name(index),
+            "rows": rows,
+            "stats": stats,
+            "worker": worker or {},
+        }
         self.save(output_dir)
 
     @property

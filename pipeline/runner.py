@@ -308,7 +308,7 @@ def _execute(
 
             def on_result(result: ShardResult) -> None:
                 write_shard(output_dir, result.index, result.rows, schema)
-                manifest.record_shard(output_dir, result.index, len(result.rows), result.stats)
+                manifest.record_shard(output_dir, result.index, len(result.rows), result.stats, result.worker)
                 this_run.append(result.stats)
                 tokens = sum(s["generated_tokens"] for s in this_run)
                 calls = sum(s["target_calls"] for s in this_run)

@@ -1,0 +1,157 @@
+"""The job on a real 2-node Ray cluster, submitted with `ray job submit`, as docker/README.md does it.
+
+Both nodes run on 127.0.0.1 with one CPU each (`ray start --head` + `ray start --address=...`, token
+auth on), so the job's two CPU actors necessarily land on different nodes. The driver runs on the head as
+a Ray job and joins the cluster with `ray.address=auto`. The cluster is stopped by killing the process
+groups this test started (never `ray stop`, which would stop every Ray on the machine).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.output import read_output
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+BIN = Path(sys.executable).parent
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+class LocalCluster:
+    """`ray start --block` processes in their own sessions, so that we can stop exactly them."""
+
+    def __init__(self, temp_dir: Path):
+        self.temp_dir = temp_dir
+        # as with an activated venv (or the Docker image): `python` is the interpreter that has the project
+        path = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"
+        self.env = dict(
+            os.environ, PATH=path, RAY_AUTH_MODE="token", OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0"
+        )
+        self.nodes: list[subprocess.Popen] = []
+        self.gcs_port, self.dashboard_port, self.client_port = free_ports(3)
+
+    @property
+    def dashboard(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    def _start(self, args: list[str], log_name: str) -> None:
+        log = open(self.temp_dir.parent / log_name, "w")
+        self.nodes.append(
+            subprocess.Popen(
+                [str(BIN / "ray"), "start", "--block", "--node-ip-address=127.0.0.1", "--num-cpus=1", *args],
+                env=self.env,
+                start_new_session=True,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        )
+
+    def start(self) -> None:
+        self._start(
+            [
+                "--head", f"--port={self.gcs_port}", f"--temp-dir={self.temp_dir}",
+                "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}",
+                f"--ray-client-server-port={self.client_port}",
+            ],
+            "head.log",
+        )  # fmt: skip
+        self.wait_for_nodes(1)
+        self._start([f"--address=127.0.0.1:{self.gcs_port}"], "worker.log")
+        self.wait_for_nodes(2)
+
+    def ray(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [str(BIN / "ray"), *args], env=self.env, capture_output=True, text=True, timeout=timeout
+        )
+
+    def wait_for_nodes(self, count: int, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            for node in self.nodes:
+                assert node.poll() is None, (self.temp_dir.parent / "head.log").read_text()[-3000:]
+            status = self.ray("status", f"--address=127.0.0.1:{self.gcs_port}", timeout=60)
+            if status.returncode == 0 and status.stdout.count("node_") >= count:
+                return
+            assert time.monotonic() < deadline, (
+                f"cluster did not reach {count} node(s):\n{status.stdout}{status.stderr}"
+            )
+            time.sleep(1)
+
+    def stop(self) -> None:
+        for node in reversed(self.nodes):  # worker first, then head
+            try:
+                os.killpg(node.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                continue
+            try:
+                node.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        for node in self.nodes:  # anything left in our sessions
+            try:
+                os.killpg(node.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.fixture
+def cluster():
+    # a short temp dir: Ray's unix socket paths must stay under ~107 characters
+    root = Path(tempfile.mkdtemp(prefix="rc", dir="/tmp"))
+    cluster = LocalCluster(root / "ray")
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_job_submitted_to_a_two_node_cluster(cluster, tiny_pair, prompts_jsonl, tmp_path):
+    out = tmp_path / "out"
+    db = tmp_path / "mlflow.db"
+    submitted = cluster.ray(
+        "job", "submit", f"--address={cluster.dashboard}", "--",
+        "python", "-m", "jobs.generate", "ray=cluster",
+        f"model.target={tiny_pair['target']}", f"model.draft={tiny_pair['draft']}",
+        f"data.path={prompts_jsonl}", f"output_dir={out}", "shard_size=5", "ray.num_actors=2",
+        "spectr.max_new_tokens=16", f"mlflow.tracking_uri=sqlite:///{db}", "progress=false",
+    )  # fmt: skip
+    logs = submitted.stdout + submitted.stderr
+    assert submitted.returncode == 0, logs[-4000:]
+    assert "SpecTr generation summary" in logs and "succeeded" in logs
+
+    ids = [json.loads(line)["id"] for line in prompts_jsonl.read_text().splitlines()]
+    assert read_output(out).column("id").to_pylist() == ids
+    assert (out / "_SUCCESS").exists()
+    manifest = json.loads((out / "_manifest.json").read_text())
+    nodes = {entry["worker"]["node_id"] for entry in manifest["shards"].values()}
+    assert len(nodes) == 2, f"shards ran on {nodes}: expected one actor on each node"
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{db}")
+    (run,) = client.search_runs([client.get_experiment_by_name("spectr-generate").experiment_id])
+    assert run.data.metrics["prompts_completed"] == 40 and run.data.params["ray.address"] == "auto"
