@@ -57,10 +57,12 @@ def sample_categorical(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Ten
     cdf = probs.to(torch.float64).cumsum(-1)  # [..., V]
     total = cdf[..., -1:]  # [..., 1]
     target = uniforms.to(torch.float64).unsqueeze(-1) * total  # [..., 1]
-    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # [...]
-    # u * total < total always, but guard float edge cases: clamp, then step back over
-    # trailing zero-mass tokens so that a zero-probability token is never chosen.
-    idx = idx.clamp_(max=probs.shape[-1] - 1)
-    last_positive = (probs > 0).to(torch.int64).flip(-1).argmax(-1)  # [...] offset from the end
-    last_positive = probs.shape[-1] - 1 - last_positive
-    return torch.minimum(idx, last_positive)
+    idx = torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1)  # [..., 1]
+    # The first index whose cdf exceeds u * total has positive mass; only the clamp (u * total
+    # rounding up to total) can land on a trailing zero-mass token: step those back.
+    landed_on_zero = probs.gather(-1, idx) <= 0  # [..., 1]
+    if bool(landed_on_zero.any()):
+        positions = torch.arange(probs.shape[-1], device=probs.device)  # [V]
+        last_positive = torch.where(probs > 0, positions, -1).amax(-1, keepdim=True)  # [..., 1]
+        idx = torch.where(landed_on_zero, last_positive, idx)
+    return idx.squeeze(-1)

@@ -212,8 +212,8 @@ def select_kseq(draft_tokens, alive, draft_probs, target_probs, uniforms):
 def select_specinfer(draft_tokens, alive, draft_probs, target_probs, uniforms):
     """SpecInfer recursive rejection sampling with replacement, drafts in sampling order."""
     num_nodes, num_drafts = draft_tokens.shape
-    residual = target_probs.to(torch.float64)  # [N, V] current target of the next round
-    p = draft_probs.to(torch.float64)  # [N, V]
+    residual = target_probs  # [N, V] current target of the next round (replaced, never written)
+    p = draft_probs  # [N, V]
     accepted = torch.zeros(num_nodes, dtype=torch.bool, device=draft_tokens.device)  # [N]
     token = torch.zeros(num_nodes, dtype=torch.int64, device=draft_tokens.device)  # [N]
     for j in range(num_drafts):
@@ -233,7 +233,7 @@ def select_specinfer(draft_tokens, alive, draft_probs, target_probs, uniforms):
             # Zero leftover means r == p: a rejection then has probability 0; keep r as is.
             updated = torch.where(
                 mass > 0,
-                leftover / mass.clamp(min=torch.finfo(torch.float64).tiny),
+                leftover / mass.clamp(min=torch.finfo(mass.dtype).tiny),
                 residual.index_select(0, rejected_rows),
             )
             residual = residual.index_copy(0, rejected_rows, updated)

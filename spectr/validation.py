@@ -44,16 +44,20 @@ def check_probabilities(name: str, probs: torch.Tensor) -> None:
         )
     if probs.numel() == 0:
         return
-    not_finite = ~torch.isfinite(probs)
-    if bool(not_finite.any()):
-        idx = _first_index(not_finite)
-        raise ValueError(f"{name}{_where(idx)} is {probs[idx].item()} (must be finite)")
-    negative = probs < 0
-    if bool(negative.any()):
-        idx = _first_index(negative)
+    # Fast path: two reductions. NaN and inf propagate into the row sums.
+    accumulate = torch.float32 if probs.dtype in (torch.float16, torch.bfloat16) else probs.dtype
+    sums = probs.sum(-1, dtype=accumulate)  # [...]
+    if not bool(torch.isfinite(sums).all()):
+        not_finite = ~torch.isfinite(probs)
+        if bool(not_finite.any()):
+            idx = _first_index(not_finite)
+            raise ValueError(f"{name}{_where(idx)} is {probs[idx].item()} (must be finite)")
+        idx = _first_index(~torch.isfinite(sums))
+        raise ValueError(f"{name}{_where(idx)} sums to {sums[idx].item()} (overflow)")
+    if bool(probs.min() < 0):
+        idx = _first_index(probs < 0)
         raise ValueError(f"{name}{_where(idx)} = {probs[idx].item()} is negative")
     tolerance = _SUM_TOLERANCE.get(probs.dtype, 1e-4)
-    sums = probs.sum(-1, dtype=torch.float64)  # [...]
     off = (sums - 1.0).abs() > tolerance
     if bool(off.any()):
         idx = _first_index(off)

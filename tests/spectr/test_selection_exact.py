@@ -299,3 +299,33 @@ def test_optimal_acceptance_is_one_iff_q_dominates_p_power():
             assert (alpha > 1 - 1e-12) == dominated
             seen.add(dominated)
     assert seen == {True, False}
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_batched_rho_matches_reference_bisection(dtype, tolerance):
+    """The batched rho* (fused beta, dtype-aware stop) agrees with the plain-Python bisection.
+
+    Compared through what rho* decides, the acceptance 1 - (1 - beta)^k: near p == q, f is
+    flat to below float precision over a small interval, and any rho* there is as good.
+    """
+    from spectr.reference import reference_beta, reference_rho
+
+    p, q = random_pairs(40, 7, seed=11)
+    p[::4] = q[::4]  # identical rows
+    p[1::8, :3] = 0.0  # p = 0 where q > 0
+    p = p / p.sum(-1, keepdim=True)
+    q[2::8] = torch.tensor([0, 0, 0, 0.25, 0.25, 0.25, 0.25], dtype=torch.float64)  # disjoint supports
+    p[2::8] = torch.tensor([1 / 3, 1 / 3, 1 / 3, 0, 0, 0, 0], dtype=torch.float64)
+    counts = torch.arange(40) % 7 + 1
+    batched = kseq_rho(p.to(dtype), q.to(dtype), counts)
+    for i in range(40):
+        pi, qi, k = p[i].tolist(), q[i].tolist(), int(counts[i])
+        expected_rho = reference_rho(pi, qi, k)
+        beta_batched, beta_reference = (
+            reference_beta(pi, qi, float(batched[i])),
+            reference_beta(pi, qi, expected_rho),
+        )
+        acceptance = 1 - (1 - beta_batched) ** k
+        assert acceptance == pytest.approx(1 - (1 - beta_reference) ** k, abs=tolerance)
+        assert acceptance <= float(batched[i]) * beta_batched + tolerance  # the valid side
+        assert 1.0 <= float(batched[i]) <= k
