@@ -1,0 +1,446 @@
+"""The benchmark job as the driver runs it: one process, one draft/target pair, every method, one run.
+
+    report = run_benchmark(config)   # config: pipeline.benchmark_config.BenchConfig
+
+1) load the pair and the prompts exactly as the main job does (`pipeline.models`, `pipeline.io`), cut
+   each prompt to its last `max_prompt_tokens` tokens; the first prompts are the benchmark subset
+   (batch size B runs ceil(num_prompts / B) batches of B of them), the next ones are the held-out
+   prompts of the optimality analysis;
+2) for each configuration of the grid (`expand_grid`; tqdm bar): one untimed warm-up run on the
+   first batch with `warmup_tokens` new tokens, then `repeats` timed runs with seeds seed + 1000 r
+   (`pipeline.benchmark_methods.run_case`); tokens/s is the median over repeats, block efficiency and
+   acceptance pool all repeats;
+3) token-level optimality (`pipeline.benchmark_optimality`);
+4) cost model: per-call latencies, then a prediction for every timed run (`pipeline.benchmark_cost`);
+5) report (`pipeline.benchmark_report`): printed table, Markdown, CSV, PNG plots, goals, benchmark.log,
+   all logged to MLflow as artifacts of one run (`mlflow.enabled`).
+
+The whole job runs in this process (no Ray): a benchmark wants one pair on one device and nothing else
+running. It does not write generations anywhere; that is the main job.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline import io, models
+from pipeline.benchmark_config import HF_ASSISTED, HF_GENERATE, BenchCase, BenchConfig, expand_grid
+from pipeline.benchmark_cost import (
+    DRAFT,
+    TARGET,
+    LatencyTable,
+    Prediction,
+    measure_latencies,
+    predict_seconds,
+    prefill_latency,
+)
+from pipeline.benchmark_methods import CaseRun, PeakMemory, SamplingSettings, run_case
+from pipeline.benchmark_optimality import OptimalityResult, run_optimality
+from pipeline.errors import JobInputError
+from spectr.hf import HFCausalLM
+from spectr.warps import SamplingWarp
+
+SEED_STRIDE = 1000  # repeat r seeds its rows from seed + SEED_STRIDE * r
+
+
+@dataclass
+class Pair:
+    target: Any
+    draft: Any
+    tokenizer: Any
+    eos_token_id: int | None
+    pad_token_id: int
+    device: torch.device
+
+
+@dataclass
+class CaseResult:
+    """All timed runs of one configuration and what is derived from them."""
+
+    case: BenchCase
+    runs: list[CaseRun] = field(default_factory=list)
+    error: str | None = None
+    predictions: list[Prediction] = field(default_factory=list)
+    speedup_vs_autoregressive: float | None = None
+    speedup_vs_hf_generate: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and bool(self.runs)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return statistics.median(r.tokens_per_second for r in self.runs) if self.runs else float("nan")
+
+    @property
+    def tokens_per_second_spread(self) -> tuple[float, float]:
+        values = [r.tokens_per_second for r in self.runs]
+        return (min(values), max(values)) if values else (float("nan"), float("nan"))
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(r.generated_tokens for r in self.runs)
+
+    @property
+    def target_calls(self) -> int:
+        return sum(r.target_calls for r in self.runs)
+
+    @property
+    def block_efficiency(self) -> float:
+        calls = self.target_calls
+        return self.generated_tokens / calls if calls else float("nan")
+
+    @property
+    def accepted_per_position(self) -> list[int]:
+        total: list[int] = []
+        for run in self.runs:
+            total = (
+                [a + b for a, b in zip(total, run.accepted_per_position)]
+                if total
+                else list(run.accepted_per_position)
+            )
+        return total
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        """P(position j accepted | position j tested): tested_0 = target calls, tested_j = accepted_{j-1}."""
+        accepted = self.accepted_per_position
+        tested = [self.target_calls, *accepted[:-1]]
+        return [a / t if t else float("nan") for a, t in zip(accepted, tested)]
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens / tested draft positions (the DESIGN.md definition)."""
+        accepted = self.accepted_per_position
+        if not accepted:
+            return float("nan")
+        tested = self.target_calls + sum(accepted[:-1])
+        return sum(accepted) / tested if tested else float("nan")
+
+    def _seconds(self, name: str) -> float:
+        return sum(getattr(r, name) for r in self.runs)
+
+    @property
+    def time_split(self) -> dict[str, float]:
+        """Fractions of the wall time over all repeats: draft, target, selection, other."""
+        wall = self._seconds("wall_seconds")
+        if not wall:
+            return dict.fromkeys(("draft", "target", "selection", "other"), float("nan"))
+        return {
+            "draft": self._seconds("draft_seconds") / wall,
+            "target": self._seconds("target_seconds") / wall,
+            "selection": self._seconds("selection_seconds") / wall,
+            "other": self._seconds("other_seconds") / wall,
+        }
+
+    @property
+    def peak_memory_bytes(self) -> int:
+        return max((r.peak_memory_bytes for r in self.runs), default=0)
+
+    @property
+    def predicted_tokens_per_second(self) -> float | None:
+        if not self.predictions:
+            return None
+        return statistics.median(
+            p.tokens_per_second(r.generated_tokens) for p, r in zip(self.predictions, self.runs)
+        )
+
+    @property
+    def prediction_error(self) -> float | None:
+        """(predicted - measured) / measured tokens/s."""
+        predicted = self.predicted_tokens_per_second
+        if predicted is None or not self.tokens_per_second:
+            return None
+        return predicted / self.tokens_per_second - 1.0
+
+    @property
+    def predicted_split(self) -> dict[str, float] | None:
+        if not self.predictions:
+            return None
+        total = sum(p.seconds for p in self.predictions)
+        return {
+            "draft": sum(p.draft_seconds for p in self.predictions) / total,
+            "target": sum(p.target_seconds for p in self.predictions) / total,
+            "selection": sum(p.selection_seconds for p in self.predictions) / total,
+        }
+
+
+@dataclass
+class BenchmarkReport:
+    config: BenchConfig
+    output_dir: Path
+    results: list[CaseResult]
+    optimality: OptimalityResult | None
+    latencies: LatencyTable | None
+    environment: dict[str, Any]
+    files: list[Path] = field(default_factory=list)
+    goals: list[Any] = field(default_factory=list)  # pipeline.benchmark_report.Goal
+    text: str = ""
+    run_id: str | None = None
+    tracking_uri: str | None = None
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if all(r.ok for r in self.results) else 1
+
+
+# ---------------------------------------------------------------------------------------
+# 1) pair and prompts
+# ---------------------------------------------------------------------------------------
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise JobInputError(f"device: {name} requested but CUDA is not available on this machine")
+    return device
+
+
+def load_pair(config: BenchConfig, device: torch.device) -> Pair:
+    """The main job's checks (directories, vocabularies, identical tokenizers), then both models."""
+    m = config.model
+    target_dir = models.check_model_dir(m.target, "model.target", m.allow_pickle)
+    draft_dir = models.check_model_dir(m.draft, "model.draft", m.allow_pickle)
+    target_vocab = models.vocab_size_of(target_dir, m.trust_remote_code)
+    draft_vocab = models.vocab_size_of(draft_dir, m.trust_remote_code)
+    if target_vocab != draft_vocab:
+        raise JobInputError(
+            f"model.draft: vocabulary sizes differ: target {target_dir} has {target_vocab}, draft {draft_dir} has {draft_vocab}"
+        )
+    target_tok = models.load_tokenizer(target_dir, "model.target", m.trust_remote_code)
+    draft_tok = models.load_tokenizer(draft_dir, "model.draft", m.trust_remote_code)
+    models.check_same_tokenizer(target_tok, draft_tok, target_dir, draft_dir)
+    target = models.load_model(str(target_dir), m, str(device))
+    draft = models.load_model(str(draft_dir), m, str(device))
+    eos = models.eos_token_id_of(target, target_tok)
+    pad = target_tok.pad_token_id if target_tok.pad_token_id is not None else (eos if eos is not None else 0)
+    return Pair(target, draft, target_tok, eos, int(pad), device)
+
+
+def prompt_counts(config: BenchConfig) -> tuple[int, int]:
+    """(benchmark prompts, optimality prompts) the configuration needs."""
+    g = config.bench
+    bench = max(math.ceil(g.num_prompts / b) * b for b in g.batch_sizes)
+    return bench, g.optimality.num_prompts if g.optimality.enabled else 0
+
+
+def load_prompts(config: BenchConfig, tokenizer: Any) -> tuple[list[list[int]], list[list[int]]]:
+    """Token ids of the benchmark prompts and of the held-out optimality prompts (disjoint)."""
+    table = io.read_prompts(config.data)
+    texts = models.render_prompts(tokenizer, config.data, table.prompts, table.messages)
+    needed_bench, needed_optimality = prompt_counts(config)
+    if len(texts) < needed_bench + needed_optimality:
+        raise JobInputError(
+            f"data: {config.data.path} gives {len(texts)} prompt(s) (data.limit={config.data.limit}), but the "
+            f"benchmark needs {needed_bench} (bench.num_prompts={config.bench.num_prompts}, batch sizes "
+            f"{list(config.bench.batch_sizes)}) + {needed_optimality} (bench.optimality.num_prompts)"
+        )
+    texts = texts[: needed_bench + needed_optimality]
+    token_ids = models.tokenize(tokenizer, texts, config.data.add_special_tokens)
+    keep = config.bench.max_prompt_tokens
+    for row, ids in enumerate(token_ids):
+        if not ids:
+            raise JobInputError(f"data: prompt {row} ({table.ids[row]!r}) tokenizes to no tokens")
+    token_ids = [ids[-keep:] for ids in token_ids]
+    return token_ids[:needed_bench], token_ids[needed_bench:]
+
+
+def batches_for(prompts: list[list[int]], batch_size: int, num_prompts: int) -> list[list[list[int]]]:
+    count = math.ceil(num_prompts / batch_size)
+    return [prompts[i * batch_size : (i + 1) * batch_size] for i in range(count)]
+
+
+# ---------------------------------------------------------------------------------------
+# 2)-4) measurements
+# ---------------------------------------------------------------------------------------
+
+
+def sampling_settings(config: BenchConfig, pair: Pair, max_new_tokens: int | None = None) -> SamplingSettings:
+    g = config.bench
+    return SamplingSettings(
+        max_new_tokens=max_new_tokens or g.max_new_tokens,
+        temperature=g.temperature,
+        top_k=g.top_k,
+        top_p=g.top_p,
+        eos_token_id=None if g.ignore_eos else pair.eos_token_id,
+        pad_token_id=pair.pad_token_id,
+        assisted_tokens=g.assisted_tokens,
+        memory_sample_ms=g.memory_sample_ms,
+    )
+
+
+def measure_case(config: BenchConfig, pair: Pair, case: BenchCase, batches) -> CaseResult:
+    g = config.bench
+    result = CaseResult(case)
+    try:
+        if g.warmup_tokens > 0:
+            run_case(pair, case, batches[:1], sampling_settings(config, pair, g.warmup_tokens), g.seed)
+        settings = sampling_settings(config, pair)
+        for repeat in range(g.repeats):
+            result.runs.append(run_case(pair, case, batches, settings, g.seed + SEED_STRIDE * repeat))
+    except (RuntimeError, ValueError, MemoryError) as err:  # one failed configuration does not end the run
+        result.error = f"{type(err).__name__}: {err}"
+        result.runs = []
+    return result
+
+
+def attach_speedups(results: list[CaseResult]) -> None:
+    baseline: dict[tuple[str, int], float] = {}
+    for r in results:
+        if r.ok and r.case.method in ("autoregressive", HF_GENERATE):
+            baseline[(r.case.method, r.case.batch_size)] = r.tokens_per_second
+    for r in results:
+        if not r.ok:
+            continue
+        ours = baseline.get(("autoregressive", r.case.batch_size))
+        hf = baseline.get((HF_GENERATE, r.case.batch_size))
+        r.speedup_vs_autoregressive = r.tokens_per_second / ours if ours else None
+        r.speedup_vs_hf_generate = r.tokens_per_second / hf if hf else None
+
+
+def attach_predictions(
+    config: BenchConfig, pair: Pair, results: list[CaseResult], bench_prompts, on_step=None
+) -> LatencyTable:
+    """Measure the latencies the cost model needs, then predict every timed run of our methods."""
+    g = config.bench
+    ours = [r for r in results if r.ok and r.case.method not in (HF_GENERATE, HF_ASSISTED)]
+    target_lm, draft_lm = HFCausalLM(pair.target, role="target"), HFCausalLM(pair.draft, role="draft")
+    warp = SamplingWarp(g.temperature, g.top_k, g.top_p)
+    context = round(statistics.mean(len(p) for p in bench_prompts) + g.max_new_tokens / 2)
+    batch_sizes = sorted(
+        {b for b in g.cost_model.latency_batch_sizes if b <= max(g.batch_sizes)} | set(g.batch_sizes)
+    )
+    table = measure_latencies(
+        target_lm,
+        draft_lm,
+        [r.case for r in ours],
+        batch_sizes,
+        context,
+        warp,
+        g.cost_model.latency_repeats,
+        on_step,
+    )
+    prefill_cache: dict[tuple[str, tuple], float] = {}
+
+    def prefill_of(role: str, model: HFCausalLM, batch) -> float:
+        key = (role, tuple(map(tuple, batch)))
+        if key not in prefill_cache:
+            prefill_cache[key] = prefill_latency(model, batch, g.cost_model.latency_repeats)
+            table.add(f"prefill_{role}", len(batch), (max(len(p) for p in batch) - 1,), prefill_cache[key])
+        return prefill_cache[key]
+
+    for r in ours:
+        batches = batches_for(bench_prompts, r.case.batch_size, g.num_prompts)
+        prefills = [
+            (
+                prefill_of(TARGET, target_lm, b),
+                0.0 if r.case.method == "autoregressive" else prefill_of(DRAFT, draft_lm, b),
+            )
+            for b in batches
+        ]
+        r.predictions = [
+            predict_seconds(
+                table,
+                r.case.method,
+                r.case.num_drafts,
+                r.case.draft_length,
+                run.row_target_calls,
+                run.tokens_per_call_histogram,
+                prefills,
+            )
+            for run in r.runs
+        ]
+    return table
+
+
+def environment(config: BenchConfig, device: torch.device, started: float) -> dict[str, Any]:
+    import os
+    import platform
+
+    import transformers
+
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    return {
+        "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
+        "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "load_average_at_start": round(load[0], 2),
+        "started_utc": datetime.fromtimestamp(started, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+        "memory_kind": PeakMemory(device, 1.0).kind,
+    }
+
+
+def run_benchmark(config: BenchConfig, command: str | None = None) -> BenchmarkReport:
+    """The whole job (see the module docstring). Raises JobInputError for bad input before measuring."""
+    from tqdm.auto import tqdm
+
+    from pipeline import benchmark_report
+
+    started = time.time()
+    device = resolve_device(config.device)
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+    env = environment(config, device, started)
+    env["command"] = command or "python -m jobs.benchmark"
+    pair = load_pair(config, device)
+    bench_prompts, optimality_prompts = load_prompts(config, pair.tokenizer)
+    g = config.bench
+    cases = expand_grid(g)
+    output_dir = (
+        Path(config.output_dir or f"runs/benchmark-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}")
+        .expanduser()
+        .resolve()
+    )
+    output_dir.mkdir(parents=True, exist_ok=True)
+    tracker = benchmark_report.make_tracker(config)
+    tracker.start(config)
+    try:
+        results = []
+        bar = tqdm(cases, desc="configurations", unit="cfg", disable=not config.progress, dynamic_ncols=True)
+        for case in bar:
+            bar.set_postfix_str(case.label)
+            batches = batches_for(bench_prompts, case.batch_size, g.num_prompts)
+            results.append(measure_case(config, pair, case, batches))
+        bar.close()
+        attach_speedups(results)
+
+        optimality = None
+        if g.optimality.enabled:
+            optimality = run_optimality(
+                pair.target,
+                pair.draft,
+                optimality_prompts,
+                g.optimality.continuation_tokens,
+                SamplingWarp(g.temperature, g.top_k, g.top_p),
+                g.seed,
+                g.optimality.max_drafts,
+            )
+        latencies = None
+        if g.cost_model.enabled and any(
+            r.ok and r.case.method not in (HF_GENERATE, HF_ASSISTED) for r in results
+        ):
+            latencies = attach_predictions(config, pair, results, bench_prompts)
+        env["wall_minutes"] = round((time.time() - started) / 60.0, 2)
+        env["load_average_at_end"] = round(__import__("os").getloadavg()[0], 2)
+        report = BenchmarkReport(config, output_dir, results, optimality, latencies, env)
+        benchmark_report.write_report(report)
+        tracker.finish(report)
+    except BaseException:
+        tracker.fail()
+        raise
+    report.run_id, report.tracking_uri = tracker.run_id, tracker.tracking_uri
+    return report

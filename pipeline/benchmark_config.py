@@ -1,0 +1,309 @@
+"""Typed, validated configuration of the benchmark job (`python -m jobs.benchmark`).
+
+`bench_config_from_dict` turns the composed Hydra config (conf/benchmark.yaml: the main job's `model`,
+`data` and `mlflow` groups plus the `bench` group) into a frozen `BenchConfig`, checking every key, type
+and range, and raises `JobInputError` naming the key. The `model`, `data` and `mlflow` sections are
+validated by the main job's own rules (`pipeline.config.from_dict`), so both jobs accept the same values.
+
+This module also expands the grid into the list of `BenchCase`s the runner measures. It does not load
+models or time anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+from pipeline.config import DataConfig, MlflowConfig, ModelConfig, from_dict
+from pipeline.errors import JobInputError
+
+HF_GENERATE = "hf_generate"
+HF_ASSISTED = "hf_assisted"
+OUR_METHODS = ("autoregressive", "speculative", "spectr", "specinfer")
+METHODS = (HF_GENERATE, HF_ASSISTED, *OUR_METHODS)
+
+
+@dataclass(frozen=True)
+class OptimalityConfig:
+    enabled: bool = True
+    num_prompts: int = 8  # held-out prompts, taken after the benchmark prompts
+    continuation_tokens: int = 48  # target-sampled tokens per prompt
+    max_drafts: int = 8  # report K = 1..max_drafts
+
+
+@dataclass(frozen=True)
+class CostModelConfig:
+    enabled: bool = True
+    latency_repeats: int = 5
+    latency_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
+
+
+@dataclass(frozen=True)
+class GridConfig:
+    methods: tuple[str, ...] = METHODS
+    num_drafts: tuple[int, ...] = (1, 2, 4, 8)
+    draft_lengths: tuple[int, ...] = (2, 4, 8)
+    batch_sizes: tuple[int, ...] = (1, 16)
+    num_prompts: int = 4
+    max_prompt_tokens: int = 64
+    max_new_tokens: int = 32
+    ignore_eos: bool = True
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    repeats: int = 3
+    warmup_tokens: int = 8
+    assisted_tokens: int = 4
+    memory_sample_ms: float = 10.0
+    optimality: OptimalityConfig = OptimalityConfig()
+    cost_model: CostModelConfig = CostModelConfig()
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    model: ModelConfig
+    data: DataConfig
+    mlflow: MlflowConfig
+    bench: GridConfig
+    output_dir: str | None = None
+    device: str = "auto"
+    threads: int | None = None
+    progress: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class BenchCase:
+    """One configuration of the grid: a method at one batch size (K, L = 0 where they do not apply)."""
+
+    method: str
+    batch_size: int
+    num_drafts: int = 0
+    draft_length: int = 0
+
+    @property
+    def label(self) -> str:
+        if self.method in ("speculative", "spectr", "specinfer"):
+            return f"{self.method} K={self.num_drafts} L={self.draft_length} B={self.batch_size}"
+        if self.method == HF_ASSISTED:
+            return f"{self.method} L={self.draft_length} B={self.batch_size}"
+        return f"{self.method} B={self.batch_size}"
+
+
+def bench_config_from_omegaconf(cfg: Any) -> BenchConfig:
+    """Resolve a composed OmegaConf/Hydra config and validate it into a `BenchConfig`."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        container = OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as err:
+        raise JobInputError(f"config: {err}") from None
+    container.pop("hydra", None)
+    return bench_config_from_dict(container)
+
+
+def bench_config_from_dict(raw: dict[str, Any]) -> BenchConfig:
+    if not isinstance(raw, dict):
+        raise JobInputError(f"config: expected a mapping, got {type(raw).__name__}")
+    known = {f.name for f in fields(BenchConfig)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise JobInputError(f"config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    for section in ("model", "data", "bench"):
+        if not isinstance(raw.get(section), dict):
+            raise JobInputError(f"config: missing section '{section}'")
+    # The main job's validation of the shared sections (its other sections take their defaults).
+    shared = from_dict(
+        {
+            "model": raw["model"],
+            "data": raw["data"],
+            "mlflow": raw.get("mlflow") or {},
+            "spectr": {},
+            "ray": {},
+        }
+    )
+    grid = _grid(raw["bench"])
+    device = raw.get("device", "auto")
+    if not isinstance(device, str) or not (device in ("auto", "cpu") or device.startswith("cuda")):
+        raise JobInputError(f"config: device must be auto, cpu, cuda or cuda:N, got {device!r}")
+    threads = raw.get("threads")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise JobInputError(f"config: threads must be an int >= 1 or null, got {threads!r}")
+    output_dir = raw.get("output_dir")
+    if output_dir is not None and (not isinstance(output_dir, str) or not output_dir.strip()):
+        raise JobInputError(f"config: output_dir must be a directory or null, got {output_dir!r}")
+    progress = raw.get("progress", True)
+    if not isinstance(progress, bool):
+        raise JobInputError(f"config: progress must be true or false, got {progress!r}")
+    return BenchConfig(shared.model, shared.data, shared.mlflow, grid, output_dir, device, threads, progress)
+
+
+def _grid(raw: dict[str, Any]) -> GridConfig:
+    known = {f.name: f for f in fields(GridConfig)}
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise JobInputError(
+            f"config: unknown key(s) {', '.join('bench.' + k for k in unknown)}; 'bench' takes: {', '.join(known)}"
+        )
+    values: dict[str, Any] = {}
+    for name in (
+        "num_prompts",
+        "max_prompt_tokens",
+        "max_new_tokens",
+        "top_k",
+        "seed",
+        "repeats",
+        "warmup_tokens",
+        "assisted_tokens",
+    ):
+        if name in raw:
+            values[name] = _int(raw[name], f"bench.{name}")
+    for name in ("temperature", "top_p", "memory_sample_ms"):
+        if name in raw:
+            values[name] = _float(raw[name], f"bench.{name}")
+    if "ignore_eos" in raw:
+        values["ignore_eos"] = _bool(raw["ignore_eos"], "bench.ignore_eos")
+    for name in ("num_drafts", "draft_lengths", "batch_sizes"):
+        if name in raw:
+            values[name] = _int_list(raw[name], f"bench.{name}", minimum=1)
+    if "methods" in raw:
+        methods = raw["methods"]
+        if not isinstance(methods, (list, tuple)) or not methods:
+            raise JobInputError(f"config: bench.methods must be a non-empty list of {', '.join(METHODS)}")
+        for i, method in enumerate(methods):
+            if method not in METHODS:
+                raise JobInputError(
+                    f"config: bench.methods[{i}] = {method!r} is not one of {', '.join(METHODS)}"
+                )
+        values["methods"] = tuple(dict.fromkeys(methods))
+    if "optimality" in raw:
+        values["optimality"] = _optimality(raw["optimality"])
+    if "cost_model" in raw:
+        values["cost_model"] = _cost_model(raw["cost_model"])
+    grid = GridConfig(**values)
+    _check_grid(grid)
+    return grid
+
+
+def _optimality(raw: Any) -> OptimalityConfig:
+    if not isinstance(raw, dict):
+        raise JobInputError("config: bench.optimality must be a mapping")
+    _no_unknown(raw, OptimalityConfig, "bench.optimality")
+    values: dict[str, Any] = {}
+    if "enabled" in raw:
+        values["enabled"] = _bool(raw["enabled"], "bench.optimality.enabled")
+    for name in ("num_prompts", "continuation_tokens", "max_drafts"):
+        if name in raw:
+            values[name] = _int(raw[name], f"bench.optimality.{name}")
+            if values[name] < 1:
+                raise JobInputError(f"config: bench.optimality.{name} must be >= 1, got {values[name]}")
+    return OptimalityConfig(**values)
+
+
+def _cost_model(raw: Any) -> CostModelConfig:
+    if not isinstance(raw, dict):
+        raise JobInputError("config: bench.cost_model must be a mapping")
+    _no_unknown(raw, CostModelConfig, "bench.cost_model")
+    values: dict[str, Any] = {}
+    if "enabled" in raw:
+        values["enabled"] = _bool(raw["enabled"], "bench.cost_model.enabled")
+    if "latency_repeats" in raw:
+        values["latency_repeats"] = _int(raw["latency_repeats"], "bench.cost_model.latency_repeats")
+        if values["latency_repeats"] < 1:
+            raise JobInputError(
+                f"config: bench.cost_model.latency_repeats must be >= 1, got {values['latency_repeats']}"
+            )
+    if "latency_batch_sizes" in raw:
+        values["latency_batch_sizes"] = _int_list(
+            raw["latency_batch_sizes"], "bench.cost_model.latency_batch_sizes", minimum=1
+        )
+    return CostModelConfig(**values)
+
+
+def _no_unknown(raw: dict[str, Any], cls: type, prefix: str) -> None:
+    unknown = sorted(set(raw) - {f.name for f in fields(cls)})
+    if unknown:
+        raise JobInputError(f"config: unknown key(s) {', '.join(prefix + '.' + k for k in unknown)}")
+
+
+def _check_grid(g: GridConfig) -> None:
+    def bad(key: str, rule: str, value: Any) -> JobInputError:
+        return JobInputError(f"config: bench.{key} must be {rule}, got {value!r}")
+
+    for key in ("num_prompts", "max_prompt_tokens", "max_new_tokens", "repeats", "assisted_tokens"):
+        if getattr(g, key) < 1:
+            raise bad(key, ">= 1", getattr(g, key))
+    for key in ("top_k", "seed", "warmup_tokens"):
+        if getattr(g, key) < 0:
+            raise bad(key, ">= 0", getattr(g, key))
+    if not math.isfinite(g.temperature) or g.temperature < 0:
+        raise bad("temperature", "a finite number >= 0 (0 means greedy)", g.temperature)
+    if not 0.0 < g.top_p <= 1.0:
+        raise bad("top_p", "in (0, 1]", g.top_p)
+    if not g.memory_sample_ms > 0:
+        raise bad("memory_sample_ms", "> 0", g.memory_sample_ms)
+    if g.temperature == 0 and HF_ASSISTED in g.methods:
+        # assisted generation with do_sample=False is greedy matching, a different algorithm
+        raise bad("temperature", "> 0 when hf_assisted is benchmarked (it is measured with sampling)", 0.0)
+
+
+def _int(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise JobInputError(f"config: {key} must be an int, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _float(value: Any, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise JobInputError(f"config: {key} must be a number, got {value!r} ({type(value).__name__})")
+    return float(value)
+
+
+def _bool(value: Any, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise JobInputError(f"config: {key} must be true or false, got {value!r}")
+    return value
+
+
+def _int_list(value: Any, key: str, minimum: int) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)) or not value:
+        raise JobInputError(f"config: {key} must be a non-empty list of ints, got {value!r}")
+    for i, item in enumerate(value):
+        if isinstance(item, bool) or not isinstance(item, int) or item < minimum:
+            raise JobInputError(f"config: {key}[{i}] must be an int >= {minimum}, got {item!r}")
+    return tuple(sorted(set(value)))
+
+
+def expand_grid(g: GridConfig) -> list[BenchCase]:
+    """The configurations to measure, in run order (per batch size: baselines first, then by L, K).
+
+    K = 1 is speculative sampling whatever the selection rule (K-SEQ and SpecInfer reduce to it), so it
+    is measured once, as `speculative`, when `speculative` is listed or K = 1 is in the grid of a
+    multi-draft method; `spectr` and `specinfer` are measured for K >= 2. HF assisted generation runs
+    at batch size 1 only (transformers 5 refuses larger batches) with L = `assisted_tokens`.
+    """
+    cases: list[BenchCase] = []
+    multi = [m for m in ("spectr", "specinfer") if m in g.methods]
+    want_speculative = "speculative" in g.methods or (bool(multi) and 1 in g.num_drafts)
+    for batch in g.batch_sizes:
+        if HF_GENERATE in g.methods:
+            cases.append(BenchCase(HF_GENERATE, batch))
+        if HF_ASSISTED in g.methods and batch == 1:
+            cases.append(BenchCase(HF_ASSISTED, batch, 1, g.assisted_tokens))
+        if "autoregressive" in g.methods:
+            cases.append(BenchCase("autoregressive", batch))
+        for length in g.draft_lengths:
+            if want_speculative:
+                cases.append(BenchCase("speculative", batch, 1, length))
+            for drafts in g.num_drafts:
+                if drafts == 1:
+                    continue
+                for method in multi:
+                    cases.append(BenchCase(method, batch, drafts, length))
+    return cases
