@@ -30,7 +30,7 @@ import torch
 
 from spectr.rng import draw_uniforms, sample_categorical
 from spectr.selection import get_token_selector
-from spectr.validation import check_probabilities, check_shape, check_token_ids
+from spectr.validation import check_probabilities, check_shape, check_token_ids, check_uniforms
 
 PAD_TOKEN = -1
 
@@ -70,22 +70,38 @@ def select_sequences(
     validate: bool = True,
 ) -> SequenceSelection:
     """Sequence-level selection for a batch of draft sets; see the module docstring."""
-    selector = get_token_selector(method)
     if validate:
-        _check_sequence_inputs(draft_tokens, draft_probs, target_probs, generators, method)
+        get_token_selector(method)
+        _check_sequence_inputs(draft_tokens, draft_probs, target_probs, method)
+    if len(generators) != draft_tokens.shape[0]:
+        raise ValueError(
+            f"generators has {len(generators)} entries, expected one per row (B = {draft_tokens.shape[0]})"
+        )
     batch_size, num_drafts, draft_length = draft_tokens.shape
     uniforms = draw_uniforms(generators, uniforms_shape(num_drafts, draft_length), device=draft_tokens.device)
-    return select_sequences_with_uniforms(draft_tokens, draft_probs, target_probs, uniforms, selector)
+    return select_sequences_with_uniforms(
+        draft_tokens, draft_probs, target_probs, uniforms, method=method, validate=False
+    )
 
 
 def select_sequences_with_uniforms(
     draft_tokens: torch.Tensor,  # [B, K, L] int64
     draft_probs: torch.Tensor,  # [B, K, L, V]
     target_probs: torch.Tensor,  # [B, K, L + 1, V]
-    uniforms: torch.Tensor,  # [B, L + 1, K + 1] float64
-    selector,
+    uniforms: torch.Tensor,  # [B, L + 1, K + 1] float64: row i decides position i, row L the bonus
+    *,
+    method: str = "spectr",
+    validate: bool = True,
 ) -> SequenceSelection:
-    """The walk itself, with the uniforms given (unchecked)."""
+    """`select_sequences` with the uniforms given instead of drawn (for tests and replays)."""
+    selector = get_token_selector(method)
+    if validate:
+        _check_sequence_inputs(draft_tokens, draft_probs, target_probs, method)
+        batch_size, num_drafts, draft_length = draft_tokens.shape
+        check_shape(
+            "uniforms", uniforms, (batch_size, *uniforms_shape(num_drafts, draft_length)), "[B, L + 1, K + 1]"
+        )
+        check_uniforms("uniforms", uniforms)
     batch_size, num_drafts, draft_length = draft_tokens.shape
     device = draft_tokens.device
     tokens = torch.full(
@@ -129,7 +145,7 @@ def select_sequences_with_uniforms(
     )
 
 
-def _check_sequence_inputs(draft_tokens, draft_probs, target_probs, generators, method) -> None:
+def _check_sequence_inputs(draft_tokens, draft_probs, target_probs, method) -> None:
     if not isinstance(draft_tokens, torch.Tensor) or draft_tokens.dim() != 3:
         raise ValueError(
             f"draft_tokens must be a [B, K, L] tensor, got {getattr(draft_tokens, 'shape', type(draft_tokens))}"
@@ -155,8 +171,6 @@ def _check_sequence_inputs(draft_tokens, draft_probs, target_probs, generators, 
         (batch_size, num_drafts, draft_length + 1, vocab_size),
         "[B, K, L + 1, V]",
     )
-    if len(generators) != batch_size:
-        raise ValueError(f"generators has {len(generators)} entries, expected one per row (B = {batch_size})")
     check_token_ids("draft_tokens", draft_tokens, vocab_size)
     check_probabilities("draft_probs", draft_probs)
     check_probabilities("target_probs", target_probs)

@@ -289,3 +289,35 @@ def test_sequence_monte_carlo_specinfer_follows_target(toy_pair_factory):
     pair = toy_pair_factory(MC_VOCAB, MC_LENGTH, seed=1)
     _, tokens = run_mc(pair, "specinfer", seed=41)
     assert chi_square_over_sequences(pair, tokens) > 1e-3
+
+
+def test_given_uniforms_replay_the_generator_run():
+    from spectr.rng import draw_uniforms
+    from spectr.sequence import select_sequences_with_uniforms, uniforms_shape
+
+    inputs = random_inputs(10, 3, 4, 6, seed=13)
+    drawn = select_sequences(*inputs, make_generators(range(10)), method="specinfer")
+    uniforms = draw_uniforms(make_generators(range(10)), uniforms_shape(3, 4))  # [B, L + 1, K + 1]
+    replayed = select_sequences_with_uniforms(*inputs, uniforms, method="specinfer")
+    assert_same_selection(drawn, replayed)
+    with pytest.raises(ValueError, match=r"uniforms has shape \(10, 4, 4\), expected \[B, L \+ 1, K \+ 1\]"):
+        select_sequences_with_uniforms(*inputs, uniforms[:, :4])
+    with pytest.raises(ValueError, match=r"uniforms must be float64"):
+        select_sequences_with_uniforms(*inputs, uniforms.float())
+
+
+def test_float32_inputs_match_reference(toy_pair_factory):
+    """The engine's float32 probabilities go through the same walk (float32-rounded values)."""
+    pair = toy_pair_factory(3, 3, 7)
+    draft_tokens, draft_probs, target_probs = pair.sample_draft_set(
+        64, 3, 3, torch.Generator().manual_seed(7)
+    )
+    draft_probs, target_probs = draft_probs.float(), target_probs.float()
+    for method in ("spectr", "specinfer"):
+        batched = select_sequences(
+            draft_tokens, draft_probs, target_probs, make_generators(range(64)), method=method
+        )
+        reference = reference_select_sequences(
+            draft_tokens, draft_probs, target_probs, make_generators(range(64)), method=method
+        )
+        assert_same_selection(batched, reference)
