@@ -97,7 +97,9 @@ def prepare(config: GenerateConfig) -> JobPlan:
 
     table = io.read_prompts(config.data)
     texts = models.render_prompts(target_tok, config.data, table.prompts, table.messages)
-    token_ids = models.tokenize(target_tok, texts, config.data.add_special_tokens)
+    # a chat template writes its own special tokens (as apply_chat_template(tokenize=True) does)
+    add_special_tokens = config.data.add_special_tokens and not config.data.chat
+    token_ids = models.tokenize(target_tok, texts, add_special_tokens)
     shards = cut_shards(table.ids, texts, token_ids, config.shard_size, config.spectr.seed)
 
     settings = generation_settings(config)

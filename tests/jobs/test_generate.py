@@ -20,12 +20,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from conftest import job_config
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
+from jobs.generate import generate
 from pipeline import runner
 from pipeline.config import from_dict
 from pipeline.errors import JobInputError
 from pipeline.output import read_output, read_settings
-from pipeline.runner import RunHooks, run_generate
+from pipeline.runner import RunHooks, prepare, run_generate
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -42,13 +45,16 @@ def prompt_ids(path: Path) -> list[str]:
 def finished_run(tiny_pair, prompts_jsonl, tmp_path_factory, ray_local):
     """One complete job: 40 prompts, 5 shards of 8, 2 actors, MLflow in a SQLite file."""
     folder = tmp_path_factory.mktemp("job")
-    raw = job_config(
-        tiny_pair,
-        prompts_jsonl,
-        folder / "out",
-        **{"mlflow.enabled": True, "mlflow.tracking_uri": f"sqlite:///{folder / 'mlflow.db'}"},
-    )
-    report = run_generate(from_dict(raw))
+    overrides = [
+        f"model.target={tiny_pair['target']}", f"model.draft={tiny_pair['draft']}",
+        f"data.path={prompts_jsonl}", "data.limit=null", f"output_dir={folder / 'out'}", "shard_size=8",
+        "spectr.num_drafts=2", "spectr.draft_length=3", "spectr.max_new_tokens=8", "spectr.batch_size=4",
+        f"mlflow.tracking_uri=sqlite:///{folder / 'mlflow.db'}", "progress=false",
+    ]  # fmt: skip
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="generate", overrides=overrides)
+    report = generate(cfg)  # the Hydra entry's plain function, on the real composed config
+    raw = OmegaConf.to_container(cfg, resolve=True)
     return {"report": report, "raw": raw, "folder": folder, "out": folder / "out"}
 
 
@@ -318,3 +324,18 @@ def test_parquet_rows_read_back_with_pyarrow_dataset(finished_run):
     dataset = ds.dataset(str(finished_run["out"]), format="parquet", exclude_invalid_files=True)
     assert dataset.count_rows() == 40
     assert pq.read_metadata(finished_run["out"] / "part-00000.parquet").num_rows == 8
+
+
+def test_chat_mode_renders_messages_with_the_target_template(tiny_pair, tmp_path):
+    rows = [{"id": 7, "messages": [{"role": "user", "content": "def x"}]}]
+    data = _write(tmp_path / "chat.jsonl", rows)
+    plan = prepare(from_dict(job_config(tiny_pair, data, tmp_path / "out", **{"data.chat": True})))
+    (shard,) = plan.shards
+    assert shard.prompts == ["user : def x assistant :"] and shard.ids == [7]
+    from pipeline.models import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_pair["target"], "model.target", False)
+    assert shard.prompt_token_ids == [
+        tokenizer("user : def x assistant :", add_special_tokens=False)["input_ids"]
+    ]
+    assert not (tmp_path / "out").exists()

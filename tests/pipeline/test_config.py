@@ -104,3 +104,26 @@ def test_hash_covers_what_changes_rows_and_not_where_they_run():
     other = from_dict(base(**{"spectr.seed": 1}))
     assert stable_hash(generation_settings(a)) == stable_hash(generation_settings(same))
     assert stable_hash(generation_settings(a)) != stable_hash(generation_settings(other))
+
+
+def test_actor_resources_one_per_gpu_else_per_cpus():
+    from pipeline.config import RayConfig
+    from pipeline.runner import actor_resources
+
+    # GPUs present: one actor per GPU, whatever the CPU count
+    assert actor_resources(RayConfig(), {"CPU": 64.0, "GPU": 4.0}, shards_to_do=100) == (4, 1.0, 1.0)
+    # CPUs only: cluster CPUs // cpus_per_actor, no GPU asked
+    assert actor_resources(RayConfig(cpus_per_actor=2), {"CPU": 9.0}, shards_to_do=100) == (4, 2.0, 0.0)
+    # never more actors than shards to do
+    assert actor_resources(RayConfig(), {"CPU": 8.0}, shards_to_do=3) == (3, 1.0, 0.0)
+    assert actor_resources(RayConfig(num_actors=2, gpus_per_actor=0), {"CPU": 2.0, "GPU": 1.0}, 10) == (
+        2,
+        1.0,
+        0.0,
+    )
+    with pytest.raises(
+        JobInputError, match=r"3 actor\(s\) x \(1 CPU, 0 GPU\) do not fit the cluster \(2 CPUs"
+    ):
+        actor_resources(RayConfig(num_actors=3), {"CPU": 2.0}, shards_to_do=10)
+    with pytest.raises(JobInputError, match="do not fit"):
+        actor_resources(RayConfig(gpus_per_actor=1), {"CPU": 2.0}, shards_to_do=10)
