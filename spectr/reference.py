@@ -92,7 +92,7 @@ def reference_select_token(
 ) -> tuple[int, bool]:
     """One node: (output token, whether it is an accepted draft token)."""
     num_drafts = len(drafts)
-    if method in ("spectr", "kseq", "speculative"):
+    if method in ("spectr", "speculative"):
         if method == "speculative" and num_drafts != 1:
             raise ValueError("speculative needs K = 1")
         alive_count = sum(bool(a) for a in alive)
@@ -210,7 +210,7 @@ def token_output_distribution(
     vocab_size = len(p)
     law = [0.0] * vocab_size
     reach = 1.0
-    if method in ("spectr", "kseq", "speculative"):
+    if method in ("spectr", "speculative"):
         alive_count = sum(bool(a) for a in alive)
         rho = 1.0 if method == "speculative" else reference_rho(p, q, alive_count)
         for x, is_alive in zip(drafts, alive):

@@ -13,7 +13,7 @@ Methods share one signature and are looked up by name in `TOKEN_SELECTORS`:
 
 - ``"speculative"``: speculative sampling, K = 1. Accept X ~ p with probability
   min(1, q(X)/p(X)), else sample norm(max(0, q - p)).
-- ``"spectr"`` (alias ``"kseq"``): K-SEQ from SpecTr (Sun et al. 2023). rho* is the root in
+- ``"spectr"``: K-SEQ from SpecTr (Sun et al. 2023). rho* is the root in
   [1, k] of 1 - (1 - beta(rho))^k = rho * beta(rho) with beta(rho) = sum_x min(p(x), q(x)/rho),
   found by bisection keeping the upper (valid) end. Drafts are tested in sampling order, each
   accepted with probability min(1, q(X_i) / (rho* p(X_i))); if all are rejected the output is
@@ -249,7 +249,6 @@ def select_specinfer(draft_tokens, alive, draft_probs, target_probs, uniforms):
 TOKEN_SELECTORS: dict[str, TokenSelector] = {
     "speculative": select_speculative,
     "spectr": select_kseq,
-    "kseq": select_kseq,
     "specinfer": select_specinfer,
 }
 
