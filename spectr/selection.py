@@ -343,9 +343,9 @@ def _flatten_analysis_inputs(draft_probs, target_probs, num_drafts):
         )
     batch_shape = draft_probs.shape[:-1]
     counts = torch.as_tensor(num_drafts, device=draft_probs.device)
-    if counts.is_floating_point() or counts.dtype == torch.bool or counts.is_complex():
-        if not bool((counts == counts.round()).all()) or counts.dtype == torch.bool:
-            raise ValueError(f"num_drafts must be integer, got {num_drafts!r}")
+    whole_floats = counts.is_floating_point() and bool((counts == counts.round()).all())
+    if counts.dtype == torch.bool or counts.is_complex() or (counts.is_floating_point() and not whole_floats):
+        raise ValueError(f"num_drafts must be integer, got {num_drafts!r}")
     counts = counts.to(torch.int64)
     if bool((counts < 1).any()):
         raise ValueError(f"num_drafts must be >= 1, got {counts.min().item()}")
