@@ -1,8 +1,9 @@
 """Resume after the driver is SIGKILLed mid-run: exactly one row per prompt, finished shards untouched.
 
-The job runs as a real `python -m jobs.generate` process with its own local Ray. Once the manifest lists
-two finished shards, the driver gets SIGKILL (no cleanup of any kind); the same command is then run
-again in the same output directory.
+The job runs as a real `python -m jobs.generate` process that joins the test session's Ray instance by
+address (`ray.address=<gcs address>`, as a driver joins any running cluster). Once the manifest lists two
+finished shards, the driver gets SIGKILL (no cleanup of any kind; Ray then ends the dead driver's actors);
+the same command is then run again in the same output directory.
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ import pytest
 from pipeline.output import read_output
 
 
-def command(tiny_pair, data: Path, out: Path) -> list[str]:
+def command(tiny_pair, data: Path, out: Path, address: str) -> list[str]:
     return [
         sys.executable, "-m", "jobs.generate",
         f"model.target={tiny_pair['target']}", f"model.draft={tiny_pair['draft']}",
-        f"data.path={data}", f"output_dir={out}", "shard_size=4", "ray.num_actors=1", "ray.local_num_cpus=1",
+        f"data.path={data}", f"output_dir={out}", "shard_size=4", "ray.num_actors=1", f"ray.address={address}",
         "spectr.num_drafts=2", "spectr.draft_length=3", "spectr.max_new_tokens=40", "spectr.batch_size=1",
         "mlflow.enabled=false", "progress=false",
     ]  # fmt: skip
@@ -46,11 +47,12 @@ def kill_session(process: subprocess.Popen) -> None:
         pass
 
 
-def test_driver_sigkill_then_rerun(tiny_pair, prompts_jsonl, tmp_path):
+def test_driver_sigkill_then_rerun(tiny_pair, prompts_jsonl, tmp_path, ray_local):
     out = tmp_path / "out"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    address = ray_local.get_runtime_context().gcs_address
+    env = dict(os.environ, OMP_NUM_THREADS="1", RAY_AUTH_MODE="token")
     driver = subprocess.Popen(
-        command(tiny_pair, prompts_jsonl, out),
+        command(tiny_pair, prompts_jsonl, out, address),
         cwd=tmp_path, env=env, start_new_session=True,
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -73,7 +75,7 @@ def test_driver_sigkill_then_rerun(tiny_pair, prompts_jsonl, tmp_path):
     }
 
     rerun = subprocess.run(
-        command(tiny_pair, prompts_jsonl, out), cwd=tmp_path, env=env, capture_output=True, text=True,
+        command(tiny_pair, prompts_jsonl, out, address), cwd=tmp_path, env=env, capture_output=True, text=True,
         timeout=300, start_new_session=True,
     )  # fmt: skip
     assert rerun.returncode == 0, rerun.stderr[-3000:]
