@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -122,16 +121,28 @@ def compare(name, ours_fn, theirs_fn, repeats):
     return dict(name=name, ours_tokens_per_s=a, hf_tokens_per_s=b, ratio=a / b, ours_runs=ours)
 
 
+def _proc_status_mib(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def memory_probe(args) -> dict:
-    """Run in a fresh process: models loaded, then B=16, K=4, L=4 spectr; peak RSS before/after."""
+    """Run in a fresh process: load the models, reset the peak-RSS mark, run B=16, K=4, L=4 spectr."""
     target, draft, _ = build_models(args)
     prompts = prompts_for(16, args.prompt_length, target.config.vocab_size, 5)
-    loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    import gc
+
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:  # Linux: resets VmHWM (peak RSS) to the current RSS
+        f.write("5")
+    loaded = _proc_status_mib("VmRSS")
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     run_ours(target, draft, prompts, args, method="spectr", num_drafts=4, draft_length=4)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    out = dict(peak_rss_mib_after_loading=loaded, peak_rss_mib=peak)
+    out = dict(rss_mib_after_loading=loaded, peak_rss_mib_during_generation=_proc_status_mib("VmHWM"))
     if args.device.startswith("cuda"):
         out["cuda_peak_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
     return out
@@ -246,8 +257,8 @@ def main() -> None:
         probe += ["--target", args.target, "--draft", args.draft]
     memory = json.loads(subprocess.run(probe, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
     print("\n== memory: fresh process, B=16, K=4, L=4 ==")
-    print(f"peak RSS after loading models {memory['peak_rss_mib_after_loading']:.0f} MiB, "
-          f"peak RSS after generation {memory['peak_rss_mib']:.0f} MiB"
+    print(f"RSS after loading models {memory['rss_mib_after_loading']:.0f} MiB, "
+          f"peak RSS during generation {memory['peak_rss_mib_during_generation']:.0f} MiB"
           + (f", CUDA peak allocated {memory['cuda_peak_allocated_mib']:.0f} MiB" if "cuda_peak_allocated_mib" in memory
              else ""))
     print(f"\nload average at end {os.getloadavg()}")

@@ -74,7 +74,8 @@ def generate(
     target, draft: Hugging Face causal LMs sharing a vocabulary (`draft` may be None for
     "autoregressive"). prompts: list of token-id lists. method: "autoregressive",
     "speculative" (one draft: num_drafts is taken as 1), "spectr" or "specinfer".
-    top_k=0 / top_p=1.0 mean no truncation; temperature=0 is greedy. seed: an int (row i
+    top_k=0 / top_p=1.0 mean no truncation; temperature=0 is greedy (and drafts one path:
+    K identical argmax drafts would add nothing). seed: an int (row i
     uses seed + i) or one int per prompt; a row's output depends only on its prompt, its
     seed, the models and the settings.
     """
@@ -235,7 +236,9 @@ class Generation:
         self.warp = SamplingWarp(float(temperature), int(top_k), float(top_p))
         self.eos_ids = set(_check_eos(eos_token_id))
         seeds = _check_seeds(seed, len(prompts))
-        if method == "speculative":
+        if method == "speculative" or (self.warp.greedy and method != AUTOREGRESSIVE):
+            # speculative sampling is the K = 1 rule; under greedy decoding the K drafts would all
+            # be the draft's argmax path, identical, so one draft gives the same output for less work
             num_drafts = 1
         speculative = method != AUTOREGRESSIVE
 
