@@ -112,11 +112,12 @@ def test_sequences_beyond_a_sliding_window_are_refused():
     assert out.tokens == [hf_greedy(mistral, [1, 2], 6)]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("method", METHODS)
-def test_bfloat16_models_run_every_method_and_keep_consistent_caches(method):
+def test_half_precision_models_run_every_method_and_keep_consistent_caches(method, dtype):
     from spectr.generate import Generation
 
-    target = tiny_model("llama", init_std=0.2, seed=3, dtype=torch.bfloat16)
+    target = tiny_model("llama", init_std=0.2, seed=3, dtype=dtype)
     draft = noisy_copy(target, 0.05, 4)
     generation = Generation(target, draft, PROMPTS, method=method, num_drafts=2, draft_length=3,
                             max_new_tokens=30, seed=[7, 8, 9])
@@ -130,9 +131,9 @@ def test_bfloat16_models_run_every_method_and_keep_consistent_caches(method):
         cached = generation.target.forward(generation.pending[:, None], slots, allowed,
                                            generation.target_cache, slots)[:, 0]
     sequences = [PROMPTS[i] + generation.outputs[i] for i in generation.rows]
-    assert cached.dtype == torch.bfloat16
+    assert cached.dtype == dtype
     full = full_last_logits(target, sequences)
-    # bf16 keeps ~3 significant digits: compare at that precision
+    # bf16 keeps ~3 significant digits (fp16 ~4): compare at that precision
     torch.testing.assert_close(cached.float(), full.float(), atol=0.05 * float(full.abs().max()), rtol=0)
     out = spectr.generate(target, draft, PROMPTS, method=method, num_drafts=2, draft_length=3,
                           max_new_tokens=10, seed=[7, 8, 9])
