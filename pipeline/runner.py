@@ -70,6 +70,8 @@ class JobReport:
     exit_code: int
     messages: list[str] = field(default_factory=list)
     tracker_lines: list[tuple[str, str]] = field(default_factory=list)  # where the MLflow run is
+    total_s: float = 0.0  # run_generate's wall time, including the final MLflow logging
+    logging_s: float = 0.0  # the final MLflow logging (metrics, artifacts, plot)
 
 
 @dataclass
@@ -347,7 +349,9 @@ def _execute(
         num_shards=manifest.num_shards,
     )
     failed_too_many = summary.failed_fraction > config.max_failed_fraction
+    logging_started = time.perf_counter()
     tracker.finish(summary, _params(plan), status="FAILED" if failed_too_many else "FINISHED")
+    logging_s = time.perf_counter() - logging_started
     messages = []
     if failed_too_many:
         messages.append(
@@ -364,6 +368,8 @@ def _execute(
         exit_code=1 if failed_too_many else 0,
         messages=messages,
         tracker_lines=tracker.describe(),
+        total_s=time.perf_counter() - started,
+        logging_s=logging_s,
     )
 
 
