@@ -254,7 +254,8 @@ def _hf_batch(target, assistant, prompts, settings: SamplingSettings, seed: int,
     if assistant is not None:
         configure_assistant(assistant, settings)
     kwargs = hf_generation_kwargs(settings, assistant)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.inference_mode():
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.inference_mode(), \
+            _quiet_transformers():
         torch.manual_seed(seed)
         with _CallCounter(target) as target_counter, _CallCounter(assistant) as draft_counter:
             sequences = target.generate(
@@ -266,6 +267,22 @@ def _hf_batch(target, assistant, prompts, settings: SamplingSettings, seed: int,
     # The HF loop runs the whole batch until every row is done; rows share the calls.
     run.row_target_calls.append([target_counter.calls] * len(prompts))
     run.draft_calls += draft_counter.calls
+
+
+class _quiet_transformers:
+    """transformers warns on every assisted call that its own assistant passes generation_config plus kwargs."""
+
+    def __enter__(self):
+        from transformers.utils import logging as hf_logging
+
+        self.level = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+
+    def __exit__(self, *exc) -> bool:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity(self.level)
+        return False
 
 
 def _cut_at_eos(tokens: list[int], eos_token_id: int | None, pad_token_id: int) -> int:

@@ -192,6 +192,29 @@ def markdown_results(rows: list[dict[str, Any]]) -> str:
     return markdown_table(headers, body)
 
 
+def summary_rows(results, batch_sizes) -> list[dict[str, Any]]:
+    """Per batch size: the baselines and the fastest configuration of each speculative method."""
+    rows = []
+    for batch in batch_sizes:
+        here = [r for r in results if r.ok and r.case.batch_size == batch]
+        for method in (HF_GENERATE, HF_ASSISTED, "autoregressive", "speculative", "spectr", "specinfer"):
+            chosen = [r for r in here if r.case.method == method]
+            if chosen:
+                rows.append(result_row(max(chosen, key=lambda r: r.tokens_per_second)))
+    return rows
+
+
+def summary_markdown(rows: list[dict[str, Any]]) -> str:
+    body = [[
+        row["method"] + (" ¹" if row["method"] == HF_ASSISTED else ""), str(row["batch_size"]),
+        _cell(row["num_drafts"], "k"), _cell(row["draft_length"], "k"), f"{row['tokens_per_s']:.1f}",
+        _cell(row.get("speedup_vs_autoregressive"), ".2f"), _cell(row.get("speedup_vs_hf_generate"), ".2f"),
+        _cell(row.get("block_efficiency"), ".2f"),
+    ] for row in rows]
+    return markdown_table(["method (fastest K, L)", "B", "K", "L", "tokens/s", "× our AR", "× HF generate",
+                           "block eff."], body)
+
+
 # ---------------------------------------------------------------------------------------
 # goals and the best configuration
 # ---------------------------------------------------------------------------------------
@@ -460,9 +483,16 @@ def _pyplot():
     return plt
 
 
+def _log2_axis(ax) -> None:
+    from matplotlib.ticker import ScalarFormatter
+
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+
+
 def plot_block_efficiency(results, lengths, path: Path) -> None:
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(6, 4), layout="constrained")
     for method, style in (("spectr", "-o"), ("specinfer", "--s")):
         for length in lengths:
             points = []
@@ -482,20 +512,20 @@ def plot_block_efficiency(results, lengths, path: Path) -> None:
                     points.append((k, value[0]))
             if len(points) > 1 or (points and method == "spectr"):
                 ax.plot([p[0] for p in points], [p[1] for p in points], style, label=f"{method} L={length}")
-    ax.set_xscale("log", base=2)
+    _log2_axis(ax)
     ax.set_xlabel("K (drafts); K=1 is speculative sampling")
     ax.set_ylabel("block efficiency (tokens / target call)")
     ax.set_title("Block efficiency vs K (pooled over batch sizes)")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def plot_speedup(results, batch_sizes, lengths, path: Path) -> None:
     plt = _pyplot()
-    fig, axes = plt.subplots(1, len(batch_sizes), figsize=(5.5 * len(batch_sizes), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(batch_sizes), figsize=(5.5 * len(batch_sizes), 4), squeeze=False,
+                             layout="constrained")
     for ax, batch in zip(axes[0], batch_sizes):
         here = [r for r in results if r.ok and r.case.batch_size == batch]
         for method, style in (("spectr", "-o"), ("specinfer", "--s")):
@@ -521,20 +551,19 @@ def plot_speedup(results, batch_sizes, lengths, path: Path) -> None:
                 )
                 ax.text(1, r.speedup_vs_autoregressive, f" {r.case.method}", fontsize=7, va="bottom")
         ax.axhline(1.0, color="red", linewidth=0.8)
-        ax.set_xscale("log", base=2)
+        _log2_axis(ax)
         ax.set_xlabel("K (drafts)")
         ax.set_ylabel("tokens/s relative to our autoregressive")
         ax.set_title(f"Speedup vs K, B={batch}")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def plot_optimality(optimality, path: Path) -> None:
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(6, 4), layout="constrained")
     ks = [row.num_drafts for row in optimality.rows]
     ax.plot(ks, [row.optimum for row in optimality.rows], "-^", label="optimum α_K")
     ax.plot(ks, [row.kseq for row in optimality.rows], "-o", label="K-SEQ (SpecTr)")
@@ -546,7 +575,6 @@ def plot_optimality(optimality, path: Path) -> None:
     )
     ax.grid(True, alpha=0.3)
     ax.legend()
-    fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -555,7 +583,7 @@ def plot_cost_model(results, table, path: Path) -> None:
     from pipeline.benchmark_cost import DRAFT, TARGET
 
     plt = _pyplot()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), layout="constrained")
     points = [
         (r.tokens_per_second, r.predicted_tokens_per_second, r.case)
         for r in results
@@ -585,14 +613,13 @@ def plot_cost_model(results, table, path: Path) -> None:
                 label=f"{component} B={batch}",
                 markersize=3,
             )
-    right.set_xscale("log", base=2)
+    _log2_axis(right)
     right.set_yscale("log")
     right.set_xlabel("new tokens per row in one forward")
     right.set_ylabel("latency (ms)")
     right.set_title("Forward latency vs tokens per call")
     right.grid(True, alpha=0.3)
     right.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -682,6 +709,8 @@ def write_report(report) -> None:
         "",
     ]
     md += [f"- **{goal.status}** {goal.name}: {goal.detail}" for goal in goals]
+    md += ["", "## Summary", "", "Fastest K, L of each method per batch size (full grid below).", "",
+           summary_markdown(summary_rows(report.results, g.batch_sizes))]
     md += ["", "## Throughput, block efficiency, time split", "", markdown_results(rows), ""]
     md += [f"- {line}" for line in notes(report)]
     md += [
