@@ -254,8 +254,9 @@ def _hf_batch(target, assistant, prompts, settings: SamplingSettings, seed: int,
     if assistant is not None:
         configure_assistant(assistant, settings)
     kwargs = hf_generation_kwargs(settings, assistant)
+    models = [target] if assistant is None else [target, assistant]
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.inference_mode(), \
-            _quiet_transformers():
+            _quiet_transformers(), _eos_override(models, settings.eos_token_id):
         torch.manual_seed(seed)
         with _CallCounter(target) as target_counter, _CallCounter(assistant) as draft_counter:
             sequences = target.generate(
@@ -267,6 +268,24 @@ def _hf_batch(target, assistant, prompts, settings: SamplingSettings, seed: int,
     # The HF loop runs the whole batch until every row is done; rows share the calls.
     run.row_target_calls.append([target_counter.calls] * len(prompts))
     run.draft_calls += draft_counter.calls
+
+
+class _eos_override:
+    """HF fills an unset (None) eos_token_id from the model's generation config; with ignore_eos the
+    models' own EOS must be unset for the call, so every row generates max_new_tokens like ours."""
+
+    def __init__(self, models, eos_token_id: int | None):
+        self.models, self.eos_token_id = models, eos_token_id
+
+    def __enter__(self):
+        self.saved = [m.generation_config.eos_token_id for m in self.models]
+        for m in self.models:
+            m.generation_config.eos_token_id = self.eos_token_id
+
+    def __exit__(self, *exc) -> bool:
+        for m, eos in zip(self.models, self.saved):
+            m.generation_config.eos_token_id = eos
+        return False
 
 
 class _quiet_transformers:
