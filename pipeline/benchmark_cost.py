@@ -92,11 +92,16 @@ def interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
+MIN_TIMED_SECONDS = 0.15  # cheap calls are repeated until they add up to this much (noise on a shared machine)
+MAX_REPEAT_FACTOR = 10
+
+
 def median_seconds(call: Callable[[], object], repeats: int, device: torch.device) -> float:
-    """Median wall time of `call` over `repeats` timed calls, after one untimed call."""
+    """Median wall time of `call` after one untimed call: at least `repeats` timed calls, more (up to
+    10x) for cheap calls until MIN_TIMED_SECONDS have been timed."""
     call()
-    times = []
-    for _ in range(repeats):
+    times: list[float] = []
+    while len(times) < repeats or (sum(times) < MIN_TIMED_SECONDS and len(times) < MAX_REPEAT_FACTOR * repeats):
         _sync(device)
         start = time.perf_counter()
         call()
