@@ -129,7 +129,12 @@ def ray_session(config: RayConfig) -> Iterator[None]:
         yield
         return
     if config.address:
-        ray.init(address=config.address, log_to_driver=True)
+        try:
+            ray.init(address=config.address, log_to_driver=True)
+        except ConnectionError as err:
+            raise JobInputError(
+                f"ray.address: cannot join a Ray cluster at {config.address!r}: {err}"
+            ) from None
     else:
         ray.init(
             num_cpus=config.local_num_cpus,
@@ -165,7 +170,7 @@ def actor_resources(
     return count, cpus_each, gpus_each
 
 
-class ActorPool:
+class ShardActorPool:
     """The job's actors and the shard queue. Ray places, restarts and retries; we only hand out shards."""
 
     def __init__(self, config: GenerateConfig, count: int, cpus_each: float, gpus_each: float):
@@ -274,10 +279,13 @@ def _execute(
     from tqdm import tqdm
 
     config, output_dir, manifest = plan.config, plan.output_dir, plan.manifest
-    output_dir.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(output_dir)
-    if not (output_dir / "_manifest.json").exists():
-        manifest.save(output_dir)
+
+    def open_output() -> None:  # once the actors are up: a job that cannot start writes nothing
+        output_dir.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(output_dir)
+        if not (output_dir / "_manifest.json").exists():
+            manifest.save(output_dir)
+
     schema = output_schema(plan.id_kind, {**plan.settings, "config_hash": plan.config_hash})
     this_run: list[dict[str, Any]] = []
     num_actors, device = 0, "-"
@@ -287,12 +295,13 @@ def _execute(
         with ray_session(config.ray):
             count, cpus_each, gpus_each = actor_resources(config.ray, ray.cluster_resources(), len(plan.todo))
             log.info("ray ready (%.1f s); starting %d actor(s)", time.perf_counter() - started, count)
-            pool = ActorPool(config, count, cpus_each, gpus_each)
+            pool = ShardActorPool(config, count, cpus_each, gpus_each)
             workers = pool.wait_ready()
             log.info("actors loaded the pair (%.1f s)", time.perf_counter() - started)
             tracker_started.result()  # re-raises an MLflow failure before any generation
             if tracker.run_id:
                 log.info("mlflow run %s (%.1f s)", tracker.run_id, time.perf_counter() - started)
+            open_output()
             if hooks and hooks.on_actors_ready:
                 hooks.on_actors_ready(pool.actors, workers)
             num_actors = count
@@ -331,6 +340,8 @@ def _execute(
             finally:
                 progress.close()
             generation_s = time.perf_counter() - generation_started
+    else:
+        open_output()
     tracker_started.result()
     startup_s = generation_started - started if plan.todo else 0.0
 

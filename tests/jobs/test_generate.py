@@ -220,7 +220,7 @@ def test_bad_input_is_refused_before_any_actor_starts(
     def no_actors(*args, **kwargs):
         raise AssertionError("an actor pool was started for bad input")
 
-    monkeypatch.setattr(runner, "ActorPool", no_actors)
+    monkeypatch.setattr(runner, "ShardActorPool", no_actors)
     monkeypatch.setattr(runner, "ray_session", no_actors)
     with pytest.raises(JobInputError, match=message):
         run_generate(from_dict(raw))
