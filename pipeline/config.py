@@ -91,7 +91,7 @@ class GenerateConfig:
     ray: RayConfig
     mlflow: MlflowConfig
     output_dir: str | None = None  # None: runs/generate-<config hash>
-    shard_size: int = 32
+    shard_size: int = 16
     max_failed_fraction: float = 0.0
     progress: bool = True
 

@@ -185,7 +185,8 @@ class ShardActorPool:
             max_task_retries=config.ray.max_task_retries,
         )
         threads = max(1, int(cpus_each))
-        self.actors = [remote_class.remote(config.model, config.spectr, threads) for _ in range(count)]
+        device = "cuda" if gpus_each > 0 else "cpu"  # a CPU actor stays on CPU even on a GPU node
+        self.actors = [remote_class.remote(config.model, config.spectr, threads, device) for _ in range(count)]
 
     def wait_ready(self) -> list[dict[str, Any]]:
         from ray.exceptions import RayActorError, RayTaskError
