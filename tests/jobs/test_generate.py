@@ -270,7 +270,7 @@ def test_actors_killed_mid_shard_lose_and_duplicate_nothing(tiny_pair, prompts_j
 
     raw = job_config(
         tiny_pair, prompts_jsonl, tmp_path / "out", shard_size=10,
-        **{"spectr.max_new_tokens": 40, "spectr.batch_size": 1, "ray.max_restarts": 1},
+        **{"spectr.max_new_tokens": 48, "spectr.batch_size": 1, "ray.max_restarts": 1},
     )  # fmt: skip
     pids: dict = {}
     killed: dict[int, int] = {}  # shard index -> pid of the actor killed while it held the shard
@@ -284,7 +284,7 @@ def test_actors_killed_mid_shard_lose_and_duplicate_nothing(tiny_pair, prompts_j
         if len(killed) < 2 and shard.index not in killed and shard.index in (0, 1):
             killed[shard.index] = pids[actor]
             permanently = shard.index == 1
-            timers.append(threading.Timer(0.3, ray.kill, (actor,), {"no_restart": permanently}))
+            timers.append(threading.Timer(0.15, ray.kill, (actor,), {"no_restart": permanently}))
             timers[-1].start()
 
     def on_written(result):
