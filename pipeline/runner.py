@@ -186,7 +186,9 @@ class ShardActorPool:
         )
         threads = max(1, int(cpus_each))
         device = "cuda" if gpus_each > 0 else "cpu"  # a CPU actor stays on CPU even on a GPU node
-        self.actors = [remote_class.remote(config.model, config.spectr, threads, device) for _ in range(count)]
+        self.actors = [
+            remote_class.remote(config.model, config.spectr, threads, device) for _ in range(count)
+        ]
 
     def wait_ready(self) -> list[dict[str, Any]]:
         from ray.exceptions import RayActorError, RayTaskError
@@ -265,6 +267,18 @@ def run_generate(config: GenerateConfig, hooks: RunHooks | None = None) -> JobRe
     return report
 
 
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for package in ("spectr-pipeline", "torch", "transformers", "ray"):
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            found[package] = "unknown"
+    return found
+
+
 def _params(plan: JobPlan) -> dict[str, Any]:
     params = plan.config.to_dict()
     params["output_dir"] = str(plan.output_dir)
@@ -287,7 +301,9 @@ def _execute(
         if not (output_dir / "_manifest.json").exists():
             manifest.save(output_dir)
 
-    schema = output_schema(plan.id_kind, {**plan.settings, "config_hash": plan.config_hash})
+    schema = output_schema(
+        plan.id_kind, {**plan.settings, "config_hash": plan.config_hash, "versions": _versions()}
+    )
     this_run: list[dict[str, Any]] = []
     num_actors, device = 0, "-"
     generation_started, generation_s = time.perf_counter(), 0.0

@@ -80,6 +80,7 @@ def test_one_row_per_prompt_with_contract_types(finished_run, prompts_jsonl):
     assert settings["spectr"]["num_drafts"] == 2 and settings["spectr"]["draft_length"] == 3
     assert settings["model"]["target"] == finished_run["raw"]["model"]["target"]
     assert settings["config_hash"] == manifest["config_hash"]
+    assert set(settings["versions"]) == {"spectr-pipeline", "torch", "transformers", "ray"}
     summary = report.summary
     assert summary.generated_tokens == sum(table.column("completion_tokens").to_pylist())
     assert summary.target_calls == sum(table.column("target_calls").to_pylist())
