@@ -84,7 +84,8 @@ class RunHooks:
 
 
 def prepare(config: GenerateConfig) -> JobPlan:
-    """All input checks, in the order a user would fix them. Raises JobInputError; writes nothing."""
+    """All input checks, cheapest first. Raises JobInputError; writes nothing."""
+    table = io.read_prompts(config.data)
     target_dir = models.check_model_dir(config.model.target, "model.target", config.model.allow_pickle)
     draft_dir = models.check_model_dir(config.model.draft, "model.draft", config.model.allow_pickle)
     target_vocab = models.vocab_size_of(target_dir, config.model.trust_remote_code)
@@ -97,7 +98,6 @@ def prepare(config: GenerateConfig) -> JobPlan:
     draft_tok = models.load_tokenizer(draft_dir, "model.draft", config.model.trust_remote_code)
     models.check_same_tokenizer(target_tok, draft_tok, target_dir, draft_dir)
 
-    table = io.read_prompts(config.data)
     texts = models.render_prompts(target_tok, config.data, table.prompts, table.messages)
     # a chat template writes its own special tokens (as apply_chat_template(tokenize=True) does)
     add_special_tokens = config.data.add_special_tokens and not config.data.chat
