@@ -181,6 +181,7 @@ class BenchmarkReport:
     optimality: OptimalityResult | None
     latencies: LatencyTable | None
     environment: dict[str, Any]
+    phase_errors: list[str] = field(default_factory=list)
     files: list[Path] = field(default_factory=list)
     goals: list[Any] = field(default_factory=list)  # pipeline.benchmark_report.Goal
     text: str = ""
@@ -189,7 +190,7 @@ class BenchmarkReport:
 
     @property
     def exit_code(self) -> int:
-        return 0 if all(r.ok for r in self.results) else 1
+        return 0 if all(r.ok for r in self.results) and not self.phase_errors else 1
 
 
 # ---------------------------------------------------------------------------------------
@@ -418,25 +419,28 @@ def run_benchmark(config: BenchConfig, command: str | None = None) -> BenchmarkR
         bar.close()
         attach_speedups(results)
 
+        # The analyses come after the grid: a failure in one is reported (exit 1), not allowed to lose the grid.
+        phase_errors: list[str] = []
         optimality = None
         if g.optimality.enabled:
-            optimality = run_optimality(
-                pair.target,
-                pair.draft,
-                optimality_prompts,
-                g.optimality.continuation_tokens,
-                SamplingWarp(g.temperature, g.top_k, g.top_p),
-                g.seed,
-                g.optimality.max_drafts,
-            )
+            try:
+                optimality = run_optimality(
+                    pair.target, pair.draft, optimality_prompts, g.optimality.continuation_tokens,
+                    SamplingWarp(g.temperature, g.top_k, g.top_p), g.seed, g.optimality.max_drafts,
+                )
+            except (RuntimeError, ValueError) as err:
+                phase_errors.append(f"optimality analysis failed: {type(err).__name__}: {err}")
         latencies = None
-        if g.cost_model.enabled and any(
-            r.ok and r.case.method not in (HF_GENERATE, HF_ASSISTED) for r in results
-        ):
-            latencies = attach_predictions(config, pair, results, bench_prompts)
+        if g.cost_model.enabled and any(r.ok and r.case.method not in (HF_GENERATE, HF_ASSISTED) for r in results):
+            try:
+                latencies = attach_predictions(config, pair, results, bench_prompts)
+            except (RuntimeError, ValueError, KeyError) as err:
+                phase_errors.append(f"cost model failed: {type(err).__name__}: {err}")
+                for r in results:
+                    r.predictions = []
         env["wall_minutes"] = round((time.time() - started) / 60.0, 2)
         env["load_average_at_end"] = round(__import__("os").getloadavg()[0], 2)
-        report = BenchmarkReport(config, output_dir, results, optimality, latencies, env)
+        report = BenchmarkReport(config, output_dir, results, optimality, latencies, env, phase_errors=phase_errors)
         benchmark_report.write_report(report)
         tracker.finish(report)
     except BaseException:

@@ -116,6 +116,15 @@ def _stderr(values: torch.Tensor, n: int) -> float:
     return float(values.std(unbiased=True) / n**0.5) if n > 1 else 0.0
 
 
+def as_float64_distribution(probs: torch.Tensor) -> torch.Tensor:
+    """float32 probabilities [..., V] -> float64 rows renormalised to sum to 1.
+
+    Over a large vocabulary float32 rows sum to 1 only within ~1e-6, outside the float64 tolerance of
+    `spectr.selection`'s input checks."""
+    probs = probs.to(torch.float64)
+    return probs / probs.sum(-1, keepdim=True)
+
+
 @torch.inference_mode()
 def collect_distributions(
     target,
@@ -150,7 +159,7 @@ def collect_distributions(
         start = len(prompt) - 1  # logits at `start` predict the first continuation token
         for model, rows in ((draft, draft_rows), (target, target_rows)):
             logits = model(input_ids=ids, use_cache=False).logits[0, start:]  # [T, V]
-            rows.append(warp.probs(logits.float()).to(torch.float64).cpu())
+            rows.append(as_float64_distribution(warp.probs(logits.float()).cpu()))  # [T, V]
     return torch.cat(draft_rows), torch.cat(target_rows)
 
 

@@ -693,6 +693,7 @@ def write_report(report) -> None:
             "",
         ]
     text += ["Goals:"] + [f"  {goal.line()}" for goal in goals]
+    text += [f"ERROR: {error}" for error in report.phase_errors]
     report.text = "\n".join(text)
 
     md = [
@@ -709,6 +710,7 @@ def write_report(report) -> None:
         "",
     ]
     md += [f"- **{goal.status}** {goal.name}: {goal.detail}" for goal in goals]
+    md += [f"- **ERROR** {error}" for error in report.phase_errors]
     md += ["", "## Summary", "", "Fastest K, L of each method per batch size (full grid below).", "",
            summary_markdown(summary_rows(report.results, g.batch_sizes))]
     md += ["", "## Throughput, block efficiency, time split", "", markdown_results(rows), ""]

@@ -93,3 +93,34 @@ def test_acceptance_table_means():
         assert row.kseq <= row.optimum + 1e-9 and row.specinfer <= row.optimum + 1e-9
         assert row.kseq == pytest.approx(kseq_acceptance(p, q, row.num_drafts).mean().item())
         assert row.kseq_stderr > 0
+
+
+def test_float32_rows_are_renormalised_for_the_strict_checks():
+    """Regression: float32 warped probabilities over 8192 tokens sum to 1 only within ~1e-6."""
+    from pipeline.benchmark_optimality import as_float64_distribution
+
+    off = torch.full((1, 8192), (1 - 3e-6) / 8192, dtype=torch.float32)  # sums to 1 - 3e-6
+    with pytest.raises(ValueError, match="sums to"):
+        kseq_acceptance(off.to(torch.float64), off.to(torch.float64), 2)  # the raw cast is refused
+    fixed = as_float64_distribution(off)
+    assert kseq_acceptance(fixed, fixed, 2).item() == pytest.approx(1.0)
+
+
+def test_run_optimality_on_models_with_a_large_vocabulary():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "spectr"))
+    from hf_tiny import tiny_model
+
+    from pipeline.benchmark_optimality import collect_distributions, run_optimality
+    from spectr.warps import SamplingWarp
+
+    target = tiny_model(vocab_size=8192, hidden_size=16, num_layers=1, init_std=0.5, seed=1)
+    draft = tiny_model(vocab_size=8192, hidden_size=16, num_layers=1, init_std=0.5, seed=2)
+    prompts = [[5, 6, 7], [9, 10]]
+    p, q = collect_distributions(target, draft, prompts, 4, SamplingWarp(1.0, 0, 1.0), seed=0)
+    assert p.shape == q.shape == (8, 8192) and p.dtype == torch.float64
+    assert torch.allclose(q.sum(-1), torch.ones(8, dtype=torch.float64), atol=1e-12)
+    result = run_optimality(target, draft, prompts, 4, SamplingWarp(1.0, 0, 1.0), 0, max_drafts=3)
+    assert result.num_positions == 8 and len(result.rows) == 3
