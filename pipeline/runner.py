@@ -122,7 +122,10 @@ def prepare(config: GenerateConfig) -> JobPlan:
 
 @contextlib.contextmanager
 def ray_session(config: RayConfig) -> Iterator[None]:
-    """Join the configured cluster, or start a local Ray; shut down only what we started."""
+    """Join the configured cluster, or start a local Ray; shut down only what we started.
+
+    When this process is already connected to Ray (a notebook, a test session), that connection is used.
+    """
     import ray
 
     if ray.is_initialized():

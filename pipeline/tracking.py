@@ -85,12 +85,16 @@ class MlflowTracker:
 
     def start(self, params: dict[str, Any], tags: dict[str, str]) -> None:
         from mlflow.entities import Param
+        from mlflow.exceptions import MlflowException
 
-        experiment = self.client.get_experiment_by_name(self.experiment)
-        experiment_id = (
-            experiment.experiment_id if experiment else self.client.create_experiment(self.experiment)
-        )
-        run = self.client.create_run(experiment_id, run_name=self.config.run_name, tags=tags)
+        try:
+            experiment = self.client.get_experiment_by_name(self.experiment)
+            experiment_id = (
+                experiment.experiment_id if experiment else self.client.create_experiment(self.experiment)
+            )
+            run = self.client.create_run(experiment_id, run_name=self.config.run_name, tags=tags)
+        except MlflowException as err:
+            raise JobInputError(f"mlflow: cannot start a run at {self.tracking_uri}: {err.message}") from None
         self.run_id = run.info.run_id
         items = [Param(key, _param_value(value)) for key, value in sorted(flatten(params).items())]
         for start in range(0, len(items), _BATCH):
