@@ -36,6 +36,7 @@ from pipeline.benchmark_config import HF_ASSISTED, HF_GENERATE, BenchCase, Bench
 from pipeline.benchmark_cost import (
     DRAFT,
     TARGET,
+    Calibrator,
     LatencyTable,
     Prediction,
     measure_latencies,
@@ -280,7 +281,9 @@ def sampling_settings(config: BenchConfig, pair: Pair, max_new_tokens: int | Non
     )
 
 
-def measure_case(config: BenchConfig, pair: Pair, case: BenchCase, batches) -> CaseResult:
+def measure_case(config: BenchConfig, pair: Pair, case: BenchCase, batches, calibrator: Calibrator | None = None
+                 ) -> CaseResult:
+    """Warm-up, then the timed repeats; after each repeat of our methods, the cost model's calibration."""
     g = config.bench
     result = CaseResult(case)
     try:
@@ -288,7 +291,10 @@ def measure_case(config: BenchConfig, pair: Pair, case: BenchCase, batches) -> C
             run_case(pair, case, batches[:1], sampling_settings(config, pair, g.warmup_tokens), g.seed)
         settings = sampling_settings(config, pair)
         for repeat in range(g.repeats):
-            result.runs.append(run_case(pair, case, batches, settings, g.seed + SEED_STRIDE * repeat))
+            run = run_case(pair, case, batches, settings, g.seed + SEED_STRIDE * repeat)
+            if calibrator is not None and case.method not in (HF_GENERATE, HF_ASSISTED):
+                run.calibration = calibrator.measure(case)
+            result.runs.append(run)
     except (RuntimeError, ValueError, MemoryError) as err:  # one failed configuration does not end the run
         result.error = f"{type(err).__name__}: {err}"
         result.runs = []
@@ -309,6 +315,11 @@ def attach_speedups(results: list[CaseResult]) -> None:
         r.speedup_vs_hf_generate = r.tokens_per_second / hf if hf else None
 
 
+def typical_context(config: BenchConfig, bench_prompts) -> int:
+    """Cached tokens the cost model's forwards attend: mean prompt length + half the new tokens."""
+    return round(statistics.mean(len(p) for p in bench_prompts) + config.bench.max_new_tokens / 2)
+
+
 def attach_predictions(
     config: BenchConfig, pair: Pair, results: list[CaseResult], bench_prompts, on_step=None
 ) -> LatencyTable:
@@ -317,7 +328,7 @@ def attach_predictions(
     ours = [r for r in results if r.ok and r.case.method not in (HF_GENERATE, HF_ASSISTED)]
     target_lm, draft_lm = HFCausalLM(pair.target, role="target"), HFCausalLM(pair.draft, role="draft")
     warp = SamplingWarp(g.temperature, g.top_k, g.top_p)
-    context = round(statistics.mean(len(p) for p in bench_prompts) + g.max_new_tokens / 2)
+    context = typical_context(config, bench_prompts)
     batch_sizes = sorted(
         {b for b in g.cost_model.latency_batch_sizes if b <= max(g.batch_sizes)} | set(g.batch_sizes)
     )
@@ -358,6 +369,8 @@ def attach_predictions(
                 run.row_target_calls,
                 run.tokens_per_call_histogram,
                 prefills,
+                calibration=run.calibration,
+                batch_size=r.case.batch_size,
             )
             for run in r.runs
         ]
@@ -410,12 +423,16 @@ def run_benchmark(config: BenchConfig, command: str | None = None) -> BenchmarkR
     tracker = benchmark_report.make_tracker(config)
     tracker.start(config)
     try:
+        calibrator = None
+        if g.cost_model.enabled and g.cost_model.calibrate:
+            calibrator = Calibrator(HFCausalLM(pair.target, role="target"), HFCausalLM(pair.draft, role="draft"),
+                                    typical_context(config, bench_prompts), g.cost_model.calibration_repeats)
         results = []
         bar = tqdm(cases, desc="configurations", unit="cfg", disable=not config.progress, dynamic_ncols=True)
         for case in bar:
             bar.set_postfix_str(case.label)
             batches = batches_for(bench_prompts, case.batch_size, g.num_prompts)
-            results.append(measure_case(config, pair, case, batches))
+            results.append(measure_case(config, pair, case, batches, calibrator))
         bar.close()
         attach_speedups(results)
 

@@ -38,6 +38,8 @@ class CostModelConfig:
     enabled: bool = True
     latency_repeats: int = 5
     latency_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
+    calibrate: bool = True  # time each configuration's forward shapes right after each of its runs
+    calibration_repeats: int = 2
 
 
 @dataclass(frozen=True)
@@ -218,6 +220,14 @@ def _cost_model(raw: Any) -> CostModelConfig:
         if values["latency_repeats"] < 1:
             raise JobInputError(
                 f"config: bench.cost_model.latency_repeats must be >= 1, got {values['latency_repeats']}"
+            )
+    if "calibrate" in raw:
+        values["calibrate"] = _bool(raw["calibrate"], "bench.cost_model.calibrate")
+    if "calibration_repeats" in raw:
+        values["calibration_repeats"] = _int(raw["calibration_repeats"], "bench.cost_model.calibration_repeats")
+        if values["calibration_repeats"] < 1:
+            raise JobInputError(
+                f"config: bench.cost_model.calibration_repeats must be >= 1, got {values['calibration_repeats']}"
             )
     if "latency_batch_sizes" in raw:
         values["latency_batch_sizes"] = _int_list(

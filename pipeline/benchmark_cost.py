@@ -120,36 +120,51 @@ def _sync(device: torch.device) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-@torch.inference_mode()
+MAX_TREE_TOKENS = 1024  # capacity of a ForwardTimer's cache beyond its context
+
+
+class ForwardTimer:
+    """Times forwards of T new tokens per row after a cached context of random tokens (one prefill).
+
+    The same slots after the context are rewritten by every timed call, so one cache serves every T.
+    """
+
+    def __init__(self, model: HFCausalLM, batch: int, context: int):
+        self.model, self.batch, self.context = model, batch, context
+        device = model.device
+        self.cache = model.new_cache(batch, context + MAX_TREE_TOKENS + 1)
+        self.generator = torch.Generator(device="cpu").manual_seed(0)
+        if context > 0:
+            with torch.inference_mode():
+                ids = torch.randint(0, model.vocab_size, (batch, context), generator=self.generator).to(device)  # [B, C]
+                positions = torch.arange(context, device=device).expand(batch, context)  # [B, C]
+                causal = positions[0][:, None] >= positions[0][None, :]  # [C, C]
+                allowed = tree_attention(self.cache.rows.lengths, causal, context)
+                model.forward(ids, positions, allowed, self.cache, positions, last_only=True)
+        self.cache.rows.lengths = torch.full((batch,), context, dtype=torch.int64, device=device)
+
+    @torch.inference_mode()
+    def seconds(self, new_tokens: int, repeats: int) -> float:
+        """Median seconds of one forward of `new_tokens` tokens per row (the engine's mask and slots)."""
+        if new_tokens > MAX_TREE_TOKENS:
+            raise ValueError(f"new_tokens {new_tokens} exceeds the timer's capacity {MAX_TREE_TOKENS}")
+        device = self.model.device
+        lengths = self.cache.rows.lengths  # [B]
+        new = torch.randint(0, self.model.vocab_size, (self.batch, new_tokens), generator=self.generator).to(device)  # [B, T]
+        slots = lengths[:, None] + torch.arange(new_tokens, device=device)  # [B, T]
+        ancestors = torch.ones(new_tokens, new_tokens, dtype=torch.bool, device=device).tril()  # [T, T]
+
+        def call():
+            # the engine builds the mask every call
+            allowed = tree_attention(lengths, ancestors, self.context + new_tokens)  # [B, T, C + T]
+            return self.model.forward(new, slots, allowed, self.cache, slots)
+
+        return median_seconds(call, repeats, device)
+
+
 def forward_latency(model: HFCausalLM, batch: int, new_tokens: int, context: int, repeats: int) -> float:
     """Median seconds of one forward of `new_tokens` tokens per row after a cached `context`."""
-    device = model.device
-    cache = model.new_cache(batch, context + new_tokens + 1)
-    generator = torch.Generator(device="cpu").manual_seed(0)
-    if context > 0:
-        ids = torch.randint(0, model.vocab_size, (batch, context), generator=generator).to(device)  # [B, C]
-        positions = torch.arange(context, device=device).expand(batch, context)  # [B, C]
-        causal = positions[0][:, None] >= positions[0][None, :]  # [C, C]
-        model.forward(
-            ids,
-            positions,
-            tree_attention(cache.rows.lengths, causal, context),
-            cache,
-            positions,
-            last_only=True,
-        )
-        cache.rows.lengths = torch.full((batch,), context, dtype=torch.int64, device=device)
-    lengths = cache.rows.lengths  # [B]
-    new = torch.randint(0, model.vocab_size, (batch, new_tokens), generator=generator).to(device)  # [B, T]
-    slots = lengths[:, None] + torch.arange(new_tokens, device=device)  # [B, T]
-    ancestors = torch.ones(new_tokens, new_tokens, dtype=torch.bool, device=device).tril()  # [T, T]
-
-    def call():
-        # the engine builds the mask every call; the same slots are rewritten each time
-        allowed = tree_attention(lengths, ancestors, context + new_tokens)  # [B, T, C + T]
-        return model.forward(new, slots, allowed, cache, slots)
-
-    return median_seconds(call, repeats, device)
+    return ForwardTimer(model, batch, context).seconds(new_tokens, repeats)
 
 
 @torch.inference_mode()
@@ -248,10 +263,13 @@ def measure_latencies(
     table = LatencyTable()
     device = target.device
     for batch in batch_sizes:
+        target_timer = ForwardTimer(target, batch, context)
         for tokens in sorted(shapes["target"]):
-            table.add(TARGET, batch, (tokens,), forward_latency(target, batch, tokens, context, repeats))
-        for tokens in sorted(shapes["draft"]):
-            table.add(DRAFT, batch, (tokens,), forward_latency(draft, batch, tokens, context, repeats))
+            table.add(TARGET, batch, (tokens,), target_timer.seconds(tokens, repeats))
+        if shapes["draft"]:
+            draft_timer = ForwardTimer(draft, batch, context)
+            for tokens in sorted(shapes["draft"]):
+                table.add(DRAFT, batch, (tokens,), draft_timer.seconds(tokens, repeats))
         for method, drafts, length in sorted(shapes["selection"]):
             if method == "autoregressive":
                 table.add(
@@ -266,13 +284,68 @@ def measure_latencies(
                     f"selection_{method}_{extreme}",
                     batch,
                     (drafts, length),
-                    selection_latency(
-                        method, batch, drafts, length, target.vocab_size, extreme, warp, repeats, device
-                    ),
+                    selection_latency(method, batch, drafts, length, target.vocab_size, extreme, warp, repeats, device),
                 )
         if on_step is not None:
             on_step(f"latencies at B={batch}")
     return table
+
+
+def forward_shapes(case) -> list[tuple[str, tuple]]:
+    """The (model, new tokens) forwards one iteration of `case` runs."""
+    if case.method == "autoregressive":
+        return [(TARGET, (1,))]
+    return [(TARGET, (1 + case.num_drafts * case.draft_length,)), (DRAFT, (1,)), (DRAFT, (2,)),
+            (DRAFT, (case.num_drafts,))]
+
+
+class Calibrator:
+    """Times a configuration's own forward shapes at its batch size, right after each timed run.
+
+    On a shared machine the speed drifts with the load of other processes; measuring the per-call
+    latencies next to the run they predict keeps the two under the same conditions. The prediction
+    then scales the full latency table (all batch sizes, measured once) by these local measurements
+    (`ScaledTable`).
+    """
+
+    def __init__(self, target: HFCausalLM, draft: HFCausalLM, context: int, repeats: int):
+        self.models = {TARGET: target, DRAFT: draft}
+        self.context, self.repeats = context, repeats
+        self.timers: dict[tuple[str, int], ForwardTimer] = {}
+
+    def measure(self, case) -> dict[tuple[str, tuple], float]:
+        measured = {}
+        for component, shape in forward_shapes(case):
+            key = (component, case.batch_size)
+            if key not in self.timers:
+                self.timers[key] = ForwardTimer(self.models[component], case.batch_size, self.context)
+            measured[(component, shape)] = self.timers[key].seconds(shape[0], self.repeats)
+        return measured
+
+
+class ScaledTable:
+    """A LatencyTable whose forward latencies are rescaled to a local measurement at one batch size.
+
+    at(component, a, shape) = table.at(component, a, shape) * local[component, shape] / table.at(component, B, shape);
+    components without a local measurement (selection) are taken from the table as they are. Prefill
+    latencies are scaled like the model's widest forward.
+    """
+
+    def __init__(self, table: LatencyTable, local: dict[tuple[str, tuple], float], batch: int):
+        self.table, self.local, self.batch = table, local, batch
+
+    def factor(self, component: str, shape: tuple) -> float:
+        if (component, shape) not in self.local:
+            return 1.0
+        return self.local[(component, shape)] / self.table.at(component, self.batch, shape)
+
+    def model_factor(self, component: str) -> float:
+        """Scale of the model's widest calibrated forward (used for its prefill)."""
+        shapes = [shape for c, shape in self.local if c == component]
+        return self.factor(component, max(shapes)) if shapes else 1.0
+
+    def at(self, component: str, batch: float, shape: tuple) -> float:
+        return self.table.at(component, batch, shape) * self.factor(component, shape)
 
 
 # ---------------------------------------------------------------------------------------
@@ -311,7 +384,7 @@ def reach_probabilities(histogram: Sequence[int], draft_length: int) -> list[flo
 
 
 def iteration_seconds(
-    table: LatencyTable, method: str, active: int, num_drafts: int, draft_length: int, reach: Sequence[float]
+    table: LatencyTable | ScaledTable, method: str, active: int, num_drafts: int, draft_length: int, reach: Sequence[float]
 ) -> tuple[float, float, float]:
     """(draft, target, selection) seconds of one iteration with `active` rows."""
     if method == "autoregressive":
@@ -339,20 +412,27 @@ def predict_seconds(
     row_target_calls: Sequence[Sequence[int]],
     histogram: Sequence[int],
     prefill_seconds: Sequence[tuple[float, float]],
+    calibration: dict[tuple[str, tuple], float] | None = None,
+    batch_size: int | None = None,
 ) -> Prediction:
     """Predicted wall time of one run: per batch, its prefill plus its iterations (see module docstring).
 
     row_target_calls: per batch, the target calls of each row; prefill_seconds: per batch, the
     (target, draft) prefill latencies (draft 0 for autoregressive). The engine times the prefill
     inside its target / draft phases, and so do the predicted draft_seconds / target_seconds.
+    calibration (with batch_size): the run's own forward latencies at its batch size (`Calibrator`),
+    which rescale the table (`ScaledTable`).
     """
+    latencies = table if not calibration else ScaledTable(table, calibration, batch_size)
     reach = reach_probabilities(histogram, draft_length) if method != "autoregressive" else []
     draft = target = selection = 0.0
     for calls in row_target_calls:
         for active in active_rows(calls):
-            d, t, s = iteration_seconds(table, method, active, num_drafts, draft_length, reach)
+            d, t, s = iteration_seconds(latencies, method, active, num_drafts, draft_length, reach)
             draft, target, selection = draft + d, target + t, selection + s
-    prefill_target = float(sum(t for t, _ in prefill_seconds))
-    prefill_draft = float(sum(d for _, d in prefill_seconds))
+    target_scale = latencies.model_factor(TARGET) if calibration else 1.0
+    draft_scale = latencies.model_factor(DRAFT) if calibration else 1.0
+    prefill_target = target_scale * float(sum(t for t, _ in prefill_seconds))
+    prefill_draft = draft_scale * float(sum(d for _, d in prefill_seconds))
     draft, target = draft + prefill_draft, target + prefill_target
     return Prediction(draft + target + selection, draft, target, selection, prefill_target + prefill_draft)

@@ -62,6 +62,8 @@ class CaseRun:
     selection_seconds: float = 0.0
     peak_memory_bytes: int = 0
     draft_calls: int = 0  # HF assisted: draft forwards (ours: L per iteration, not counted here)
+    cpu_seconds: float = 0.0  # process CPU time (all threads) during the run; cpu/wall shows contention
+    calibration: dict = field(default_factory=dict)  # the cost model's forward latencies right after this run
 
     @property
     def target_calls(self) -> int:
@@ -140,7 +142,7 @@ def run_case(
     device = next(pair.target.parameters()).device
     run = CaseRun()
     with PeakMemory(device, settings.memory_sample_ms) as memory:
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         for index, prompts in enumerate(batches):
             seeds = [seed_base + index * case.batch_size + row for row in range(len(prompts))]
             if case.method == HF_GENERATE:
@@ -151,6 +153,7 @@ def run_case(
                 _ours_batch(pair, case, prompts, settings, seeds, run)
         _sync(device)
         run.wall_seconds = time.perf_counter() - start
+        run.cpu_seconds = time.process_time() - cpu_start
     run.peak_memory_bytes = memory.peak_bytes
     return run
 
