@@ -93,6 +93,7 @@ def result_row(r) -> dict[str, Any]:
         generated_tokens=r.generated_tokens,
         target_calls=r.target_calls,
         wall_seconds_median=statistics.median(run.wall_seconds for run in r.runs),
+        cpu_per_wall=sum(run.cpu_seconds for run in r.runs) / max(sum(run.wall_seconds for run in r.runs), 1e-12),
         predicted_tokens_per_s=r.predicted_tokens_per_second,
         prediction_error_pct=100 * r.prediction_error if r.prediction_error is not None else None,
     )
@@ -664,9 +665,18 @@ def notes(report) -> list[str]:
         f"{g.assisted_tokens} draft tokens, confidence early-stop off; batch size 1 only (transformers 5 raises "
         "for larger batches). HF rows have no time split.",
         f"Peak memory: {memory}.",
+        f"Contention: process CPU time / wall time of the timed runs, median over configurations, "
+        f"{_median_cpu_per_wall(report):.2f} with {env['torch_threads']} torch thread(s) (below the thread count: "
+        "the process waited for a CPU; the machine is shared).",
         "Time split of our methods from spectr.generate's phase timer (prefill included in draft/target); other = "
         "wall - draft - target - selection (bookkeeping, cache commits, host syncs).",
     ]
+
+
+def _median_cpu_per_wall(report) -> float:
+    values = [sum(run.cpu_seconds for run in r.runs) / sum(run.wall_seconds for run in r.runs)
+              for r in report.results if r.ok and sum(run.wall_seconds for run in r.runs) > 0]
+    return statistics.median(values) if values else float("nan")
 
 
 def write_report(report) -> None:

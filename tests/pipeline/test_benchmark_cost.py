@@ -96,3 +96,20 @@ def test_spectr_prediction_interpolates_a_shrinking_batch():
 def test_missing_latency_names_the_shape():
     with pytest.raises(KeyError, match="target"):
         LatencyTable().at(TARGET, 1, (9,))
+
+
+def test_calibration_rescales_each_calibrated_shape_and_the_prefill():
+    table = synthetic_table()
+    histogram = [0, 4, 0, 0]  # never accepted
+    # the run's own latencies at B=2 were twice the table's for the target tree and the draft's K=2 step
+    calibration = {(TARGET, (5,)): 0.060, (DRAFT, (1,)): 0.0015, (DRAFT, (2,)): 0.006}
+    prediction = predict_seconds(
+        table, "spectr", 2, 2, [[2, 1]], histogram, [(0.010, 0.001)], calibration=calibration, batch_size=2
+    )
+    # factors: target(5) x2, draft(1) x1, draft(2) x2 (at every batch size); selection unscaled
+    # a = 2: draft 1.5 + 2 * 3 = 7.5 ms; target 2 * 30 = 60 ms; selection 4.5 ms
+    # a = 1: draft 1 + 2 * 2 = 5 ms;     target 2 * 20 = 40 ms; selection 3 ms
+    # prefill: target x2 (its widest calibrated forward), draft x2 (widest calibrated draft shape: T=2)
+    assert prediction.draft_seconds == pytest.approx(0.0075 + 0.005 + 2 * 0.001)
+    assert prediction.target_seconds == pytest.approx(0.060 + 0.040 + 2 * 0.010)
+    assert prediction.selection_seconds == pytest.approx(0.0045 + 0.003)
