@@ -147,7 +147,10 @@ class JobSummary:
 
 
 def plot_tokens_per_call(histogram: list[int], path: str, title: str) -> None:
-    """Bar chart of how many target calls produced n tokens (n = 0..L+1), saved to `path`."""
+    """Histogram of tokens per target call (accepted draft tokens + the correction or bonus token).
+
+    histogram[n] = how many (prompt, target call) pairs produced n tokens, n = 0..L+1. Saved as PNG.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -156,7 +159,7 @@ def plot_tokens_per_call(histogram: list[int], path: str, title: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     total = sum(histogram) or 1
     ax.bar(range(len(histogram)), [count / total for count in histogram], color="#4477aa")
-    ax.set_xlabel("tokens produced per target call")
+    ax.set_xlabel("tokens per target call (accepted draft tokens + 1)")
     ax.set_ylabel("fraction of target calls")
     ax.set_xticks(range(len(histogram)))
     ax.set_title(title)
