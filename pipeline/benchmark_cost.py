@@ -1,6 +1,6 @@
 """Cost model: predict tokens/s of each (method, K, L, B) from measured per-call latencies and acceptance.
 
-1) Latencies (`measure_latencies`), each the median of `repeats` timed calls after one untimed call,
+1) Latencies (`measure_latencies`), each the mean of >= `repeats` timed calls after one untimed call,
    through the engine's own pieces (`spectr.hf.HFCausalLM.forward` on a `RowKVCache` holding a context
    of the benchmark's typical length, with the engine's mask construction):
    - target forward over T new tokens per row, T = 1 (autoregressive) and T = 1 + K*L (a draft tree);
@@ -96,9 +96,12 @@ MIN_TIMED_SECONDS = 0.15  # cheap calls are repeated until they add up to this m
 MAX_REPEAT_FACTOR = 10
 
 
-def median_seconds(call: Callable[[], object], repeats: int, device: torch.device) -> float:
-    """Median wall time of `call` after one untimed call: at least `repeats` timed calls, more (up to
-    10x) for cheap calls until MIN_TIMED_SECONDS have been timed."""
+def mean_seconds(call: Callable[[], object], repeats: int, device: torch.device) -> float:
+    """Mean wall time of `call` after one untimed call: at least `repeats` timed calls, more (up to
+    10x) for cheap calls until MIN_TIMED_SECONDS have been timed.
+
+    The mean, not the median: a generation run pays for every call, preempted ones included, so on a
+    shared machine the expected cost per call is what predicts its wall time."""
     call()
     times: list[float] = []
     while len(times) < repeats or (sum(times) < MIN_TIMED_SECONDS and len(times) < MAX_REPEAT_FACTOR * repeats):
@@ -107,7 +110,7 @@ def median_seconds(call: Callable[[], object], repeats: int, device: torch.devic
         call()
         _sync(device)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.fmean(times)
 
 
 def _sync(device: torch.device) -> None:
@@ -145,7 +148,7 @@ class ForwardTimer:
 
     @torch.inference_mode()
     def seconds(self, new_tokens: int, repeats: int) -> float:
-        """Median seconds of one forward of `new_tokens` tokens per row (the engine's mask and slots)."""
+        """Mean seconds of one forward of `new_tokens` tokens per row (the engine's mask and slots)."""
         if new_tokens > MAX_TREE_TOKENS:
             raise ValueError(f"new_tokens {new_tokens} exceeds the timer's capacity {MAX_TREE_TOKENS}")
         device = self.model.device
@@ -159,24 +162,24 @@ class ForwardTimer:
             allowed = tree_attention(lengths, ancestors, self.context + new_tokens)  # [B, T, C + T]
             return self.model.forward(new, slots, allowed, self.cache, slots)
 
-        return median_seconds(call, repeats, device)
+        return mean_seconds(call, repeats, device)
 
 
 def forward_latency(model: HFCausalLM, batch: int, new_tokens: int, context: int, repeats: int) -> float:
-    """Median seconds of one forward of `new_tokens` tokens per row after a cached `context`."""
+    """Mean seconds of one forward of `new_tokens` tokens per row after a cached `context`."""
     return ForwardTimer(model, batch, context).seconds(new_tokens, repeats)
 
 
 @torch.inference_mode()
 def prefill_latency(model: HFCausalLM, prompts: Sequence[Sequence[int]], repeats: int) -> float:
-    """Median seconds of the engine's prompt prefill of this batch."""
+    """Mean seconds of the engine's prompt prefill of this batch."""
     device = model.device
     capacity = max(len(p) for p in prompts) + 1
 
     def call():
         prefill(model, model.new_cache(len(prompts), capacity), [list(p) for p in prompts], device)
 
-    return median_seconds(call, repeats, device)
+    return mean_seconds(call, repeats, device)
 
 
 @torch.inference_mode()
@@ -191,7 +194,7 @@ def selection_latency(
     repeats: int,
     device: torch.device,
 ) -> float:
-    """Median seconds of the engine's selection phase for one iteration, at one extreme of acceptance."""
+    """Mean seconds of the engine's selection phase for one iteration, at one extreme of acceptance."""
     generator = torch.Generator(device="cpu").manual_seed(0)
     nodes = 1 + num_drafts * draft_length
     logits = torch.randn(batch, nodes, vocab_size, generator=generator).to(device)  # [B, T, V]
@@ -221,7 +224,7 @@ def selection_latency(
             validate=False,
         )
 
-    return median_seconds(call, repeats, device)
+    return mean_seconds(call, repeats, device)
 
 
 @torch.inference_mode()
@@ -231,7 +234,7 @@ def autoregressive_selection_latency(
     generator = torch.Generator(device="cpu").manual_seed(0)
     logits = torch.randn(batch, vocab_size, generator=generator).to(device)  # [B, V]
     uniforms = torch.rand(batch, generator=generator, dtype=torch.float64).to(device)  # [B]
-    return median_seconds(lambda: sample_categorical(warp.probs(logits), uniforms), repeats, device)
+    return mean_seconds(lambda: sample_categorical(warp.probs(logits), uniforms), repeats, device)
 
 
 def latency_shapes(cases: Sequence) -> dict[str, set]:
