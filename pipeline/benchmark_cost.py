@@ -21,6 +21,10 @@
    no row of the batch accepts: P(reach j) = 1 - (1 - s_j)^a, s_j = the run's fraction of calls that
    accepted >= j tokens). Autoregressive: target(a, 1) + selection. Plus one prefill per batch and
    model. Predicted tokens/s = generated tokens / predicted seconds.
+3) Calibration (`Calibrator`, `ScaledTable`): the machine is shared, so its speed drifts between the
+   grid and the latency table. Right after each timed run, the configuration's own forward shapes are
+   timed again at its batch size; the table's forward latencies are scaled by local / table at that
+   batch size (the prefill like the model's widest forward), the selection latencies are not.
 
 What the model leaves out, and the relative error therefore includes: the loop's bookkeeping (cache
 commit, host sync, Python), growth of attention cost with the context within a run, and machine noise.
