@@ -19,9 +19,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import job_config
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+from tiny_pair_support import job_config
 
 from jobs.generate import generate
 from pipeline import runner
@@ -183,8 +183,8 @@ BAD_INPUTS = {
 @pytest.fixture(scope="module")
 def bad_input_files(tiny_pair, tmp_path_factory):
     import torch
-    from conftest import WORDS, build_llama, build_tokenizer
     from safetensors.torch import load_file
+    from tiny_pair_support import WORDS, build_llama, build_tokenizer
 
     tmp = tmp_path_factory.mktemp("bad")
     (tmp / "prompts.txt").write_text("def x\n")

@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import job_config
+from tiny_pair_support import job_config
 
 from pipeline.config import from_dict
 from pipeline.errors import JobInputError

@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from conftest import WORDS, build_tokenizer
+from tiny_pair_support import WORDS, build_tokenizer
 
 from pipeline import models
 from pipeline.config import DataConfig
