@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--latency-repeats", type=int, default=30)
     parser.add_argument("--prefill-tokens", type=int, default=128)
+    parser.add_argument("--only-latency", action="store_true", help="skip the loss and acceptance passes")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--markdown", default=None, help="write the model card's results table here")
     args = parser.parse_args(argv)
@@ -140,6 +141,14 @@ def main(argv: list[str] | None = None) -> dict:
     if platform.python_version() != manifest["python_version"]:
         print(f"warning: trained on Python {manifest['python_version']}'s stdlib, evaluating on "
               f"{platform.python_version()}'s", file=sys.stderr)
+
+    if args.only_latency:
+        results["latency"] = measure_latency(target, draft, len(tokenizer), args.prefill_tokens,
+                                             args.latency_repeats, torch.Generator().manual_seed(0))
+        print(f"latency: {results['latency']}", flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+        return results
 
     # 1) held-out modules
     stdlib_dir = Path(args.stdlib_dir or manifest["stdlib_dir"])
