@@ -143,22 +143,32 @@ def train_spec_from_mapping(raw: Mapping) -> TrainSpec:
 
 def validate_model_spec(spec: ModelSpec, name: str) -> None:
     """Raise ValueError naming the model and the field when a Llama config cannot be built or run."""
-    for attr in ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
-                 "num_key_value_heads", "max_position_embeddings"):
+    for attr in (
+        "hidden_size",
+        "num_hidden_layers",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "max_position_embeddings",
+    ):
         value = getattr(spec, attr)
         if not isinstance(value, int) or value <= 0:
             raise ValueError(f"train.{name}.{attr} must be a positive integer, got {value!r}")
     if spec.hidden_size % spec.num_attention_heads != 0:
         raise ValueError(
             f"train.{name}: num_attention_heads={spec.num_attention_heads} does not divide "
-            f"hidden_size={spec.hidden_size}")
+            f"hidden_size={spec.hidden_size}"
+        )
     if spec.num_attention_heads % spec.num_key_value_heads != 0:
         raise ValueError(
             f"train.{name}: num_key_value_heads={spec.num_key_value_heads} does not divide "
-            f"num_attention_heads={spec.num_attention_heads}")
+            f"num_attention_heads={spec.num_attention_heads}"
+        )
     if (spec.hidden_size // spec.num_attention_heads) % 2 != 0:
-        raise ValueError(f"train.{name}: head dim hidden_size/num_attention_heads="
-                         f"{spec.hidden_size // spec.num_attention_heads} must be even for rotary embeddings")
+        raise ValueError(
+            f"train.{name}: head dim hidden_size/num_attention_heads="
+            f"{spec.hidden_size // spec.num_attention_heads} must be even for rotary embeddings"
+        )
 
 
 def validate_train_spec(spec: TrainSpec) -> None:
@@ -171,8 +181,10 @@ def validate_train_spec(spec: TrainSpec) -> None:
             raise ValueError(f"train.{name} must be a positive integer, got {value!r}")
     for model_name, model in (("target", spec.target), ("draft", spec.draft)):
         if spec.seq_len > model.max_position_embeddings:
-            raise ValueError(f"train.seq_len={spec.seq_len} exceeds train.{model_name}.max_position_embeddings="
-                             f"{model.max_position_embeddings}")
+            raise ValueError(
+                f"train.seq_len={spec.seq_len} exceeds train.{model_name}.max_position_embeddings="
+                f"{model.max_position_embeddings}"
+            )
     if not 0.0 <= spec.distill_weight <= 1.0:
         raise ValueError(f"train.distill_weight must lie in [0, 1], got {spec.distill_weight}")
     if spec.max_minutes <= 0:
@@ -180,8 +192,10 @@ def validate_train_spec(spec: TrainSpec) -> None:
     if spec.max_steps is not None and spec.max_steps < 1:
         raise ValueError(f"train.max_steps must be >= 1 or null, got {spec.max_steps}")
     if spec.tokenizer.vocab_size < 300:
-        raise ValueError(f"train.tokenizer.vocab_size={spec.tokenizer.vocab_size} is below the 256 byte "
-                         "symbols plus special tokens")
+        raise ValueError(
+            f"train.tokenizer.vocab_size={spec.tokenizer.vocab_size} is below the 256 byte "
+            "symbols plus special tokens"
+        )
     if spec.corpus.heldout_every < 2:
         raise ValueError(f"train.corpus.heldout_every must be >= 2, got {spec.corpus.heldout_every}")
     if spec.save_dtype not in ("float32", "bfloat16", "float16"):
@@ -220,15 +234,19 @@ def list_corpus_files(corpus: CorpusSpec) -> tuple[Path, list[str], list[str]]:
             relative_paths.append(rel.as_posix())
     relative_paths.sort()
     if not relative_paths:
-        raise ValueError(f"train.corpus.stdlib_dir: no non-empty .py files under {str(root)!r} "
-                         f"(excluding directories named {sorted(excluded)})")
+        raise ValueError(
+            f"train.corpus.stdlib_dir: no non-empty .py files under {str(root)!r} "
+            f"(excluding directories named {sorted(excluded)})"
+        )
     heldout = [p for p in relative_paths if is_heldout(p, corpus.heldout_every)]
     train = [p for p in relative_paths if not is_heldout(p, corpus.heldout_every)]
     if not heldout:  # tiny corpora: hold out the last file so that evaluation has something to read
         heldout, train = train[-1:], train[:-1]
     if not train:
-        raise ValueError(f"train.corpus: only {len(relative_paths)} .py file(s) under {str(root)!r}; "
-                         "need at least one training and one held-out module")
+        raise ValueError(
+            f"train.corpus: only {len(relative_paths)} .py file(s) under {str(root)!r}; "
+            "need at least one training and one held-out module"
+        )
     if corpus.max_files is not None:
         train = train[: corpus.max_files]
     return root, train, heldout
@@ -269,10 +287,16 @@ def train_tokenizer(texts: list[str], spec: TokenizerSpec):
     tokenizer.train_from_iterator(texts, trainer=trainer)
     bos_id = tokenizer.token_to_id(BOS_TOKEN)
     tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B", special_tokens=[(BOS_TOKEN, bos_id)])
+        single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B", special_tokens=[(BOS_TOKEN, bos_id)]
+    )
     return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
-        model_max_length=1024, clean_up_tokenization_spaces=False)
+        tokenizer_object=tokenizer,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        model_max_length=1024,
+        clean_up_tokenization_spaces=False,
+    )
 
 
 def tokenize_documents(tokenizer, texts: list[str]) -> torch.Tensor:
@@ -323,7 +347,9 @@ def count_parameters(model) -> int:
 # Training loop
 
 
-def sample_windows(stream: torch.Tensor, batch_size: int, window: int, generator: torch.Generator) -> torch.Tensor:
+def sample_windows(
+    stream: torch.Tensor, batch_size: int, window: int, generator: torch.Generator
+) -> torch.Tensor:
     """Random contiguous windows of ``window`` tokens from the stream. # [B, window] int64"""
     starts = torch.randint(0, stream.numel() - window + 1, (batch_size,), generator=generator)  # [B]
     offsets = torch.arange(window)  # [window]
@@ -341,12 +367,16 @@ def learning_rate(peak: float, step: int, progress: float, warmup_steps: int, mi
 def make_optimizer(model, lr: float, weight_decay: float) -> torch.optim.Optimizer:
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "norm" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "norm" not in n)]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.95),
+    )
 
 
-def draft_loss_fn(draft_logits: torch.Tensor, target_logits: torch.Tensor, labels: torch.Tensor,
-                  distill_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+def draft_loss_fn(
+    draft_logits: torch.Tensor, target_logits: torch.Tensor, labels: torch.Tensor, distill_weight: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Mixed draft objective. Returns (total loss, data cross-entropy).
 
     draft_logits, target_logits: # [B, T, V]; labels: # [B, T]
@@ -388,7 +418,9 @@ def _remove_tree(path: Path) -> None:
     shutil.rmtree(path)
 
 
-def train_pair(spec: TrainSpec, output_dir: str | os.PathLike, *, show_progress: bool = True) -> TrainingResult:
+def train_pair(
+    spec: TrainSpec, output_dir: str | os.PathLike, *, show_progress: bool = True
+) -> TrainingResult:
     """Run the whole job: corpus -> tokenizer -> target + draft -> saved pair in ``output_dir``."""
     # 1) validate everything that can be checked before any work
     validate_train_spec(spec)
@@ -400,15 +432,19 @@ def train_pair(spec: TrainSpec, output_dir: str | os.PathLike, *, show_progress:
     # 2) tokenizer, trained on the training modules only
     train_texts = read_sources(root, train_files)
     if not train_texts:
-        raise ValueError(f"train.corpus: none of the {len(train_files)} training files under {str(root)!r} "
-                         "could be read as UTF-8")
+        raise ValueError(
+            f"train.corpus: none of the {len(train_files)} training files under {str(root)!r} "
+            "could be read as UTF-8"
+        )
     tokenizer = train_tokenizer(train_texts, spec.tokenizer)
     train_stream = tokenize_documents(tokenizer, train_texts)  # [N]
     heldout_stream = tokenize_documents(tokenizer, read_sources(root, heldout_files))  # [M]
     window = spec.seq_len + 1
     if train_stream.numel() < window:
-        raise ValueError(f"train.corpus: the training stream has {train_stream.numel()} tokens, fewer than "
-                         f"train.seq_len + 1 = {window}")
+        raise ValueError(
+            f"train.corpus: the training stream has {train_stream.numel()} tokens, fewer than "
+            f"train.seq_len + 1 = {window}"
+        )
 
     # 3) models and optimizers
     target = build_model(spec.target, tokenizer, seed=spec.seed)
@@ -446,10 +482,14 @@ def train_pair(spec: TrainSpec, output_dir: str | os.PathLike, *, show_progress:
     tokens_seen = 0
     target_loss_value = draft_loss_value = float("nan")
     stopped_by = "max_steps"
-    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if spec.bf16_autocast
-                else contextlib.nullcontext())
-    bar = tqdm(total=spec.max_steps, disable=not show_progress, desc="train_pair", dynamic_ncols=True,
-               mininterval=5.0)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if spec.bf16_autocast else contextlib.nullcontext()
+    bar = tqdm(
+        total=spec.max_steps,
+        disable=not show_progress,
+        desc="train_pair",
+        dynamic_ncols=True,
+        mininterval=5.0,
+    )
     while True:
         elapsed = time.monotonic() - start
         progress = elapsed / budget_s
@@ -471,8 +511,9 @@ def train_pair(spec: TrainSpec, output_dir: str | os.PathLike, *, show_progress:
         with autocast:
             target_logits = target(input_ids=inputs).logits  # [B, T, V]
             draft_logits = draft(input_ids=inputs).logits  # [B, T, V]
-        target_loss = F.cross_entropy(target_logits.float().reshape(-1, target_logits.shape[-1]),
-                                      labels.reshape(-1))
+        target_loss = F.cross_entropy(
+            target_logits.float().reshape(-1, target_logits.shape[-1]), labels.reshape(-1)
+        )
         draft_loss, draft_ce = draft_loss_fn(draft_logits, target_logits, labels, spec.distill_weight)
         (target_loss + draft_loss).backward()
         for model, opt in ((target, target_opt), (draft, draft_opt)):
@@ -484,33 +525,61 @@ def train_pair(spec: TrainSpec, output_dir: str | os.PathLike, *, show_progress:
         tokens_seen += inputs.numel()
         target_loss_value, draft_loss_value = float(target_loss.detach()), float(draft_ce.detach())
         bar.update(1)
-        bar.set_postfix(target_loss=f"{target_loss_value:.3f}", draft_ce=f"{draft_loss_value:.3f}",
-                        tok_s=f"{tokens_seen / max(time.monotonic() - start, 1e-9):.0f}",
-                        min=f"{(time.monotonic() - start) / 60:.1f}", refresh=False)
+        bar.set_postfix(
+            target_loss=f"{target_loss_value:.3f}",
+            draft_ce=f"{draft_loss_value:.3f}",
+            tok_s=f"{tokens_seen / max(time.monotonic() - start, 1e-9):.0f}",
+            min=f"{(time.monotonic() - start) / 60:.1f}",
+            refresh=False,
+        )
         if time.monotonic() - last_checkpoint >= spec.checkpoint_minutes * 60.0:
-            save_pair(output_dir / "checkpoint", target, draft, tokenizer, spec.save_dtype,
-                      {**manifest, "steps": step, "tokens_seen": tokens_seen, "partial": True,
-                       "train_seconds": time.monotonic() - start})
+            save_pair(
+                output_dir / "checkpoint",
+                target,
+                draft,
+                tokenizer,
+                spec.save_dtype,
+                {
+                    **manifest,
+                    "steps": step,
+                    "tokens_seen": tokens_seen,
+                    "partial": True,
+                    "train_seconds": time.monotonic() - start,
+                },
+            )
             last_checkpoint = time.monotonic()
     bar.close()
     train_seconds = time.monotonic() - start
 
     # 5) save the final pair
-    manifest.update(steps=step, tokens_seen=tokens_seen, train_seconds=round(train_seconds, 1),
-                    stopped_by=stopped_by, partial=False, final_target_train_loss=target_loss_value,
-                    final_draft_train_ce=draft_loss_value)
+    manifest.update(
+        steps=step,
+        tokens_seen=tokens_seen,
+        train_seconds=round(train_seconds, 1),
+        stopped_by=stopped_by,
+        partial=False,
+        final_target_train_loss=target_loss_value,
+        final_draft_train_ce=draft_loss_value,
+    )
     save_pair(output_dir / "pair", target, draft, tokenizer, spec.save_dtype, manifest)
 
     # 6) the default prompts, from the held-out modules
     from pipeline.pair_training_prompts import build_prompts, write_jsonl
 
-    prompts = build_prompts(root, heldout_files, tokenizer, max_prompt_tokens=spec.prompt_max_tokens,
-                            max_prompts=spec.max_prompts)
+    prompts = build_prompts(
+        root, heldout_files, tokenizer, max_prompt_tokens=spec.prompt_max_tokens, max_prompts=spec.max_prompts
+    )
     write_jsonl(prompts, output_dir / "prompts.jsonl")
-    return TrainingResult(output_dir=str(output_dir / "pair"), steps=step, tokens_seen=tokens_seen,
-                          train_seconds=train_seconds, final_target_loss=target_loss_value,
-                          final_draft_loss=draft_loss_value, stopped_by=stopped_by,
-                          extra={"prompts_path": str(output_dir / "prompts.jsonl"), "num_prompts": len(prompts)})
+    return TrainingResult(
+        output_dir=str(output_dir / "pair"),
+        steps=step,
+        tokens_seen=tokens_seen,
+        train_seconds=train_seconds,
+        final_target_loss=target_loss_value,
+        final_draft_loss=draft_loss_value,
+        stopped_by=stopped_by,
+        extra={"prompts_path": str(output_dir / "prompts.jsonl"), "num_prompts": len(prompts)},
+    )
 
 
 def _jsonable(value):

@@ -21,8 +21,19 @@ import json
 import textwrap
 from pathlib import Path
 
-_COMPOUND = (ast.If, ast.For, ast.AsyncFor, ast.While, ast.With, ast.AsyncWith, ast.Try, ast.FunctionDef,
-             ast.AsyncFunctionDef, ast.ClassDef, ast.Match) + ((ast.TryStar,) if hasattr(ast, "TryStar") else ())
+_COMPOUND = (
+    ast.If,
+    ast.For,
+    ast.AsyncFor,
+    ast.While,
+    ast.With,
+    ast.AsyncWith,
+    ast.Try,
+    ast.FunctionDef,
+    ast.AsyncFunctionDef,
+    ast.ClassDef,
+    ast.Match,
+) + ((ast.TryStar,) if hasattr(ast, "TryStar") else ())
 
 
 def _function_prompts(module_path: str, source: str) -> list[tuple[str, str]]:
@@ -41,8 +52,10 @@ def _function_prompts(module_path: str, source: str) -> list[tuple[str, str]]:
                 qualname = [*scope, child.name]
                 first = child.body[0]
                 with_docstring = ast.get_docstring(child) is not None
-                if not isinstance(child, ast.ClassDef) and (with_docstring or not isinstance(first, _COMPOUND)):
-                    snippet = lines[child.lineno - 1: first.end_lineno]
+                if not isinstance(child, ast.ClassDef) and (
+                    with_docstring or not isinstance(first, _COMPOUND)
+                ):
+                    snippet = lines[child.lineno - 1 : first.end_lineno]
                     snippet[-1] = snippet[-1][: first.end_col_offset]
                     text = textwrap.dedent("\n".join(snippet))
                     if text and not text[0].isspace():
@@ -54,8 +67,14 @@ def _function_prompts(module_path: str, source: str) -> list[tuple[str, str]]:
     return [(f"{module_path}:{qualname}:{lineno}", text) for lineno, qualname, text in found]
 
 
-def build_prompts(root: Path, heldout_modules: list[str], tokenizer, *, max_prompt_tokens: int = 200,
-                  max_prompts: int = 1000) -> list[dict]:
+def build_prompts(
+    root: Path,
+    heldout_modules: list[str],
+    tokenizer,
+    *,
+    max_prompt_tokens: int = 200,
+    max_prompts: int = 1000,
+) -> list[dict]:
     """Prompts from the held-out modules: deduplicated, at most ``max_prompt_tokens`` tokens each.
 
     When more than ``max_prompts`` qualify, a deterministic spread (lowest sha1 of the id) is kept.
@@ -95,7 +114,9 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pair", required=True, help="a trained pair directory (with manifest.json, target/)")
+    parser.add_argument(
+        "--pair", required=True, help="a trained pair directory (with manifest.json, target/)"
+    )
     parser.add_argument("--out", required=True, help="output JSONL path")
     parser.add_argument("--max-prompt-tokens", type=int, default=200)
     parser.add_argument("--max-prompts", type=int, default=1000)
@@ -103,8 +124,13 @@ def main(argv: list[str] | None = None) -> None:
     pair = Path(args.pair)
     manifest = json.loads((pair / "manifest.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(pair / "target")
-    rows = build_prompts(Path(manifest["stdlib_dir"]), manifest["heldout_modules"], tokenizer,
-                         max_prompt_tokens=args.max_prompt_tokens, max_prompts=args.max_prompts)
+    rows = build_prompts(
+        Path(manifest["stdlib_dir"]),
+        manifest["heldout_modules"],
+        tokenizer,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_prompts=args.max_prompts,
+    )
     write_jsonl(rows, Path(args.out))
     print(f"wrote {len(rows)} prompts from {len(manifest['heldout_modules'])} held-out modules to {args.out}")
 
