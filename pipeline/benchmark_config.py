@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-from pipeline.config import DataConfig, MlflowConfig, ModelConfig, from_dict
+from pipeline.config import DataConfig, MlflowConfig, ModelConfig, from_dict, resolved_container
 from pipeline.errors import JobInputError
 
 HF_GENERATE = "hf_generate"
@@ -99,15 +99,7 @@ class BenchCase:
 
 def bench_config_from_omegaconf(cfg: Any) -> BenchConfig:
     """Resolve a composed OmegaConf/Hydra config and validate it into a `BenchConfig`."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    try:
-        container = OmegaConf.to_container(cfg, resolve=True)
-    except OmegaConfBaseException as err:
-        raise JobInputError(f"config: {err}") from None
-    container.pop("hydra", None)
-    return bench_config_from_dict(container)
+    return bench_config_from_dict(resolved_container(cfg))
 
 
 def bench_config_from_dict(raw: dict[str, Any]) -> BenchConfig:

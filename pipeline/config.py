@@ -108,8 +108,8 @@ _SECTIONS = {
 }
 
 
-def from_omegaconf(cfg: Any) -> GenerateConfig:
-    """Resolve an OmegaConf/Hydra config and validate it into a `GenerateConfig`."""
+def resolved_container(cfg: Any) -> dict[str, Any]:
+    """An OmegaConf/Hydra config as a plain resolved dict, without Hydra's own `hydra` node."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -118,7 +118,12 @@ def from_omegaconf(cfg: Any) -> GenerateConfig:
     except OmegaConfBaseException as err:
         raise JobInputError(f"config: {err}") from None
     container.pop("hydra", None)
-    return from_dict(container)
+    return container
+
+
+def from_omegaconf(cfg: Any) -> GenerateConfig:
+    """Resolve an OmegaConf/Hydra config and validate it into a `GenerateConfig`."""
+    return from_dict(resolved_container(cfg))
 
 
 def from_dict(raw: dict[str, Any]) -> GenerateConfig:
