@@ -36,12 +36,17 @@ from pipeline.benchmark_config import HF_ASSISTED, HF_GENERATE, BenchCase, Bench
 from pipeline.benchmark_cost import (
     DRAFT,
     TARGET,
+    BatchRun,
     Calibrator,
     LatencyTable,
     Prediction,
+    batch_capacity,
+    batch_context,
     measure_latencies,
+    pooled,
     predict_seconds,
     prefill_latency,
+    tree_widths,
 )
 from pipeline.benchmark_methods import CaseRun, PeakMemory, SamplingSettings, run_case
 from pipeline.benchmark_optimality import OptimalityResult, run_optimality
@@ -70,6 +75,7 @@ class CaseResult:
     runs: list[CaseRun] = field(default_factory=list)
     error: str | None = None
     predictions: list[Prediction] = field(default_factory=list)
+    context: int | None = None  # the cached context of its forwards in the cost model (case_context)
     speedup_vs_autoregressive: float | None = None
     speedup_vs_hf_generate: float | None = None
 
@@ -171,6 +177,7 @@ class CaseResult:
             "draft": sum(p.draft_seconds for p in self.predictions) / total,
             "target": sum(p.target_seconds for p in self.predictions) / total,
             "selection": sum(p.selection_seconds for p in self.predictions) / total,
+            "other": sum(p.other_seconds for p in self.predictions) / total,
         }
 
 
@@ -293,7 +300,7 @@ def measure_case(config: BenchConfig, pair: Pair, case: BenchCase, batches, cali
         for repeat in range(g.repeats):
             run = run_case(pair, case, batches, settings, g.seed + SEED_STRIDE * repeat)
             if calibrator is not None and case.method not in (HF_GENERATE, HF_ASSISTED):
-                run.calibration = calibrator.measure(case)
+                run.calibration = calibrator.measure(case, case_context(config, batches))
             result.runs.append(run)
     except (RuntimeError, ValueError, MemoryError) as err:  # one failed configuration does not end the run
         result.error = f"{type(err).__name__}: {err}"
@@ -315,9 +322,9 @@ def attach_speedups(results: list[CaseResult]) -> None:
         r.speedup_vs_hf_generate = r.tokens_per_second / hf if hf else None
 
 
-def typical_context(config: BenchConfig, bench_prompts) -> int:
-    """Cached tokens the cost model's forwards attend: mean prompt length + half the new tokens."""
-    return round(statistics.mean(len(p) for p in bench_prompts) + config.bench.max_new_tokens / 2)
+def case_context(config: BenchConfig, batches) -> int:
+    """The cached context a configuration's forwards attend, averaged over its batches (`batch_context`)."""
+    return round(statistics.mean(batch_context(b, config.bench.max_new_tokens) for b in batches))
 
 
 def attach_predictions(
@@ -328,16 +335,26 @@ def attach_predictions(
     ours = [r for r in results if r.ok and r.case.method not in (HF_GENERATE, HF_ASSISTED)]
     target_lm, draft_lm = HFCausalLM(pair.target, role="target"), HFCausalLM(pair.draft, role="draft")
     warp = SamplingWarp(g.temperature, g.top_k, g.top_p)
-    context = typical_context(config, bench_prompts)
     batch_sizes = sorted(
         {b for b in g.cost_model.latency_batch_sizes if b <= max(g.batch_sizes)} | set(g.batch_sizes)
     )
+    shapes = {}  # case -> its BatchRun shapes (context, capacities) per batch
+    for r in ours:
+        widths = tree_widths(r.case.method, r.case.num_drafts, r.case.draft_length)
+        shapes[r.case] = [
+            (batch, batch_context(batch, g.max_new_tokens),
+             tuple(batch_capacity(batch, g.max_new_tokens, w) for w in widths))
+            for batch in batches_for(bench_prompts, r.case.batch_size, g.num_prompts)
+        ]
+    contexts = {case_context(config, [b for b, _, _ in s]) for s in shapes.values()}
+    capacities = [c for s in shapes.values() for _, _, caps in s for c in caps if c > 0]
     table = measure_latencies(
         target_lm,
         draft_lm,
         [r.case for r in ours],
         batch_sizes,
-        context,
+        contexts,
+        {min(capacities), max(capacities)},
         warp,
         g.cost_model.latency_repeats,
         on_step,
@@ -352,25 +369,27 @@ def attach_predictions(
         return prefill_cache[key]
 
     for r in ours:
-        batches = batches_for(bench_prompts, r.case.batch_size, g.num_prompts)
+        speculative = r.case.method != "autoregressive"
         prefills = [
-            (
-                prefill_of(TARGET, target_lm, b),
-                0.0 if r.case.method == "autoregressive" else prefill_of(DRAFT, draft_lm, b),
-            )
-            for b in batches
+            (prefill_of(TARGET, target_lm, b), prefill_of(DRAFT, draft_lm, b) if speculative else 0.0)
+            for b, _, _ in shapes[r.case]
         ]
+        calibration = pooled(run.calibration for run in r.runs)
+        r.context = case_context(config, [b for b, _, _ in shapes[r.case]])
         r.predictions = [
             predict_seconds(
                 table,
                 r.case.method,
                 r.case.num_drafts,
                 r.case.draft_length,
-                run.row_target_calls,
+                [
+                    BatchRun(calls, prefill, context, caps)
+                    for calls, prefill, (_, context, caps) in zip(run.row_target_calls, prefills, shapes[r.case])
+                ],
                 run.tokens_per_call_histogram,
-                prefills,
-                calibration=run.calibration,
+                calibration=calibration,
                 batch_size=r.case.batch_size,
+                calibration_context=r.context,
             )
             for run in r.runs
         ]
@@ -426,7 +445,7 @@ def run_benchmark(config: BenchConfig, command: str | None = None) -> BenchmarkR
         calibrator = None
         if g.cost_model.enabled and g.cost_model.calibrate:
             calibrator = Calibrator(HFCausalLM(pair.target, role="target"), HFCausalLM(pair.draft, role="draft"),
-                                    typical_context(config, bench_prompts), g.cost_model.calibration_repeats)
+                                    g.cost_model.calibration_repeats)
         results = []
         bar = tqdm(cases, desc="configurations", unit="cfg", disable=not config.progress, dynamic_ncols=True)
         for case in bar:

@@ -1,33 +1,43 @@
 """Cost model: predict tokens/s of each (method, K, L, B) from measured per-call latencies and acceptance.
 
 1) Latencies (`measure_latencies`), each the mean of >= `repeats` timed calls after one untimed call,
-   through the engine's own pieces (`spectr.hf.HFCausalLM.forward` on a `RowKVCache` holding a context
-   of the benchmark's typical length, with the engine's mask construction):
+   through the engine's own pieces (`spectr.hf.HFCausalLM.forward` on a `RowKVCache` holding a cached
+   context, with the engine's mask construction):
    - target forward over T new tokens per row, T = 1 (autoregressive) and T = 1 + K*L (a draft tree);
    - draft forward over T = 1 or 2 tokens per row (draft step 0: the pending tokens) and T = K (the K
      branches at draft steps 1..L-1);
+   - the draft's sampling after each draft forward (warp + inverse-CDF sample of K tokens per row);
    - the selection phase (warps of the target logits [B, 1+K*L, V], the tree gather, and
      `spectr.sequence.select_sequences`) at its two extremes: every row rejects at the first position
      (disjoint p and q) and every row accepts all L positions (p = q); autoregressive: warp + sample;
+   - the commit of an iteration (`RowKVCache.keep_path` of the accepted path in both caches and the
+     iteration's one host sync) and the removal of finished rows (`RowKVCache.select_rows`, which
+     copies every cache buffer, so its cost grows with the cache capacity);
    - the prompt prefill of each benchmark batch, for each model (`spectr.generate.prefill`);
    each at the batch sizes `latency_batch_sizes`, linearly interpolated in between (rows leave the
-   batch as they finish, so the active batch shrinks).
+   batch as they finish, so the active batch shrinks). Forwards are measured at the cached context of
+   each benchmark batch size and interpolated linearly in the context: a batch attends as many cache
+   slots as its longest row (left-aligned rows, one mask), so the context of a batch of 16 prompts is
+   set by its longest prompt, not the mean one.
 2) Prediction (`predict_seconds`), for one measured run: the per-row target calls of that run say how
    many rows are active at each iteration i (a_i = #rows with at least i calls). An iteration costs
-       draft(a, 1 or 2) + (L - 1) * draft(a, K) + target(a, 1 + K L) + selection(a, K, L, walk)
+       draft(a, 1 or 2) + (L - 1) * draft(a, K) + L * sample(a, K)
+       + target(a, 1 + K L) + selection(a, K, L, walk) + commit(a, L)
    where step 0 feeds 2 tokens when the previous iteration accepted all L drafts of some row
    (probability 1 - (1 - f)^a, f = the run's fraction of all-accepted calls) and the selection walk is
    interpolated between its extremes by the expected number of positions walked (the walk stops when
    no row of the batch accepts: P(reach j) = 1 - (1 - s_j)^a, s_j = the run's fraction of calls that
-   accepted >= j tokens). Autoregressive: target(a, 1) + selection. Plus one prefill per batch and
+   accepted >= j tokens). Autoregressive: target(a, 1) + selection + commit. Every time rows finish,
+   the remaining a' rows are copied out of each cache: select_rows(a'). Plus one prefill per batch and
    model. Predicted tokens/s = generated tokens / predicted seconds.
-3) Calibration (`Calibrator`, `ScaledTable`): the machine is shared, so its speed drifts between the
-   grid and the latency table. Right after each timed run, the configuration's own forward shapes are
-   timed again at its batch size; the table's forward latencies are scaled by local / table at that
-   batch size (the prefill like the model's widest forward), the selection latencies are not.
+3) Calibration (`Calibrator`, `ScaledTable`): the machine may be shared, so its speed drifts between
+   the grid and the latency table. Right after each timed run, the configuration's own forward shapes
+   are timed again at its batch size and context; the table's forward latencies are scaled by local /
+   table (pooled over the configuration's runs; the prefill like the model's widest forward), the
+   other components are not.
 
-What the model leaves out, and the relative error therefore includes: the loop's bookkeeping (cache
-commit, host sync, Python), growth of attention cost with the context within a run, and machine noise.
+What the model leaves out, and the relative error therefore includes: the engine's Python
+bookkeeping per row, the growth of the context within a run beyond linear, and machine noise.
 This module does not run the benchmark grid and does not report.
 """
 
@@ -35,7 +45,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -49,34 +59,57 @@ from spectr.warps import SamplingWarp
 
 TARGET, DRAFT = "target", "draft"
 REJECT_ALL, ACCEPT_ALL = "reject_all", "accept_all"
+DRAFT_SAMPLE, DRAFT_SAMPLE_FIRST = "draft_sample", "draft_sample_first"
+COMMIT = "commit"
+SELECT_ROWS = "select_rows"  # + "_target" / "_draft"; its context is the cache capacity
 
 
 @dataclass
 class LatencyTable:
-    """Seconds per call keyed by (component, batch size, shape...); interpolated in the batch size."""
+    """Seconds per call keyed by (component, batch size, shape, context).
+
+    `at` interpolates linearly in the batch size at each measured context, then linearly in the
+    context; components measured at one context (or none, `None`) do not depend on it.
+    """
 
     seconds: dict[tuple, float] = field(default_factory=dict)
 
-    def add(self, component: str, batch: int, shape: tuple, seconds: float) -> None:
-        self.seconds[(component, batch, *shape)] = seconds
+    def add(self, component: str, batch: int, shape: tuple, seconds: float, context: int | None = None) -> None:
+        self.seconds[(component, batch, tuple(shape), context)] = seconds
 
-    def at(self, component: str, batch: float, shape: tuple) -> float:
-        """Latency at a (possibly unmeasured) batch size: linear in B between the measured neighbours."""
-        points = sorted(
-            (key[1], value)
-            for key, value in self.seconds.items()
-            if key[0] == component and tuple(key[2:]) == tuple(shape)
-        )
-        if not points:
+    def contexts(self, component: str) -> list[int]:
+        return sorted({key[3] for key in self.seconds if key[0] == component and key[3] is not None})
+
+    def at(self, component: str, batch: float, shape: tuple, context: float | None = None) -> float:
+        """Latency at a (possibly unmeasured) batch size and context (see the class docstring)."""
+        curves: dict[int | None, list[tuple[int, float]]] = {}
+        for (name, b, s, ctx), value in self.seconds.items():
+            if name == component and s == tuple(shape):
+                curves.setdefault(ctx, []).append((b, value))
+        if not curves:
             raise KeyError(f"no latency measured for {component} {shape}")
-        return interpolate(points, batch)
+        values = [(ctx, interpolate(sorted(points), batch)) for ctx, points in curves.items()]
+        if len(values) == 1:
+            return max(values[0][1], 0.0)
+        measured = sorted(v for v in values if v[0] is not None)
+        if context is None:
+            return max(measured[-1][1], 0.0)  # the widest measured context
+        return max(interpolate(measured, context), 0.0)
+
+    def grid(self, component: str, context: int | None = None) -> dict[tuple[int, tuple], float]:
+        """{(batch, shape): seconds} of one component at one measured context (default: the widest)."""
+        contexts = self.contexts(component)
+        if context is None and contexts:
+            context = contexts[-1]
+        return {(k[1], k[2]): v for k, v in self.seconds.items() if k[0] == component and k[3] == context}
 
     def rows(self) -> list[dict]:
         return [
             {
                 "component": key[0],
                 "batch_size": key[1],
-                "shape": "x".join(map(str, key[2:])),
+                "shape": "x".join(map(str, key[2])),
+                "context": "" if key[3] is None else key[3],
                 "milliseconds": 1000.0 * value,
             }
             for key, value in sorted(self.seconds.items(), key=lambda kv: tuple(map(str, kv[0])))
@@ -123,23 +156,55 @@ def _sync(device: torch.device) -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# 1) measurements
+# the shape of a benchmark batch
 # ---------------------------------------------------------------------------------------
 
 
-MAX_TREE_TOKENS = 1024  # capacity of a ForwardTimer's cache beyond its context
+def batch_context(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> float:
+    """Cached slots a forward of this batch attends, averaged over the run: the longest row's
+    committed length (its prompt but the pending last token) plus half the new tokens."""
+    return max(len(p) for p in prompts) - 1 + max_new_tokens / 2
+
+
+def batch_capacity(prompts: Sequence[Sequence[int]], max_new_tokens: int, tree_width: int) -> int:
+    """Cache slots per row the engine allocates for this batch (spectr.generate: prompt + new + tree)."""
+    return max(len(p) for p in prompts) + max_new_tokens + tree_width
+
+
+def tree_widths(method: str, num_drafts: int, draft_length: int) -> tuple[int, int]:
+    """(target, draft) scratch slots per row beyond the committed tokens, as the engine sizes them."""
+    if method == "autoregressive":
+        return 1, 0
+    return 1 + num_drafts * draft_length, 2 + num_drafts * draft_length
+
+
+@dataclass(frozen=True)
+class BatchRun:
+    """One batch of one measured run, as the prediction needs it."""
+
+    row_target_calls: Sequence[int]  # target calls of each row
+    prefill_seconds: tuple[float, float]  # (target, draft) prefill latency of this batch (draft 0: none)
+    context: float  # batch_context
+    capacities: tuple[int, int]  # (target, draft) cache slots per row (batch_capacity)
+
+
+# ---------------------------------------------------------------------------------------
+# 1) measurements
+# ---------------------------------------------------------------------------------------
 
 
 class ForwardTimer:
     """Times forwards of T new tokens per row after a cached context of random tokens (one prefill).
 
-    The same slots after the context are rewritten by every timed call, so one cache serves every T.
+    The same slots after the context are rewritten by every timed call, so one cache serves every
+    T <= max_new_tokens.
     """
 
-    def __init__(self, model: HFCausalLM, batch: int, context: int):
+    def __init__(self, model: HFCausalLM, batch: int, context: int, max_new_tokens: int):
         self.model, self.batch, self.context = model, batch, context
+        self.max_new_tokens = max_new_tokens
         device = model.device
-        self.cache = model.new_cache(batch, context + MAX_TREE_TOKENS + 1)
+        self.cache = model.new_cache(batch, context + max_new_tokens)
         self.generator = torch.Generator(device="cpu").manual_seed(0)
         if context > 0:
             with torch.inference_mode():
@@ -153,8 +218,8 @@ class ForwardTimer:
     @torch.inference_mode()
     def seconds(self, new_tokens: int, repeats: int) -> float:
         """Mean seconds of one forward of `new_tokens` tokens per row (the engine's mask and slots)."""
-        if new_tokens > MAX_TREE_TOKENS:
-            raise ValueError(f"new_tokens {new_tokens} exceeds the timer's capacity {MAX_TREE_TOKENS}")
+        if new_tokens > self.max_new_tokens:
+            raise ValueError(f"new_tokens {new_tokens} exceeds the timer's capacity {self.max_new_tokens}")
         device = self.model.device
         lengths = self.cache.rows.lengths  # [B]
         new = torch.randint(0, self.model.vocab_size, (self.batch, new_tokens), generator=self.generator).to(device)  # [B, T]
@@ -171,7 +236,7 @@ class ForwardTimer:
 
 def forward_latency(model: HFCausalLM, batch: int, new_tokens: int, context: int, repeats: int) -> float:
     """Mean seconds of one forward of `new_tokens` tokens per row after a cached `context`."""
-    return ForwardTimer(model, batch, context).seconds(new_tokens, repeats)
+    return ForwardTimer(model, batch, context, new_tokens).seconds(new_tokens, repeats)
 
 
 @torch.inference_mode()
@@ -184,6 +249,65 @@ def prefill_latency(model: HFCausalLM, prompts: Sequence[Sequence[int]], repeats
         prefill(model, model.new_cache(len(prompts), capacity), [list(p) for p in prompts], device)
 
     return mean_seconds(call, repeats, device)
+
+
+@torch.inference_mode()
+def draft_sampling_latency(
+    batch: int, num_drafts: int, vocab_size: int, warp: SamplingWarp, first: bool, repeats: int,
+    device: torch.device,
+) -> float:
+    """Mean seconds of the drafter's sampling after one draft forward (spectr.drafting.TreeDrafter):
+    step 0 warps one distribution per row and draws K tokens from it; later steps warp K per row."""
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    shape = (batch, 1, vocab_size) if first else (batch, num_drafts, vocab_size)
+    logits = torch.randn(shape, generator=generator).to(device)  # [B, 1 or K, V]
+    uniforms = torch.rand(batch, num_drafts, generator=generator, dtype=torch.float64).to(device)  # [B, K]
+    probs = torch.empty(batch, num_drafts, 2, vocab_size, dtype=torch.float32, device=device)  # [B, K, 2, V]
+    last = torch.zeros(batch, 1, vocab_size, dtype=torch.int64, device=device)
+
+    def call():
+        if first:
+            probs[:, :, 0] = warp.probs(logits.gather(1, last).squeeze(1))[:, None, :]
+            return sample_categorical(probs[:, :, 0], uniforms)
+        probs[:, :, 1] = warp.probs(logits)
+        return sample_categorical(probs[:, :, 1], uniforms)
+
+    return mean_seconds(call, repeats, device)
+
+
+@torch.inference_mode()
+def commit_latency(
+    target_timer: ForwardTimer, draft_timer: ForwardTimer | None, draft_length: int, repeats: int
+) -> float:
+    """Mean seconds of one iteration's commit (spectr.generate): the accepted path is gathered in the
+    target cache (L slots) and the draft cache (L - 1), then one host sync of [B, L + 2] ints.
+    Autoregressive (draft_length 0, no draft): the host sync of the sampled tokens only."""
+    device = target_timer.model.device
+    batch = target_timer.batch
+    lengths = target_timer.cache.rows.lengths  # [B]
+    depth = torch.arange(draft_length, device=device)  # [L]
+    dest = lengths[:, None] + 1 + depth  # [B, L]
+    source = dest + 1  # any in-capacity slots: the work is the same
+    num_accepted = torch.full((batch,), draft_length, dtype=torch.int64, device=device)  # [B]
+    tokens = torch.zeros(batch, draft_length + 1, dtype=torch.int64, device=device)  # [B, L+1]
+
+    def call():
+        if draft_length > 0:
+            target_timer.cache.rows.keep_path(torch.where(depth < num_accepted[:, None], source, dest), dest)
+        if draft_timer is not None and draft_length > 1:
+            draft_timer.cache.rows.keep_path(source[:, : draft_length - 1], dest[:, : draft_length - 1])
+        return torch.cat([num_accepted[:, None], tokens], 1).cpu().tolist()
+
+    return mean_seconds(call, repeats, device)
+
+
+@torch.inference_mode()
+def select_rows_latency(model: HFCausalLM, batch: int, capacity: int, repeats: int) -> float:
+    """Mean seconds of `RowKVCache.select_rows` keeping `batch` rows of a cache with `capacity` slots
+    per row (it copies every buffer; the engine calls it when rows finish)."""
+    timer = ForwardTimer(model, batch, 1, capacity - 1)  # one cached token allocates the buffers
+    rows = torch.arange(batch, device=model.device)
+    return mean_seconds(lambda: timer.cache.rows.select_rows(rows), repeats, model.device)
 
 
 @torch.inference_mode()
@@ -242,17 +366,21 @@ def autoregressive_selection_latency(
 
 
 def latency_shapes(cases: Sequence) -> dict[str, set]:
-    """The shapes the cases need: target T, draft T, and (method, K, L) of the selection phase."""
-    target_tokens, draft_tokens, selections = set(), set(), set()
+    """The shapes the cases need: target T, draft T, draft K, commit L, and (method, K, L) of the
+    selection phase."""
+    shapes: dict[str, set] = {name: set() for name in ("target", "draft", "sample", "commit", "selection")}
     for case in cases:
         if case.method == "autoregressive":
-            target_tokens.add(1)
-            selections.add(("autoregressive", 0, 0))
+            shapes["target"].add(1)
+            shapes["commit"].add(0)
+            shapes["selection"].add(("autoregressive", 0, 0))
         elif case.method in ("speculative", "spectr", "specinfer"):
-            target_tokens.add(1 + case.num_drafts * case.draft_length)
-            draft_tokens.update({1, 2, case.num_drafts})
-            selections.add((case.method, case.num_drafts, case.draft_length))
-    return {"target": target_tokens, "draft": draft_tokens, "selection": selections}
+            shapes["target"].add(1 + case.num_drafts * case.draft_length)
+            shapes["draft"].update({1, 2, case.num_drafts})
+            shapes["sample"].add(case.num_drafts)
+            shapes["commit"].add(case.draft_length)
+            shapes["selection"].add((case.method, case.num_drafts, case.draft_length))
+    return shapes
 
 
 def measure_latencies(
@@ -260,23 +388,43 @@ def measure_latencies(
     draft: HFCausalLM,
     cases: Sequence,
     batch_sizes: Sequence[int],
-    context: int,
+    contexts: Iterable[int],
+    capacities: Iterable[int],
     warp: SamplingWarp,
     repeats: int,
     on_step: Callable[[str], None] | None = None,
 ) -> LatencyTable:
-    """Every latency the prediction of `cases` needs, at each of `batch_sizes` (see module docstring)."""
+    """Every latency the prediction of `cases` needs, at each of `batch_sizes`; forwards at each of
+    `contexts`, select_rows at each of `capacities` (see the module docstring)."""
     shapes = latency_shapes(cases)
     table = LatencyTable()
     device = target.device
+    contexts, capacities = sorted(set(contexts)), sorted(set(capacities))
+    widest = max(shapes["target"] | shapes["draft"] | {1})
     for batch in batch_sizes:
-        target_timer = ForwardTimer(target, batch, context)
-        for tokens in sorted(shapes["target"]):
-            table.add(TARGET, batch, (tokens,), target_timer.seconds(tokens, repeats))
-        if shapes["draft"]:
-            draft_timer = ForwardTimer(draft, batch, context)
-            for tokens in sorted(shapes["draft"]):
-                table.add(DRAFT, batch, (tokens,), draft_timer.seconds(tokens, repeats))
+        timers = {}
+        for context in contexts:
+            timers[TARGET] = ForwardTimer(target, batch, context, widest)
+            for tokens in sorted(shapes["target"]):
+                table.add(TARGET, batch, (tokens,), timers[TARGET].seconds(tokens, repeats), context)
+            timers[DRAFT] = None
+            if shapes["draft"]:
+                timers[DRAFT] = ForwardTimer(draft, batch, context, widest)
+                for tokens in sorted(shapes["draft"]):
+                    table.add(DRAFT, batch, (tokens,), timers[DRAFT].seconds(tokens, repeats), context)
+        for drafts in sorted(shapes["sample"]):
+            for component, first in ((DRAFT_SAMPLE_FIRST, True), (DRAFT_SAMPLE, False)):
+                seconds = draft_sampling_latency(batch, drafts, target.vocab_size, warp, first, repeats, device)
+                table.add(component, batch, (drafts,), seconds)
+        for length in sorted(shapes["commit"]):
+            seconds = commit_latency(timers[TARGET], timers[DRAFT] if length else None, length, repeats)
+            table.add(COMMIT, batch, (length,), seconds)
+        for capacity in capacities:
+            table.add(f"{SELECT_ROWS}_{TARGET}", batch, (), select_rows_latency(target, batch, capacity, repeats),
+                      capacity)
+            if shapes["draft"]:
+                table.add(f"{SELECT_ROWS}_{DRAFT}", batch, (), select_rows_latency(draft, batch, capacity, repeats),
+                          capacity)
         for method, drafts, length in sorted(shapes["selection"]):
             if method == "autoregressive":
                 table.add(
@@ -307,7 +455,7 @@ def forward_shapes(case) -> list[tuple[str, tuple]]:
 
 
 class Calibrator:
-    """Times a configuration's own forward shapes at its batch size, right after each timed run.
+    """Times a configuration's own forward shapes at its batch size and context, right after each timed run.
 
     On a shared machine the speed drifts with the load of other processes; measuring the per-call
     latencies next to the run they predict keeps the two under the same conditions. The prediction
@@ -315,44 +463,53 @@ class Calibrator:
     (`ScaledTable`).
     """
 
-    def __init__(self, target: HFCausalLM, draft: HFCausalLM, context: int, repeats: int):
+    def __init__(self, target: HFCausalLM, draft: HFCausalLM, repeats: int):
         self.models = {TARGET: target, DRAFT: draft}
-        self.context, self.repeats = context, repeats
-        self.timers: dict[tuple[str, int], ForwardTimer] = {}
+        self.repeats = repeats
+        self.timers: dict[tuple[str, int, int], ForwardTimer] = {}
 
-    def measure(self, case) -> dict[tuple[str, tuple], float]:
+    def measure(self, case, context: int) -> dict[tuple[str, tuple], float]:
         measured = {}
         for component, shape in forward_shapes(case):
-            key = (component, case.batch_size)
-            if key not in self.timers:
-                self.timers[key] = ForwardTimer(self.models[component], case.batch_size, self.context)
+            key = (component, case.batch_size, context)
+            if key not in self.timers or self.timers[key].max_new_tokens < shape[0]:
+                self.timers[key] = ForwardTimer(self.models[component], case.batch_size, context, max(shape[0], 2))
             measured[(component, shape)] = self.timers[key].seconds(shape[0], self.repeats)
         return measured
+
+
+def pooled(calibrations: Iterable[dict]) -> dict:
+    """Mean of each calibrated latency over a configuration's runs (less noise than any one run)."""
+    values: dict = {}
+    for calibration in calibrations:
+        for key, seconds in calibration.items():
+            values.setdefault(key, []).append(seconds)
+    return {key: statistics.fmean(v) for key, v in values.items()}
 
 
 class ScaledTable:
     """A LatencyTable whose forward latencies are rescaled to a local measurement at one batch size.
 
-    at(component, a, shape) = table.at(component, a, shape) * local[component, shape] / table.at(component, B, shape);
-    components without a local measurement (selection) are taken from the table as they are. Prefill
-    latencies are scaled like the model's widest forward.
+    at(component, a, shape, c) = table.at(component, a, shape, c) * local[component, shape] /
+    table.at(component, B, shape, context); components without a local measurement are taken from
+    the table as they are. Prefill latencies are scaled like the model's widest forward.
     """
 
-    def __init__(self, table: LatencyTable, local: dict[tuple[str, tuple], float], batch: int):
-        self.table, self.local, self.batch = table, local, batch
+    def __init__(self, table: LatencyTable, local: dict[tuple[str, tuple], float], batch: int, context: float):
+        self.table, self.local, self.batch, self.context = table, local, batch, context
 
     def factor(self, component: str, shape: tuple) -> float:
         if (component, shape) not in self.local:
             return 1.0
-        return self.local[(component, shape)] / self.table.at(component, self.batch, shape)
+        return self.local[(component, shape)] / self.table.at(component, self.batch, shape, self.context)
 
     def model_factor(self, component: str) -> float:
         """Scale of the model's widest calibrated forward (used for its prefill)."""
         shapes = [shape for c, shape in self.local if c == component]
         return self.factor(component, max(shapes)) if shapes else 1.0
 
-    def at(self, component: str, batch: float, shape: tuple) -> float:
-        return self.table.at(component, batch, shape) * self.factor(component, shape)
+    def at(self, component: str, batch: float, shape: tuple, context: float | None = None) -> float:
+        return self.table.at(component, batch, shape, context) * self.factor(component, shape)
 
 
 # ---------------------------------------------------------------------------------------
@@ -366,6 +523,7 @@ class Prediction:
     draft_seconds: float
     target_seconds: float
     selection_seconds: float
+    other_seconds: float  # commit and removal of finished rows
     prefill_seconds: float  # included in draft_seconds / target_seconds
 
     def tokens_per_second(self, generated_tokens: int) -> float:
@@ -391,24 +549,50 @@ def reach_probabilities(histogram: Sequence[int], draft_length: int) -> list[flo
 
 
 def iteration_seconds(
-    table: LatencyTable | ScaledTable, method: str, active: int, num_drafts: int, draft_length: int, reach: Sequence[float]
-) -> tuple[float, float, float]:
-    """(draft, target, selection) seconds of one iteration with `active` rows."""
+    table: LatencyTable | ScaledTable,
+    method: str,
+    active: int,
+    num_drafts: int,
+    draft_length: int,
+    reach: Sequence[float],
+    context: float | None = None,
+) -> tuple[float, float, float, float]:
+    """(draft, target, selection, commit) seconds of one iteration with `active` rows."""
     if method == "autoregressive":
-        return 0.0, table.at(TARGET, active, (1,)), table.at("selection_autoregressive", active, ())
+        return (
+            0.0,
+            table.at(TARGET, active, (1,), context),
+            table.at("selection_autoregressive", active, ()),
+            table.at(COMMIT, active, (0,)),
+        )
     two_pending = 1.0 - (1.0 - reach[draft_length]) ** active  # some row accepted all L last time
     draft = (
-        (1.0 - two_pending) * table.at(DRAFT, active, (1,))
-        + two_pending * table.at(DRAFT, active, (2,))
-        + (draft_length - 1) * table.at(DRAFT, active, (num_drafts,))
+        (1.0 - two_pending) * table.at(DRAFT, active, (1,), context)
+        + two_pending * table.at(DRAFT, active, (2,), context)
+        + (draft_length - 1) * table.at(DRAFT, active, (num_drafts,), context)
+        + table.at(DRAFT_SAMPLE_FIRST, active, (num_drafts,))
+        + (draft_length - 1) * table.at(DRAFT_SAMPLE, active, (num_drafts,))
     )
-    target = table.at(TARGET, active, (1 + num_drafts * draft_length,))
+    target = table.at(TARGET, active, (1 + num_drafts * draft_length,), context)
     low = table.at(f"selection_{method}_{REJECT_ALL}", active, (num_drafts, draft_length))
     high = table.at(f"selection_{method}_{ACCEPT_ALL}", active, (num_drafts, draft_length))
     # positions walked by the batch: position j (0-based) is walked when some row reached it
     walked = sum(1.0 - (1.0 - reach[j]) ** active for j in range(draft_length))
     share = (walked - 1.0) / (draft_length - 1) if draft_length > 1 else reach[1] if len(reach) > 1 else 0.0
-    return draft, target, low + (high - low) * min(max(share, 0.0), 1.0)
+    selection = low + (high - low) * min(max(share, 0.0), 1.0)
+    return draft, target, selection, table.at(COMMIT, active, (draft_length,))
+
+
+def row_removal_seconds(table: LatencyTable | ScaledTable, method: str, active: Sequence[int],
+                        capacities: tuple[int, int]) -> float:
+    """Seconds spent copying the remaining rows out of the caches each time rows finish."""
+    seconds = 0.0
+    for before, after in zip(active, list(active[1:]) + [0]):
+        if after < before and after > 0:
+            seconds += table.at(f"{SELECT_ROWS}_{TARGET}", after, (), capacities[0])
+            if method != "autoregressive":
+                seconds += table.at(f"{SELECT_ROWS}_{DRAFT}", after, (), capacities[1])
+    return seconds
 
 
 def predict_seconds(
@@ -416,30 +600,35 @@ def predict_seconds(
     method: str,
     num_drafts: int,
     draft_length: int,
-    row_target_calls: Sequence[Sequence[int]],
+    batches: Sequence[BatchRun],
     histogram: Sequence[int],
-    prefill_seconds: Sequence[tuple[float, float]],
     calibration: dict[tuple[str, tuple], float] | None = None,
     batch_size: int | None = None,
+    calibration_context: float | None = None,
 ) -> Prediction:
     """Predicted wall time of one run: per batch, its prefill plus its iterations (see module docstring).
 
-    row_target_calls: per batch, the target calls of each row; prefill_seconds: per batch, the
-    (target, draft) prefill latencies (draft 0 for autoregressive). The engine times the prefill
-    inside its target / draft phases, and so do the predicted draft_seconds / target_seconds.
-    calibration (with batch_size): the run's own forward latencies at its batch size (`Calibrator`),
-    which rescale the table (`ScaledTable`).
+    The engine times the prefill inside its target / draft phases, and so do the predicted
+    draft_seconds / target_seconds. calibration (with batch_size and calibration_context): the
+    configuration's own forward latencies at its batch size and context (`Calibrator`), which rescale
+    the table (`ScaledTable`).
     """
-    latencies = table if not calibration else ScaledTable(table, calibration, batch_size)
+    latencies = table if not calibration else ScaledTable(table, calibration, batch_size, calibration_context)
     reach = reach_probabilities(histogram, draft_length) if method != "autoregressive" else []
-    draft = target = selection = 0.0
-    for calls in row_target_calls:
-        for active in active_rows(calls):
-            d, t, s = iteration_seconds(latencies, method, active, num_drafts, draft_length, reach)
-            draft, target, selection = draft + d, target + t, selection + s
-    target_scale = latencies.model_factor(TARGET) if calibration else 1.0
-    draft_scale = latencies.model_factor(DRAFT) if calibration else 1.0
-    prefill_target = target_scale * float(sum(t for t, _ in prefill_seconds))
-    prefill_draft = draft_scale * float(sum(d for _, d in prefill_seconds))
+    draft = target = selection = other = 0.0
+    prefill_target = prefill_draft = 0.0
+    for batch in batches:
+        active = active_rows(batch.row_target_calls)
+        for rows in active:
+            d, t, s, c = iteration_seconds(latencies, method, rows, num_drafts, draft_length, reach, batch.context)
+            draft, target, selection, other = draft + d, target + t, selection + s, other + c
+        other += row_removal_seconds(latencies, method, active, batch.capacities)
+        prefill_target += batch.prefill_seconds[0]
+        prefill_draft += batch.prefill_seconds[1]
+    if calibration:
+        prefill_target *= latencies.model_factor(TARGET)
+        prefill_draft *= latencies.model_factor(DRAFT)
     draft, target = draft + prefill_draft, target + prefill_target
-    return Prediction(draft + target + selection, draft, target, selection, prefill_target + prefill_draft)
+    return Prediction(
+        draft + target + selection + other, draft, target, selection, other, prefill_target + prefill_draft
+    )

@@ -365,7 +365,6 @@ def _why(table, best, ours, batch: int) -> str:
     from pipeline.benchmark_cost import DRAFT, TARGET
 
     autoregressive = next(r for r in ours if r.case.method == "autoregressive")
-    one = table.at(TARGET, batch, (1,))
     speculative = [r for r in ours if r.case.method in SPECULATIVE and r.predicted_split]
     explained = (
         best
@@ -376,15 +375,17 @@ def _why(table, best, ours, batch: int) -> str:
         return ""
     k, length = explained.case.num_drafts, explained.case.draft_length
     nodes = 1 + k * length
-    tree = table.at(TARGET, batch, (nodes,))
-    drafting = table.at(DRAFT, batch, (1,)) + (length - 1) * table.at(DRAFT, batch, (k,))
+    context = explained.context
+    one = table.at(TARGET, batch, (1,), context)
+    tree = table.at(TARGET, batch, (nodes,), context)
+    drafting = table.at(DRAFT, batch, (1,), context) + (length - 1) * table.at(DRAFT, batch, (k,), context)
     split = explained.predicted_split
     text = (
         f"one target call over {batch}x{nodes} tokens (K={k}, L={length}) costs {1000 * tree:.1f} ms = "
         f"{tree / one:.2f}x a {batch}x1-token call ({1000 * one:.1f} ms) and yields {explained.block_efficiency:.2f} "
         f"tokens per row; the {length} draft steps add {1000 * drafting:.1f} ms per iteration; predicted split "
         f"draft {100 * split['draft']:.0f}% / target {100 * split['target']:.0f}% / selection "
-        f"{100 * split['selection']:.0f}%; {_ms_per_token(explained):.2f} ms per token vs "
+        f"{100 * split['selection']:.0f}% / other {100 * split['other']:.0f}%; {_ms_per_token(explained):.2f} ms per token vs "
         f"{_ms_per_token(autoregressive):.2f} ms autoregressive"
     )
     if explained is best:
@@ -445,28 +446,25 @@ def optimality_markdown(optimality) -> str:
 
 
 def latency_markdown(table) -> str:
-    """Target and draft forward latency (ms) against tokens per row per call, one column per batch size."""
+    """Target and draft forward latency (ms) against tokens per row per call, one column per batch size,
+    one table per measured context."""
     from pipeline.benchmark_cost import DRAFT, TARGET
 
     parts = []
     for component in (TARGET, DRAFT):
-        keys = [k for k in table.seconds if k[0] == component]
-        batches = sorted({k[1] for k in keys})
-        tokens = sorted({k[2] for k in keys})
-        rows = [
-            [str(t)]
-            + [
-                f"{1000 * table.seconds[(component, b, t)]:.2f}"
-                if (component, b, t) in table.seconds
-                else "-"
-                for b in batches
+        for context in table.contexts(component) or [None]:
+            grid = table.grid(component, context)
+            batches = sorted({b for b, _ in grid})
+            tokens = sorted({t for _, t in grid})
+            rows = [
+                [str(t[0])] + [f"{1000 * grid[(b, t)]:.2f}" if (b, t) in grid else "-" for b in batches]
+                for t in tokens
             ]
-            for t in tokens
-        ]
-        parts.append(
-            f"**{component} forward, ms** (rows: new tokens per row; columns: batch size)\n\n"
-            + markdown_table(["T"] + [f"B={b}" for b in batches], rows)
-        )
+            where = f", {context} cached tokens" if context is not None else ""
+            parts.append(
+                f"**{component} forward, ms{where}** (rows: new tokens per row; columns: batch size)\n\n"
+                + markdown_table(["T"] + [f"B={b}" for b in batches], rows)
+            )
     return "\n\n".join(parts)
 
 
@@ -604,12 +602,12 @@ def plot_cost_model(results, table, path: Path) -> None:
     left.set_title("Cost model: predicted vs measured")
     left.legend(fontsize=7)
     for component, style in ((TARGET, "-o"), (DRAFT, "--s")):
-        batches = sorted({k[1] for k in table.seconds if k[0] == component})
-        for batch in batches:
-            keys = sorted(k[2] for k in table.seconds if k[0] == component and k[1] == batch)
+        grid = table.grid(component)  # at the widest measured context
+        for batch in sorted({b for b, _ in grid}):
+            tokens = sorted(t[0] for b, t in grid if b == batch)
             right.plot(
-                keys,
-                [1000 * table.seconds[(component, batch, t)] for t in keys],
+                tokens,
+                [1000 * grid[(batch, (t,))] for t in tokens],
                 style,
                 label=f"{component} B={batch}",
                 markersize=3,
@@ -752,8 +750,9 @@ def write_report(report) -> None:
             "## Cost model",
             "",
             "Predicted tokens/s (last column of the main table) from per-call latencies measured through the "
-            "engine's own forward and selection code, and each run's measured target calls per row and "
-            "acceptance histogram (see pipeline/benchmark_cost.py).",
+            "engine's own forward, sampling, selection and cache code, and each run's measured target calls "
+            "per row and acceptance histogram (see pipeline/benchmark_cost.py). Forwards are measured at the "
+            "cached context of each batch size's prompts (a batch attends as many slots as its longest row).",
             "",
             latency_markdown(report.latencies),
             "",
