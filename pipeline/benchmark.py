@@ -162,11 +162,14 @@ class CaseResult:
 
     @property
     def prediction_error(self) -> float | None:
-        """(predicted - measured) / measured tokens/s."""
-        predicted = self.predicted_tokens_per_second
-        if predicted is None or not self.tokens_per_second:
-            return None
-        return predicted / self.tokens_per_second - 1.0
+        """Median over repeats of (predicted - measured) / measured tokens/s, each repeat's prediction
+        made from that repeat's own target calls and acceptance (so the two are paired)."""
+        errors = [
+            p.tokens_per_second(r.generated_tokens) / r.tokens_per_second - 1.0
+            for p, r in zip(self.predictions, self.runs)
+            if r.tokens_per_second
+        ]
+        return statistics.median(errors) if errors else None
 
     @property
     def predicted_split(self) -> dict[str, float] | None:

@@ -133,15 +133,20 @@ MIN_TIMED_SECONDS = 0.15  # cheap calls are repeated until they add up to this m
 MAX_REPEAT_FACTOR = 10
 
 
-def mean_seconds(call: Callable[[], object], repeats: int, device: torch.device) -> float:
+def mean_seconds(
+    call: Callable[[], object], repeats: int, device: torch.device, before: Callable[[], object] | None = None
+) -> float:
     """Mean wall time of `call` after one untimed call: at least `repeats` timed calls, more (up to
-    10x) for cheap calls until MIN_TIMED_SECONDS have been timed.
+    10x) for cheap calls until MIN_TIMED_SECONDS have been timed. `before` runs untimed before each
+    timed call (see `cache_evictor`).
 
     The mean, not the median: a generation run pays for every call, preempted ones included, so on a
     shared machine the expected cost per call is what predicts its wall time."""
     call()
     times: list[float] = []
     while len(times) < repeats or (sum(times) < MIN_TIMED_SECONDS and len(times) < MAX_REPEAT_FACTOR * repeats):
+        if before is not None:
+            before()
         _sync(device)
         start = time.perf_counter()
         call()
@@ -153,6 +158,29 @@ def mean_seconds(call: Callable[[], object], repeats: int, device: torch.device)
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+EVICTION_BYTES = 64 * 2**20  # larger than the last-level cache of common server CPUs
+
+
+_eviction_buffer: torch.Tensor | None = None
+
+
+def cache_evictor(device: torch.device) -> Callable[[], object] | None:
+    """`before` hook for the engine's cheap CPU steps: touch a buffer larger than the last-level cache.
+
+    In the engine, the sampling, selection and commit steps each follow a model forward, whose weights
+    (the target's alone are over 100 MB in float32) have evicted the CPU caches; timed back to back
+    instead, the same steps find their code and data cached and run several times faster at B = 1.
+    On CUDA: None (kernels do not depend on the host's caches).
+    """
+    global _eviction_buffer
+    if device.type != "cpu":
+        return None
+    if _eviction_buffer is None:
+        _eviction_buffer = torch.zeros(EVICTION_BYTES // 4, dtype=torch.float32)
+    buffer = _eviction_buffer
+    return lambda: buffer.add_(1.0)
 
 
 # ---------------------------------------------------------------------------------------
@@ -272,7 +300,7 @@ def draft_sampling_latency(
         probs[:, :, 1] = warp.probs(logits)
         return sample_categorical(probs[:, :, 1], uniforms)
 
-    return mean_seconds(call, repeats, device)
+    return mean_seconds(call, repeats, device, cache_evictor(device))
 
 
 @torch.inference_mode()
@@ -298,7 +326,7 @@ def commit_latency(
             draft_timer.cache.rows.keep_path(source[:, : draft_length - 1], dest[:, : draft_length - 1])
         return torch.cat([num_accepted[:, None], tokens], 1).cpu().tolist()
 
-    return mean_seconds(call, repeats, device)
+    return mean_seconds(call, repeats, device, cache_evictor(device))
 
 
 @torch.inference_mode()
@@ -307,7 +335,7 @@ def select_rows_latency(model: HFCausalLM, batch: int, capacity: int, repeats: i
     per row (it copies every buffer; the engine calls it when rows finish)."""
     timer = ForwardTimer(model, batch, 1, capacity - 1)  # one cached token allocates the buffers
     rows = torch.arange(batch, device=model.device)
-    return mean_seconds(lambda: timer.cache.rows.select_rows(rows), repeats, model.device)
+    return mean_seconds(lambda: timer.cache.rows.select_rows(rows), repeats, model.device, cache_evictor(model.device))
 
 
 @torch.inference_mode()
@@ -322,23 +350,30 @@ def selection_latency(
     repeats: int,
     device: torch.device,
 ) -> float:
-    """Mean seconds of the engine's selection phase for one iteration, at one extreme of acceptance."""
+    """Mean seconds of the engine's selection phase for one iteration, at one extreme of acceptance.
+
+    The inputs look like the engine's: peaked distributions (softmax of 3 x Gaussian logits), the
+    same p and q at position 0 of every draft (one context), different ones after; the draft tokens
+    are sampled from p. ACCEPT_ALL: q = p, so every position is accepted; REJECT_ALL: p and q live on
+    disjoint halves of the vocabulary, so every draft token has q = 0.
+    """
     generator = torch.Generator(device="cpu").manual_seed(0)
     nodes = 1 + num_drafts * draft_length
     logits = torch.randn(batch, nodes, vocab_size, generator=generator).to(device)  # [B, T, V]
     node_of = torch.zeros(num_drafts, draft_length + 1, dtype=torch.int64, device=device)  # [K, L+1]
-    half = vocab_size // 2
-    base = torch.zeros(vocab_size, dtype=torch.float32, device=device)  # [V]
-    draft_p = base.clone()
-    draft_p[:half] = 1.0 / half
-    target_q = draft_p.clone() if extreme == ACCEPT_ALL else base.clone()
+    shape_logits = 3.0 * torch.randn(batch, num_drafts, draft_length + 1, vocab_size, generator=generator)
+    shape_logits[:, :, 0] = shape_logits[:, :1, 0]  # position 0: one context for all K drafts
+    target_probs = torch.softmax(shape_logits, -1)  # [B, K, L+1, V]
+    draft_probs = target_probs[:, :, :draft_length].clone()  # [B, K, L, V]
     if extreme == REJECT_ALL:
-        target_q[half:] = 1.0 / (vocab_size - half)  # disjoint from p: every draft token has q = 0
-    draft_probs = draft_p.expand(batch, num_drafts, draft_length, vocab_size).contiguous()  # [B, K, L, V]
-    target_probs = target_q.expand(
-        batch, num_drafts, draft_length + 1, vocab_size
-    ).contiguous()  # [B, K, L+1, V]
-    draft_tokens = torch.randint(0, half, (batch, num_drafts, draft_length), generator=generator).to(device)
+        first_half = torch.arange(vocab_size) < vocab_size // 2  # [V]
+        draft_probs[..., ~first_half] = 0.0
+        target_probs[..., first_half] = 0.0
+        draft_probs /= draft_probs.sum(-1, keepdim=True)
+        target_probs /= target_probs.sum(-1, keepdim=True)
+    draft_tokens = torch.multinomial(draft_probs.reshape(-1, vocab_size), 1, generator=generator)
+    draft_tokens = draft_tokens.reshape(batch, num_drafts, draft_length)  # [B, K, L]
+    draft_tokens, draft_probs, target_probs = draft_tokens.to(device), draft_probs.to(device), target_probs.to(device)
 
     def call():
         node_probs = warp.probs(logits)  # [B, T, V] (the engine's warp; its values are not used here)
@@ -352,7 +387,7 @@ def selection_latency(
             validate=False,
         )
 
-    return mean_seconds(call, repeats, device)
+    return mean_seconds(call, repeats, device, cache_evictor(device))
 
 
 @torch.inference_mode()
@@ -362,7 +397,9 @@ def autoregressive_selection_latency(
     generator = torch.Generator(device="cpu").manual_seed(0)
     logits = torch.randn(batch, vocab_size, generator=generator).to(device)  # [B, V]
     uniforms = torch.rand(batch, generator=generator, dtype=torch.float64).to(device)  # [B]
-    return mean_seconds(lambda: sample_categorical(warp.probs(logits), uniforms), repeats, device)
+    return mean_seconds(
+        lambda: sample_categorical(warp.probs(logits), uniforms), repeats, device, cache_evictor(device)
+    )
 
 
 def latency_shapes(cases: Sequence) -> dict[str, set]:
