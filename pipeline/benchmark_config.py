@@ -16,7 +16,14 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-from pipeline.config import DataConfig, MlflowConfig, ModelConfig, from_dict, resolved_container
+from pipeline.config import (
+    DataConfig,
+    MlflowConfig,
+    ModelConfig,
+    build_section,
+    from_dict,
+    resolved_container,
+)
 from pipeline.errors import JobInputError
 
 HF_GENERATE = "hf_generate"
@@ -139,99 +146,34 @@ def bench_config_from_dict(raw: dict[str, Any]) -> BenchConfig:
 
 
 def _grid(raw: dict[str, Any]) -> GridConfig:
-    known = {f.name: f for f in fields(GridConfig)}
-    unknown = sorted(set(raw) - set(known))
-    if unknown:
-        raise JobInputError(
-            f"config: unknown key(s) {', '.join('bench.' + k for k in unknown)}; 'bench' takes: {', '.join(known)}"
-        )
-    values: dict[str, Any] = {}
-    for name in (
-        "num_prompts",
-        "max_prompt_tokens",
-        "max_new_tokens",
-        "top_k",
-        "seed",
-        "repeats",
-        "warmup_tokens",
-        "assisted_tokens",
-    ):
-        if name in raw:
-            values[name] = _int(raw[name], f"bench.{name}")
-    for name in ("temperature", "top_p", "memory_sample_ms"):
-        if name in raw:
-            values[name] = _float(raw[name], f"bench.{name}")
-    if "ignore_eos" in raw:
-        values["ignore_eos"] = _bool(raw["ignore_eos"], "bench.ignore_eos")
-    for name in ("num_drafts", "draft_lengths", "batch_sizes"):
-        if name in raw:
-            values[name] = _int_list(raw[name], f"bench.{name}", minimum=1)
-    if "methods" in raw:
-        methods = raw["methods"]
-        if not isinstance(methods, (list, tuple)) or not methods:
-            raise JobInputError(f"config: bench.methods must be a non-empty list of {', '.join(METHODS)}")
-        for i, method in enumerate(methods):
-            if method not in METHODS:
-                raise JobInputError(
-                    f"config: bench.methods[{i}] = {method!r} is not one of {', '.join(METHODS)}"
-                )
-        values["methods"] = tuple(dict.fromkeys(methods))
-    if "optimality" in raw:
-        values["optimality"] = _optimality(raw["optimality"])
-    if "cost_model" in raw:
-        values["cost_model"] = _cost_model(raw["cost_model"])
-    grid = GridConfig(**values)
+    """Keys and types by the dataclass annotations (`pipeline.config.build_section`), then the ranges here."""
+    grid = build_section(GridConfig, raw, "bench", {"optimality": OptimalityConfig, "cost_model": CostModelConfig})
+    for i, method in enumerate(grid.methods):
+        if method not in METHODS:
+            raise JobInputError(f"config: bench.methods[{i}] = {method!r} is not one of {', '.join(METHODS)}")
+    grid = dataclasses.replace(
+        grid,
+        methods=tuple(dict.fromkeys(grid.methods)),
+        num_drafts=_positive_set(grid.num_drafts, "bench.num_drafts"),
+        draft_lengths=_positive_set(grid.draft_lengths, "bench.draft_lengths"),
+        batch_sizes=_positive_set(grid.batch_sizes, "bench.batch_sizes"),
+        cost_model=dataclasses.replace(
+            grid.cost_model,
+            latency_batch_sizes=_positive_set(
+                grid.cost_model.latency_batch_sizes, "bench.cost_model.latency_batch_sizes"
+            ),
+        ),
+    )
     _check_grid(grid)
     return grid
 
 
-def _optimality(raw: Any) -> OptimalityConfig:
-    if not isinstance(raw, dict):
-        raise JobInputError("config: bench.optimality must be a mapping")
-    _no_unknown(raw, OptimalityConfig, "bench.optimality")
-    values: dict[str, Any] = {}
-    if "enabled" in raw:
-        values["enabled"] = _bool(raw["enabled"], "bench.optimality.enabled")
-    for name in ("num_prompts", "continuation_tokens", "max_drafts"):
-        if name in raw:
-            values[name] = _int(raw[name], f"bench.optimality.{name}")
-            if values[name] < 1:
-                raise JobInputError(f"config: bench.optimality.{name} must be >= 1, got {values[name]}")
-    return OptimalityConfig(**values)
-
-
-def _cost_model(raw: Any) -> CostModelConfig:
-    if not isinstance(raw, dict):
-        raise JobInputError("config: bench.cost_model must be a mapping")
-    _no_unknown(raw, CostModelConfig, "bench.cost_model")
-    values: dict[str, Any] = {}
-    if "enabled" in raw:
-        values["enabled"] = _bool(raw["enabled"], "bench.cost_model.enabled")
-    if "latency_repeats" in raw:
-        values["latency_repeats"] = _int(raw["latency_repeats"], "bench.cost_model.latency_repeats")
-        if values["latency_repeats"] < 1:
-            raise JobInputError(
-                f"config: bench.cost_model.latency_repeats must be >= 1, got {values['latency_repeats']}"
-            )
-    if "calibrate" in raw:
-        values["calibrate"] = _bool(raw["calibrate"], "bench.cost_model.calibrate")
-    if "calibration_repeats" in raw:
-        values["calibration_repeats"] = _int(raw["calibration_repeats"], "bench.cost_model.calibration_repeats")
-        if values["calibration_repeats"] < 1:
-            raise JobInputError(
-                f"config: bench.cost_model.calibration_repeats must be >= 1, got {values['calibration_repeats']}"
-            )
-    if "latency_batch_sizes" in raw:
-        values["latency_batch_sizes"] = _int_list(
-            raw["latency_batch_sizes"], "bench.cost_model.latency_batch_sizes", minimum=1
-        )
-    return CostModelConfig(**values)
-
-
-def _no_unknown(raw: dict[str, Any], cls: type, prefix: str) -> None:
-    unknown = sorted(set(raw) - {f.name for f in fields(cls)})
-    if unknown:
-        raise JobInputError(f"config: unknown key(s) {', '.join(prefix + '.' + k for k in unknown)}")
+def _positive_set(values: tuple[int, ...], key: str) -> tuple[int, ...]:
+    """Sorted distinct ints, each >= 1."""
+    for i, value in enumerate(values):
+        if value < 1:
+            raise JobInputError(f"config: {key}[{i}] must be an int >= 1, got {value!r}")
+    return tuple(sorted(set(values)))
 
 
 def _check_grid(g: GridConfig) -> None:
@@ -244,6 +186,12 @@ def _check_grid(g: GridConfig) -> None:
     for key in ("top_k", "seed", "warmup_tokens"):
         if getattr(g, key) < 0:
             raise bad(key, ">= 0", getattr(g, key))
+    for key in ("num_prompts", "continuation_tokens", "max_drafts"):
+        if getattr(g.optimality, key) < 1:
+            raise bad(f"optimality.{key}", ">= 1", getattr(g.optimality, key))
+    for key in ("latency_repeats", "calibration_repeats"):
+        if getattr(g.cost_model, key) < 1:
+            raise bad(f"cost_model.{key}", ">= 1", getattr(g.cost_model, key))
     if not math.isfinite(g.temperature) or g.temperature < 0:
         raise bad("temperature", "a finite number >= 0 (0 means greedy)", g.temperature)
     if not 0.0 < g.top_p <= 1.0:
@@ -253,33 +201,6 @@ def _check_grid(g: GridConfig) -> None:
     if g.temperature == 0 and HF_ASSISTED in g.methods:
         # assisted generation with do_sample=False is greedy matching, a different algorithm
         raise bad("temperature", "> 0 when hf_assisted is benchmarked (it is measured with sampling)", 0.0)
-
-
-def _int(value: Any, key: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise JobInputError(f"config: {key} must be an int, got {value!r} ({type(value).__name__})")
-    return value
-
-
-def _float(value: Any, key: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise JobInputError(f"config: {key} must be a number, got {value!r} ({type(value).__name__})")
-    return float(value)
-
-
-def _bool(value: Any, key: str) -> bool:
-    if not isinstance(value, bool):
-        raise JobInputError(f"config: {key} must be true or false, got {value!r}")
-    return value
-
-
-def _int_list(value: Any, key: str, minimum: int) -> tuple[int, ...]:
-    if not isinstance(value, (list, tuple)) or not value:
-        raise JobInputError(f"config: {key} must be a non-empty list of ints, got {value!r}")
-    for i, item in enumerate(value):
-        if isinstance(item, bool) or not isinstance(item, int) or item < minimum:
-            raise JobInputError(f"config: {key}[{i}] must be an int >= {minimum}, got {item!r}")
-    return tuple(sorted(set(value)))
 
 
 def expand_grid(g: GridConfig) -> list[BenchCase]:

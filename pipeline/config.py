@@ -138,7 +138,7 @@ def from_dict(raw: dict[str, Any]) -> GenerateConfig:
     for name, cls in _SECTIONS.items():
         if name not in raw or raw[name] is None:
             raise JobInputError(f"config: missing section '{name}'")
-        sections[name] = _build(cls, raw[name], prefix=name)
+        sections[name] = build_section(cls, raw[name], prefix=name)
     top = {}
     for name in ("output_dir", "shard_size", "max_failed_fraction", "progress"):
         if name in raw:
@@ -151,7 +151,11 @@ def from_dict(raw: dict[str, Any]) -> GenerateConfig:
     return config
 
 
-def _build(cls: type, raw: Any, prefix: str) -> Any:
+def build_section(cls: type, raw: Any, prefix: str, nested: dict[str, type] | None = None) -> Any:
+    """Check a mapping against the dataclass `cls` (known keys, types from the annotations) and build it.
+
+    nested: fields that are themselves dataclass sections, built the same way under `prefix.field`.
+    """
     if not isinstance(raw, dict):
         raise JobInputError(f"config: '{prefix}' must be a mapping, got {type(raw).__name__}")
     known = {f.name: f for f in fields(cls)}
@@ -165,15 +169,24 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     for name, field in known.items():
         key = f"{prefix}.{name}"
         if name in raw:
-            values[name] = _coerce(raw[name], field.type, key)
-        elif field.default is dataclasses.MISSING:
+            if nested and name in nested:
+                values[name] = build_section(nested[name], raw[name], key)
+            else:
+                values[name] = _coerce(raw[name], field.type, key)
+        elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
             raise JobInputError(f"config: {key} is required")
     return cls(**values)
 
 
 def _coerce(value: Any, type_name: str, key: str) -> Any:
-    """Check `value` against the annotation string (e.g. 'int | None') and return it."""
-    allowed = [t.strip() for t in str(type_name).split("|")]
+    """Check `value` against the annotation string (e.g. 'int | None', 'tuple[int, ...]') and return it."""
+    text = str(type_name)
+    if text.startswith("tuple[") and text.endswith(", ...]"):
+        item = text[len("tuple[") : -len(", ...]")]
+        if not isinstance(value, (list, tuple)) or not value:
+            raise JobInputError(f"config: {key} must be a non-empty list of {item}s, got {value!r}")
+        return tuple(_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value))
+    allowed = [t.strip() for t in text.split("|")]
     if value is None:
         if "None" in allowed:
             return None

@@ -71,11 +71,22 @@ def raw(**bench) -> dict:
         ({"optimality": {"max_drafts": 0}}, "bench.optimality.max_drafts must be >= 1"),
         ({"cost_model": {"latency_batch_sizes": []}}, "bench.cost_model.latency_batch_sizes"),
         ({"grid": 3}, "unknown key.*bench.grid"),
+        ({"num_drafts": [2, "x"]}, r"bench.num_drafts\[1\] must be int"),
+        ({"batch_sizes": 4}, "bench.batch_sizes must be a non-empty list of ints"),
+        ({"ignore_eos": "yes"}, "bench.ignore_eos must be bool"),
+        ({"optimality": {"maxdrafts": 3}}, "unknown key.*bench.optimality.maxdrafts"),
+        ({"cost_model": {"calibration_repeats": 0}}, "bench.cost_model.calibration_repeats must be >= 1"),
+        ({"cost_model": 5}, "'bench.cost_model' must be a mapping"),
     ],
 )
 def test_bad_bench_values_name_the_key(bench, message):
     with pytest.raises(JobInputError, match=message):
         bench_config_from_dict(raw(**bench))
+
+
+def test_lists_are_sorted_and_deduplicated():
+    g = bench_config_from_dict(raw(num_drafts=[4, 2, 4], methods=["spectr", "spectr", "autoregressive"])).bench
+    assert g.num_drafts == (2, 4) and g.methods == ("spectr", "autoregressive")
 
 
 def test_shared_sections_use_the_main_jobs_rules():
