@@ -8,8 +8,10 @@
    prompts of the optimality analysis;
 2) for each configuration of the grid (`expand_grid`; tqdm bar): one untimed warm-up run on the
    first batch with `warmup_tokens` new tokens, then `repeats` timed runs with seeds seed + 1000 r
-   (`pipeline.benchmark_methods.run_case`); tokens/s is the median over repeats, block efficiency and
-   acceptance pool all repeats;
+   (`pipeline.benchmark_methods.run_case`), taken round-robin: repeat r of every configuration runs
+   before repeat r + 1 of any, so a drift in the machine's speed spreads over all configurations
+   instead of favouring the ones that ran in a quiet minute; tokens/s is the median over repeats,
+   block efficiency and acceptance pool all repeats;
 3) token-level optimality (`pipeline.benchmark_optimality`);
 4) cost model: per-call latencies, then a prediction for every timed run (`pipeline.benchmark_cost`);
 5) report (`pipeline.benchmark_report`): printed table, Markdown, CSV, PNG plots, goals, benchmark.log,
@@ -291,24 +293,45 @@ def sampling_settings(config: BenchConfig, pair: Pair, max_new_tokens: int | Non
     )
 
 
-def measure_case(config: BenchConfig, pair: Pair, case: BenchCase, batches, calibrator: Calibrator | None = None
-                 ) -> CaseResult:
-    """Warm-up, then the timed repeats; after each repeat of our methods, the cost model's calibration."""
+def measure_cases(
+    config: BenchConfig, pair: Pair, cases: list[BenchCase], batches_of, calibrator: Calibrator | None = None,
+    on_run=None,
+) -> list[CaseResult]:
+    """Warm-ups, then the timed repeats round-robin (repeat r of every configuration before any r + 1);
+    after each timed run of our methods, the cost model's calibration. A configuration that fails is
+    reported with its error and skipped from then on; the others go on.
+
+    batches_of(case): the prompt batches of a configuration; on_run(case): called after each run."""
     g = config.bench
-    result = CaseResult(case)
-    try:
-        if g.warmup_tokens > 0:
-            run_case(pair, case, batches[:1], sampling_settings(config, pair, g.warmup_tokens), g.seed)
-        settings = sampling_settings(config, pair)
-        for repeat in range(g.repeats):
-            run = run_case(pair, case, batches, settings, g.seed + SEED_STRIDE * repeat)
-            if calibrator is not None and case.method not in (HF_GENERATE, HF_ASSISTED):
-                run.calibration = calibrator.measure(case, case_context(config, batches))
-            result.runs.append(run)
-    except (RuntimeError, ValueError, MemoryError) as err:  # one failed configuration does not end the run
-        result.error = f"{type(err).__name__}: {err}"
-        result.runs = []
-    return result
+    results = [CaseResult(case) for case in cases]
+
+    def attempt(result: CaseResult, action) -> None:
+        try:
+            if result.error is None:
+                action()
+        except (RuntimeError, ValueError, MemoryError) as err:  # one failed configuration does not end the run
+            result.error = f"{type(err).__name__}: {err}"
+            result.runs = []
+        if on_run is not None:
+            on_run(result.case)
+
+    if g.warmup_tokens > 0:
+        warmup = sampling_settings(config, pair, g.warmup_tokens)
+        for r in results:
+            attempt(r, lambda r=r: run_case(pair, r.case, batches_of(r.case)[:1], warmup, g.seed))
+    settings = sampling_settings(config, pair)
+    for repeat in range(g.repeats):
+        for r in results:
+
+            def timed(r=r, repeat=repeat):
+                batches = batches_of(r.case)
+                run = run_case(pair, r.case, batches, settings, g.seed + SEED_STRIDE * repeat)
+                if calibrator is not None and r.case.method not in (HF_GENERATE, HF_ASSISTED):
+                    run.calibration = calibrator.measure(r.case, case_context(config, batches))
+                r.runs.append(run)
+
+            attempt(r, timed)
+    return results
 
 
 def attach_speedups(results: list[CaseResult]) -> None:
@@ -449,12 +472,18 @@ def run_benchmark(config: BenchConfig, command: str | None = None) -> BenchmarkR
         if g.cost_model.enabled and g.cost_model.calibrate:
             calibrator = Calibrator(HFCausalLM(pair.target, role="target"), HFCausalLM(pair.draft, role="draft"),
                                     g.cost_model.calibration_repeats)
-        results = []
-        bar = tqdm(cases, desc="configurations", unit="cfg", disable=not config.progress, dynamic_ncols=True)
-        for case in bar:
+        runs_per_case = g.repeats + (1 if g.warmup_tokens > 0 else 0)
+        bar = tqdm(total=len(cases) * runs_per_case, desc="runs (round-robin over configurations)", unit="run",
+                   disable=not config.progress, dynamic_ncols=True)
+
+        def on_run(case: BenchCase) -> None:
             bar.set_postfix_str(case.label)
-            batches = batches_for(bench_prompts, case.batch_size, g.num_prompts)
-            results.append(measure_case(config, pair, case, batches, calibrator))
+            bar.update(1)
+
+        results = measure_cases(
+            config, pair, cases, lambda case: batches_for(bench_prompts, case.batch_size, g.num_prompts),
+            calibrator, on_run,
+        )
         bar.close()
         attach_speedups(results)
 

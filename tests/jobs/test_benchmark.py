@@ -122,3 +122,37 @@ def test_missing_model_dir_is_refused(tiny_pair, prompts_jsonl, tmp_path):
     cfg = composed(tiny_pair, prompts_jsonl, "mlflow.enabled=false", f"model.draft={tmp_path / 'nope'}")
     with pytest.raises(JobInputError, match="model.draft: no such model directory"):
         benchmark(cfg)
+
+
+def test_repeats_run_round_robin_and_a_failed_configuration_is_isolated(tiny_pair, prompts_jsonl, monkeypatch):
+    """Repeat r of every configuration runs before repeat r + 1 of any (a drift in the machine's speed
+    spreads over all of them); a configuration that raises is reported and skipped, the others finish."""
+    import torch
+
+    from pipeline import benchmark as bench
+
+    config = bench_config_from_omegaconf(composed(tiny_pair, prompts_jsonl, "mlflow.enabled=false", "bench.repeats=2"))
+    g = config.bench
+    assert g.repeats == 2
+    pair = bench.load_pair(config, torch.device("cpu"))
+    prompts, _ = bench.load_prompts(config, pair.tokenizer)
+    cases = [c for c in expand_grid(g) if c.method in ("autoregressive", "speculative", "spectr")][:3]
+    broken = cases[1]
+    calls = []
+    real_run_case = bench.run_case
+
+    def recording_run_case(pair_, case, batches, settings, seed):
+        calls.append((case, settings.max_new_tokens))
+        if case == broken and settings.max_new_tokens == g.max_new_tokens:
+            raise RuntimeError("injected failure")
+        return real_run_case(pair_, case, batches, settings, seed)
+
+    monkeypatch.setattr(bench, "run_case", recording_run_case)
+    results = bench.measure_cases(config, pair, cases, lambda c: bench.batches_for(prompts, c.batch_size, g.num_prompts))
+
+    warmups = [(c, g.warmup_tokens) for c in cases]
+    timed = [(c, g.max_new_tokens) for _ in range(g.repeats) for c in cases if c != broken]
+    assert calls[: len(cases)] == warmups
+    assert calls[len(cases) :] == [(cases[0], g.max_new_tokens), (broken, g.max_new_tokens)] + timed[1:]
+    assert results[1].error == "RuntimeError: injected failure" and not results[1].runs
+    assert all(r.ok and len(r.runs) == g.repeats for r in (results[0], results[2]))
