@@ -315,7 +315,7 @@ def commit_latency(
     lengths = target_timer.cache.rows.lengths  # [B]
     depth = torch.arange(draft_length, device=device)  # [L]
     dest = lengths[:, None] + 1 + depth  # [B, L]
-    source = dest + 1  # any in-capacity slots: the work is the same
+    source = dest.flip(1)  # any slots of the tree: the work is the same
     num_accepted = torch.full((batch,), draft_length, dtype=torch.int64, device=device)  # [B]
     tokens = torch.zeros(batch, draft_length + 1, dtype=torch.int64, device=device)  # [B, L+1]
 

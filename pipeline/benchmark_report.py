@@ -537,7 +537,7 @@ def plot_speedup(results, batch_sizes, lengths, path: Path) -> None:
                     and (r.case.method == method or r.case.method == "speculative")
                 ]
                 points.sort()
-                if len(points) > 1:
+                if points:  # one point (a single K) still shows as its marker
                     ax.plot(
                         [p[0] for p in points], [p[1] for p in points], style, label=f"{method} L={length}"
                     )

@@ -156,3 +156,14 @@ def test_repeats_run_round_robin_and_a_failed_configuration_is_isolated(tiny_pai
     assert calls[len(cases) :] == [(cases[0], g.max_new_tokens), (broken, g.max_new_tokens)] + timed[1:]
     assert results[1].error == "RuntimeError: injected failure" and not results[1].runs
     assert all(r.ok and len(r.runs) == g.repeats for r in (results[0], results[2]))
+
+
+def test_single_draft_grid_gets_a_cost_model(tiny_pair, prompts_jsonl, tmp_path):
+    """K = 1 only: the narrowest draft tree still fits every latency measurement (commit included)."""
+    cfg = composed(tiny_pair, prompts_jsonl, f"output_dir={tmp_path / 'out'}", "mlflow.enabled=false",
+                   "bench.methods=[autoregressive,speculative]", "bench.num_drafts=[1]",
+                   "bench.optimality.enabled=false")
+    report = benchmark(cfg)
+    assert report.exit_code == 0, report.phase_errors
+    assert not report.phase_errors
+    assert all(r.predicted_tokens_per_second for r in report.results)
