@@ -12,6 +12,7 @@ batch) is retried row by row, so that the good rows complete and only the bad ro
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -19,6 +20,8 @@ from typing import Any
 
 from pipeline.config import ModelConfig, SpectrConfig
 from pipeline.shards import Shard
+
+log = logging.getLogger(__name__)
 
 # Statistic fields summed over batches (lists element-wise).
 _SUMMED = (
@@ -89,7 +92,10 @@ class ShardGenerator:
         spectr: SpectrConfig,
         num_threads: int | None = None,
         device: str | None = None,
+        on_batch: Any = None,
     ):
+        """on_batch(shard_index, rows): called after each batch of a shard (the driver's progress bar);
+        an exception in it is logged and ignored: progress must never fail generation."""
         import torch
 
         from pipeline import models
@@ -100,6 +106,7 @@ class ShardGenerator:
             torch.set_num_threads(int(num_threads))
         self.device = device
         self.spectr = spectr
+        self.on_batch = on_batch
         self.tokenizer = models.load_tokenizer(
             models.check_model_dir(model.target, "model.target", model.allow_pickle),
             "model.target",
@@ -137,10 +144,19 @@ class ShardGenerator:
         for start in range(0, len(shard), batch_size):
             batch = range(start, min(start + batch_size, len(shard)))
             rows.extend(self._generate_batch(shard, list(batch), stats))
+            self._report_batch(shard.index, len(batch))
         stats["prompts_failed"] = sum(row["finish_reason"] == "error" for row in rows)
         stats["prompts_completed"] = len(rows) - stats["prompts_failed"]
         stats["shard_seconds"] = time.perf_counter() - started
         return ShardResult(index=shard.index, rows=rows, stats=stats, worker=self.ready())
+
+    def _report_batch(self, shard_index: int, rows: int) -> None:
+        if self.on_batch is None:
+            return
+        try:
+            self.on_batch(shard_index, rows)
+        except Exception as err:  # noqa: BLE001 - progress is best effort
+            log.warning("progress report failed (%s: %s); generation goes on", type(err).__name__, err)
 
     def _generate_batch(
         self, shard: Shard, positions: list[int], stats: dict[str, Any]

@@ -81,6 +81,47 @@ class RunHooks:
     on_actors_ready: Callable[[list[Any], list[dict[str, Any]]], None] | None = None
     on_dispatch: Callable[[Any, Shard], None] | None = None
     on_shard_written: Callable[[ShardResult], None] | None = None
+    on_progress: Callable[[int], None] | None = None  # prompts done, shards in flight included (polled)
+
+
+PROGRESS_POLL_S = 0.5  # how often the driver reads the actors' batch-level progress while it waits
+
+
+class ShardProgress:
+    """Rows generated so far in each in-flight shard, reported batch by batch by the actors (a Ray actor).
+
+    The driver's progress bar reads it while it waits for shards, so a large shard moves the bar batch
+    by batch rather than once at its end. A retried shard's count can overshoot (its first attempt's
+    batches were reported too); `rows_in_flight` caps each shard at its length, and the bar is exact
+    again when the shard's result arrives.
+    """
+
+    def __init__(self) -> None:
+        self.rows: dict[int, int] = {}
+
+    def add(self, shard_index: int, rows: int) -> None:
+        self.rows[shard_index] = self.rows.get(shard_index, 0) + rows
+
+    def forget(self, shard_index: int) -> None:
+        self.rows.pop(shard_index, None)
+
+    def snapshot(self) -> dict[int, int]:
+        return dict(self.rows)
+
+
+class BatchReporter:
+    """`ShardGenerator`'s on_batch callback: one fire-and-forget call to the `ShardProgress` actor."""
+
+    def __init__(self, progress: Any):
+        self.progress = progress
+
+    def __call__(self, shard_index: int, rows: int) -> None:
+        self.progress.add.remote(shard_index, rows)
+
+
+def rows_in_flight(snapshot: dict[int, int], shards: list[Shard]) -> int:
+    """Rows generated so far in `shards` according to `snapshot`, each capped at its shard's length."""
+    return sum(min(snapshot.get(shard.index, 0), len(shard)) for shard in shards)
 
 
 def prepare(config: GenerateConfig) -> JobPlan:
@@ -189,8 +230,10 @@ class ShardActorPool:
         )
         threads = max(1, int(cpus_each))
         device = "cuda" if gpus_each > 0 else "cpu"  # a CPU actor stays on CPU even on a GPU node
+        self.progress = ray.remote(ShardProgress).options(num_cpus=0).remote()
+        reporter = BatchReporter(self.progress)
         self.actors = [
-            remote_class.remote(config.model, config.spectr, threads, device) for _ in range(count)
+            remote_class.remote(config.model, config.spectr, threads, device, reporter) for _ in range(count)
         ]
 
     def wait_ready(self) -> list[dict[str, Any]]:
@@ -202,9 +245,15 @@ class ShardActorPool:
             raise RuntimeError(f"an actor failed to load the model pair: {err}") from err
 
     def run(
-        self, shards: list[Shard], on_result: Callable[[ShardResult], None], hooks: RunHooks | None = None
+        self,
+        shards: list[Shard],
+        on_result: Callable[[ShardResult], None],
+        hooks: RunHooks | None = None,
+        on_partial: Callable[[int], None] | None = None,
     ) -> None:
-        """Generate every shard exactly once (as far as the output is concerned), calling `on_result` per shard."""
+        """Generate every shard exactly once (as far as the output is concerned), calling `on_result` per
+        shard, and `on_partial(rows generated so far in the shards in flight)` every PROGRESS_POLL_S
+        while it waits."""
         from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
 
         ray = self._ray
@@ -221,10 +270,16 @@ class ShardActorPool:
                     hooks.on_dispatch(actor, shard)
             if not in_flight:
                 raise RuntimeError(f"no live actors left; {len(pending)} shard(s) not generated")
-            (ref,), _ = ray.wait(list(in_flight), num_returns=1)
-            actor, shard = in_flight.pop(ref)
+            ready, _ = ray.wait(
+                list(in_flight), num_returns=1, timeout=PROGRESS_POLL_S if on_partial is not None else None
+            )
+            if not ready:
+                self._report_partial(on_partial, [shard for _, shard in in_flight.values()])
+                continue
+            actor, shard = in_flight.pop(ready[0])
+            self.progress.forget.remote(shard.index)
             try:
-                result = ray.get(ref)
+                result = ray.get(ready[0])
             except (RayActorError, RayTaskError) as err:
                 if attempts[shard.index] >= self.config.ray.shard_attempts:
                     raise RuntimeError(
@@ -237,6 +292,15 @@ class ShardActorPool:
                 continue
             on_result(result)
             idle.append(actor)
+
+    def _report_partial(self, on_partial: Callable[[int], None], shards: list[Shard]) -> None:
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        try:
+            snapshot = self._ray.get(self.progress.snapshot.remote(), timeout=PROGRESS_POLL_S)
+        except (GetTimeoutError, RayActorError):  # progress is best effort; generation goes on
+            return
+        on_partial(rows_in_flight(snapshot, shards))
 
 
 def run_generate(config: GenerateConfig, hooks: RunHooks | None = None) -> JobReport:
@@ -338,6 +402,14 @@ def _execute(
                 dynamic_ncols=True,
             )
             generation_started = time.perf_counter()
+            written = [rows_done]  # prompts in written shards
+
+            def show(in_flight: int = 0) -> None:
+                shown = min(written[0] + in_flight, plan.num_rows)
+                progress.n = shown
+                progress.refresh()
+                if hooks and hooks.on_progress:
+                    hooks.on_progress(shown)
 
             def on_result(result: ShardResult) -> None:
                 write_shard(output_dir, result.index, result.rows, schema)
@@ -351,12 +423,14 @@ def _execute(
                     block_eff=f"{tokens / calls:.2f}" if calls else "-",
                     refresh=False,
                 )
-                progress.update(len(result.rows))
+                written[0] += len(result.rows)
+                show()
                 if hooks and hooks.on_shard_written:
                     hooks.on_shard_written(result)
 
             try:
-                pool.run(plan.todo, on_result, hooks)
+                watching = config.progress or bool(hooks and hooks.on_progress)
+                pool.run(plan.todo, on_result, hooks, on_partial=show if watching else None)
             finally:
                 progress.close()
             generation_s = time.perf_counter() - generation_started

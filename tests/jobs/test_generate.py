@@ -302,6 +302,20 @@ def test_actors_killed_mid_shard_lose_and_duplicate_nothing(tiny_pair, prompts_j
     assert report.exit_code == 0 and report.summary.prompts_completed == 40
 
 
+def test_progress_moves_batch_by_batch_inside_a_shard(tiny_pair, prompts_jsonl, tmp_path, ray_local):
+    """One shard of 40 prompts, batches of 1: the driver's polled progress shows prompts inside the shard
+    before it ends, never goes back, and ends at 40."""
+    raw = job_config(
+        tiny_pair, prompts_jsonl, tmp_path / "out", shard_size=40,
+        **{"spectr.max_new_tokens": 24, "spectr.batch_size": 1, "ray.num_actors": 1},
+    )  # fmt: skip
+    seen: list[int] = []
+    report = run_generate(from_dict(raw), RunHooks(on_progress=seen.append))
+    assert report.exit_code == 0 and seen[-1] == 40
+    assert any(0 < n < 40 for n in seen), seen
+    assert seen == sorted(seen)
+
+
 def test_cli_prints_one_line_and_exits_2_for_bad_input(tiny_pair, tmp_path):
     result = subprocess.run(
         [

@@ -72,3 +72,36 @@ def test_rows_do_not_depend_on_batch_size(tiny_pair, generator):
     assert [r["completion_token_ids"] for r in generator(shard).rows] == [
         r["completion_token_ids"] for r in one_by_one(shard).rows
     ]
+
+
+def test_each_batch_is_reported_and_a_failing_report_changes_nothing(tiny_pair, generator):
+    """on_batch(shard index, rows) after every batch (the driver's progress bar); a report that raises
+    is logged, and the shard's rows come out the same."""
+    shard = shard_of(tiny_pair, PROMPTS)  # 6 prompts, batch_size 4
+    reports = []
+    generator.on_batch = lambda index, rows: reports.append((index, rows))
+    try:
+        expected = generator(shard).rows
+        assert reports == [(0, 4), (0, 2)]
+
+        def broken(index, rows):
+            raise ConnectionError("progress actor gone")
+
+        generator.on_batch = broken
+        assert generator(shard).rows == expected
+    finally:
+        generator.on_batch = None
+
+
+def test_progress_counts_cap_each_shard_at_its_length():
+    from pipeline.runner import ShardProgress, rows_in_flight
+
+    progress = ShardProgress()
+    progress.add(3, 4)
+    progress.add(3, 4)
+    progress.add(4, 2)
+    progress.add(3, 4)  # a retried shard's batches, reported again
+    shards = {s.index: s for s in cut_shards([f"i{k}" for k in range(40)], ["p"] * 40, [[1]] * 40, 8, 0)}
+    assert rows_in_flight(progress.snapshot(), [shards[3], shards[4]]) == 8 + 2
+    progress.forget(3)
+    assert progress.snapshot() == {4: 2}
