@@ -7,8 +7,8 @@
    (batch size B runs ceil(num_prompts / B) batches of B of them), the next ones are the held-out
    prompts of the optimality analysis;
 2) for each configuration of the grid (`expand_grid`; tqdm bar): one untimed warm-up run on the
-   first batch with `warmup_tokens` new tokens, then `repeats` timed runs with seeds seed + 1000 r
-   (`pipeline.benchmark_methods.run_case`), taken round-robin: repeat r of every configuration runs
+   first batch with `warmup_tokens` new tokens (all warm-ups first), then `repeats` timed runs with
+   seeds seed + 1000 r (`pipeline.benchmark_methods.run_case`), taken round-robin: repeat r of every configuration runs
    before repeat r + 1 of any, so a drift in the machine's speed spreads over all configurations
    instead of favouring the ones that ran in a quiet minute; tokens/s is the median over repeats,
    block efficiency and acceptance pool all repeats;
@@ -366,14 +366,19 @@ def attach_predictions(
     )
     shapes = {}  # case -> its BatchRun shapes (context, capacities) per batch
     for r in ours:
-        widths = tree_widths(r.case.method, r.case.num_drafts, r.case.draft_length)
+        widths = tree_widths(r.case.method, r.case.num_drafts, r.case.draft_length)  # draft 0: no draft cache
         shapes[r.case] = [
             (batch, batch_context(batch, g.max_new_tokens),
              tuple(batch_capacity(batch, g.max_new_tokens, w) for w in widths))
             for batch in batches_for(bench_prompts, r.case.batch_size, g.num_prompts)
         ]
     contexts = {case_context(config, [b for b, _, _ in s]) for s in shapes.values()}
-    capacities = [c for s in shapes.values() for _, _, caps in s for c in caps if c > 0]
+    capacities = [
+        caps[i]
+        for case, s in shapes.items()
+        for _, _, caps in s
+        for i in ((0,) if case.method == "autoregressive" else (0, 1))
+    ]
     table = measure_latencies(
         target_lm,
         draft_lm,

@@ -198,6 +198,9 @@ def _check_grid(g: GridConfig) -> None:
         raise bad("top_p", "in (0, 1]", g.top_p)
     if not g.memory_sample_ms > 0:
         raise bad("memory_sample_ms", "> 0", g.memory_sample_ms)
+    if g.temperature == 0 and {"spectr", "specinfer"} & set(g.methods) and max(g.num_drafts) > 1:
+        # spectr.generate runs greedy decoding with one draft: the K drafts would all be the draft's argmax
+        raise bad("temperature", "> 0 when spectr or specinfer run with K >= 2 (greedy decoding uses K = 1)", 0.0)
     if g.temperature == 0 and HF_ASSISTED in g.methods:
         # assisted generation with do_sample=False is greedy matching, a different algorithm
         raise bad("temperature", "> 0 when hf_assisted is benchmarked (it is measured with sampling)", 0.0)

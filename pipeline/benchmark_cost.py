@@ -69,7 +69,9 @@ class LatencyTable:
     """Seconds per call keyed by (component, batch size, shape, context).
 
     `at` interpolates linearly in the batch size at each measured context, then linearly in the
-    context; components measured at one context (or none, `None`) do not depend on it.
+    context; components measured at one context (or none, `None`) do not depend on it, and
+    `at(..., context=None)` takes the widest measured context. The "context" of the forwards is the
+    cached tokens they attend; that of `select_rows_*` is the cache capacity in slots per row.
     """
 
     seconds: dict[tuple, float] = field(default_factory=dict)
@@ -375,6 +377,8 @@ def selection_latency(
     draft_tokens = draft_tokens.reshape(batch, num_drafts, draft_length)  # [B, K, L]
     draft_tokens, draft_probs, target_probs = draft_tokens.to(device), draft_probs.to(device), target_probs.to(device)
 
+    generators = make_generators(range(batch), device)  # the engine makes them once per generation
+
     def call():
         node_probs = warp.probs(logits)  # [B, T, V] (the engine's warp; its values are not used here)
         node_probs[:, node_of]  # the tree gather, [B, K, L+1, V]
@@ -382,7 +386,7 @@ def selection_latency(
             draft_tokens,
             draft_probs,
             target_probs,
-            make_generators(range(batch), device),
+            generators,
             method=method,
             validate=False,
         )
@@ -487,8 +491,9 @@ def forward_shapes(case) -> list[tuple[str, tuple]]:
     """The (model, new tokens) forwards one iteration of `case` runs."""
     if case.method == "autoregressive":
         return [(TARGET, (1,))]
-    return [(TARGET, (1 + case.num_drafts * case.draft_length,)), (DRAFT, (1,)), (DRAFT, (2,)),
-            (DRAFT, (case.num_drafts,))]
+    shapes = [(TARGET, (1 + case.num_drafts * case.draft_length,)), (DRAFT, (1,)), (DRAFT, (2,)),
+              (DRAFT, (case.num_drafts,))]
+    return list(dict.fromkeys(shapes))
 
 
 class Calibrator:
@@ -606,7 +611,11 @@ def iteration_seconds(
     draft = (
         (1.0 - two_pending) * table.at(DRAFT, active, (1,), context)
         + two_pending * table.at(DRAFT, active, (2,), context)
-        + (draft_length - 1) * table.at(DRAFT, active, (num_drafts,), context)
+        # branch step d (1..L-1) attends d - 1 earlier branch steps of K slots beyond the context
+        + sum(
+            table.at(DRAFT, active, (num_drafts,), None if context is None else context + (d - 1) * num_drafts)
+            for d in range(1, draft_length)
+        )
         + table.at(DRAFT_SAMPLE_FIRST, active, (num_drafts,))
         + (draft_length - 1) * table.at(DRAFT_SAMPLE, active, (num_drafts,))
     )

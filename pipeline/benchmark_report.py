@@ -527,7 +527,8 @@ def plot_speedup(results, batch_sizes, lengths, path: Path) -> None:
                              layout="constrained")
     for ax, batch in zip(axes[0], batch_sizes):
         here = [r for r in results if r.ok and r.case.batch_size == batch]
-        for method, style in (("spectr", "-o"), ("specinfer", "--s")):
+        lines = [(m, style) for m, style in (("spectr", "-o"), ("specinfer", "--s")) if any(r.case.method == m for r in here)]
+        for method, style in lines or [("speculative", ":^")]:  # K = 1 (speculative) joins each multi-draft line
             for length in lengths:
                 points = [
                     (r.case.num_drafts, r.speedup_vs_autoregressive)
@@ -555,7 +556,8 @@ def plot_speedup(results, batch_sizes, lengths, path: Path) -> None:
         ax.set_ylabel("tokens/s relative to our autoregressive")
         ax.set_title(f"Speedup vs K, B={batch}")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

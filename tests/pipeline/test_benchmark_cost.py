@@ -93,8 +93,9 @@ def test_active_rows_and_reach_probabilities():
 def test_autoregressive_prediction_by_hand():
     table = synthetic_table()
     # one batch of 2 rows, 3 and 2 target calls: iterations with 2, 2, 1 active rows, context 10;
-    # after iteration 2 one row leaves: select_rows keeps 1 row of a 50-slot cache (1 ms, target only)
-    batch = BatchRun([3, 2], (0.1, 0.0), 10, (50, 0))
+    # after iteration 2 one row leaves: select_rows keeps 1 row of a 50-slot cache (1 ms, target only:
+    # the draft capacity is given, but an autoregressive run has no draft cache to copy)
+    batch = BatchRun([3, 2], (0.1, 0.0), 10, (50, 50))
     prediction = predict_seconds(table, "autoregressive", 0, 0, [batch], [])
     per_two = 0.015 + 0.00075 + 0.00015  # target(2, 1) + selection(2) + commit(2)
     per_one = 0.010 + 0.0005 + 0.0001
@@ -168,3 +169,19 @@ def test_calibration_rescales_each_calibrated_shape_and_the_prefill():
     assert prediction.target_seconds == pytest.approx(0.060 + 0.040 + 2 * 0.010)
     assert prediction.selection_seconds == pytest.approx(0.0045 + 0.003)
     assert prediction.other_seconds == pytest.approx(0.0006 + 0.0004 + 0.0015)
+
+
+def test_later_draft_steps_attend_the_earlier_branch_tokens():
+    from pipeline.benchmark_cost import iteration_seconds
+
+    table = synthetic_table()
+    table.add(f"selection_spectr_{REJECT_ALL}", 1, (2, 3), 0.003)
+    table.add(f"selection_spectr_{ACCEPT_ALL}", 1, (2, 3), 0.003)
+    table.add(COMMIT, 1, (3,), 0.0004)
+    table.add(TARGET, 1, (7,), 0.030, 10)
+    # K=2, L=3, one row, nothing accepted (one pending token), context 10:
+    # step 0: draft(1) at context 10 = 1 ms; step 1: draft(2) at context 10 = 2 ms; step 2 attends the
+    # K = 2 branch tokens of step 1 too: draft(2) at context 12 = 2 * 1.1 = 2.2 ms; sampling 0.2 + 2 * 0.1
+    draft, target, _, _ = iteration_seconds(table, "spectr", 1, 2, 3, [1.0, 0.0, 0.0, 0.0], context=10)
+    assert draft == pytest.approx(0.001 + 0.002 + 0.0022 + 0.0004)
+    assert target == pytest.approx(0.030)
