@@ -404,8 +404,10 @@ def _execute(
             generation_started = time.perf_counter()
             written = [rows_done]  # prompts in written shards
 
-            def show(in_flight: int = 0) -> None:
+            def show(in_flight: int = 0, redraw: bool = False) -> None:
                 shown = min(written[0] + in_flight, plan.num_rows)
+                if shown == progress.n and not redraw:
+                    return  # nothing new since the last poll: no redraw (a log file gets a line per redraw)
                 progress.n = shown
                 progress.refresh()
                 if hooks and hooks.on_progress:
@@ -424,7 +426,7 @@ def _execute(
                     refresh=False,
                 )
                 written[0] += len(result.rows)
-                show()
+                show(redraw=True)
                 if hooks and hooks.on_shard_written:
                     hooks.on_shard_written(result)
 
