@@ -624,7 +624,10 @@ def iteration_seconds(
     high = table.at(f"selection_{method}_{ACCEPT_ALL}", active, (num_drafts, draft_length))
     # positions walked by the batch: position j (0-based) is walked when some row reached it
     walked = sum(1.0 - (1.0 - reach[j]) ** active for j in range(draft_length))
-    share = (walked - 1.0) / (draft_length - 1) if draft_length > 1 else reach[1] if len(reach) > 1 else 0.0
+    if draft_length > 1:
+        share = (walked - 1.0) / (draft_length - 1)
+    else:  # L = 1: one position is always walked; the extremes differ by the bonus sample after it
+        share = 1.0 - (1.0 - reach[1]) ** active
     selection = low + (high - low) * min(max(share, 0.0), 1.0)
     return draft, target, selection, table.at(COMMIT, active, (draft_length,))
 

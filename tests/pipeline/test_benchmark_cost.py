@@ -185,3 +185,21 @@ def test_later_draft_steps_attend_the_earlier_branch_tokens():
     draft, target, _, _ = iteration_seconds(table, "spectr", 1, 2, 3, [1.0, 0.0, 0.0, 0.0], context=10)
     assert draft == pytest.approx(0.001 + 0.002 + 0.0022 + 0.0004)
     assert target == pytest.approx(0.030)
+
+
+def test_single_position_drafts_interpolate_by_the_batch_reaching_the_bonus():
+    from pipeline.benchmark_cost import iteration_seconds
+
+    table = LatencyTable()
+    for batch in (1, 2):
+        table.add(f"selection_spectr_{REJECT_ALL}", batch, (2, 1), 0.002)
+        table.add(f"selection_spectr_{ACCEPT_ALL}", batch, (2, 1), 0.004)
+        table.add(COMMIT, batch, (1,), 0.0)
+        table.add(TARGET, batch, (3,), 0.0)
+        for tokens in (1, 2):
+            table.add(DRAFT, batch, (tokens,), 0.0)
+        table.add(DRAFT_SAMPLE_FIRST, batch, (2,), 0.0)
+        table.add(DRAFT_SAMPLE, batch, (2,), 0.0)
+    # L = 1, half the calls accept: with 2 rows, some row reaches the bonus with 1 - 0.5^2 = 0.75
+    _, _, selection, _ = iteration_seconds(table, "spectr", 2, 2, 1, [1.0, 0.5], context=None)
+    assert selection == pytest.approx(0.002 + 0.002 * 0.75)
