@@ -151,6 +151,12 @@ class CaseResult:
         }
 
     @property
+    def cpu_per_wall(self) -> float | None:
+        """Process CPU time / wall time over all repeats (below the thread count: it waited for a CPU)."""
+        wall = self._seconds("wall_seconds")
+        return self._seconds("cpu_seconds") / wall if wall > 0 else None
+
+    @property
     def peak_memory_bytes(self) -> int:
         return max((r.peak_memory_bytes for r in self.runs), default=0)
 
@@ -372,7 +378,9 @@ def attach_predictions(
              tuple(batch_capacity(batch, g.max_new_tokens, w) for w in widths))
             for batch in batches_for(bench_prompts, r.case.batch_size, g.num_prompts)
         ]
-    contexts = {case_context(config, [b for b, _, _ in s]) for s in shapes.values()}
+    for r in ours:
+        r.context = case_context(config, [b for b, _, _ in shapes[r.case]])
+    contexts = {r.context for r in ours}
     capacities = [
         caps[i]
         for case, s in shapes.items()
@@ -406,7 +414,6 @@ def attach_predictions(
             for b, _, _ in shapes[r.case]
         ]
         calibration = pooled(run.calibration for run in r.runs)
-        r.context = case_context(config, [b for b, _, _ in shapes[r.case]])
         r.predictions = [
             predict_seconds(
                 table,

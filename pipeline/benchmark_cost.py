@@ -264,11 +264,6 @@ class ForwardTimer:
         return mean_seconds(call, repeats, device)
 
 
-def forward_latency(model: HFCausalLM, batch: int, new_tokens: int, context: int, repeats: int) -> float:
-    """Mean seconds of one forward of `new_tokens` tokens per row after a cached `context`."""
-    return ForwardTimer(model, batch, context, new_tokens).seconds(new_tokens, repeats)
-
-
 @torch.inference_mode()
 def prefill_latency(model: HFCausalLM, prompts: Sequence[Sequence[int]], repeats: int) -> float:
     """Mean seconds of the engine's prompt prefill of this batch."""

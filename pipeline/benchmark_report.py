@@ -93,7 +93,7 @@ def result_row(r) -> dict[str, Any]:
         generated_tokens=r.generated_tokens,
         target_calls=r.target_calls,
         wall_seconds_median=statistics.median(run.wall_seconds for run in r.runs),
-        cpu_per_wall=sum(run.cpu_seconds for run in r.runs) / max(sum(run.wall_seconds for run in r.runs), 1e-12),
+        cpu_per_wall=r.cpu_per_wall or 0.0,
         predicted_tokens_per_s=r.predicted_tokens_per_second,
         prediction_error_pct=100 * r.prediction_error if r.prediction_error is not None else None,
     )
@@ -674,8 +674,7 @@ def notes(report) -> list[str]:
 
 
 def _median_cpu_per_wall(report) -> float:
-    values = [sum(run.cpu_seconds for run in r.runs) / sum(run.wall_seconds for run in r.runs)
-              for r in report.results if r.ok and sum(run.wall_seconds for run in r.runs) > 0]
+    values = [r.cpu_per_wall for r in report.results if r.ok and r.cpu_per_wall is not None]
     return statistics.median(values) if values else float("nan")
 
 
