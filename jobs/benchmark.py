@@ -19,8 +19,8 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from pipeline.benchmark import BenchmarkReport, run_benchmark
-from pipeline.benchmark_config import bench_config_from_omegaconf
+from pipeline.benchmark.config import bench_config_from_omegaconf
+from pipeline.benchmark.job import BenchmarkReport, run_benchmark
 from pipeline.errors import JobInputError
 
 

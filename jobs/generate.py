@@ -13,9 +13,10 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from pipeline.config import from_omegaconf
 from pipeline.errors import JobInputError
-from pipeline.runner import JobReport, format_report, run_generate
+from pipeline.generate.config import from_omegaconf
+from pipeline.generate.job import JobReport, run_generate
+from pipeline.generate.summary import format_report
 
 
 def generate(cfg: DictConfig) -> JobReport:

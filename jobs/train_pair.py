@@ -9,7 +9,8 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.pair_training import TrainingResult, train_pair, train_spec_from_mapping
+from pipeline.train_pair.spec import train_spec_from_mapping
+from pipeline.train_pair.training import TrainingResult, train_pair
 
 
 def run(cfg: DictConfig) -> TrainingResult:

@@ -1,29 +1,23 @@
-"""MLflow logging for one job: one run, params = the flattened resolved config, metrics, artifacts.
+"""MLflow for the jobs: one run on an explicit client, its params, metrics, artifacts and end state.
 
-Only the driver uses this (actors never talk to MLflow). It uses an explicit `MlflowClient` on the
-configured tracking URI, never the process-global `mlflow.start_run` state. The default tracking URI is
-a local SQLite file, `sqlite:///<cwd>/mlflow.db`; `mlflow.tracking_uri` points at a server instead, and
-`mlflow.enabled=false` turns logging off (`NullTracker`).
-
-The metric names are the contract of DESIGN.md; they come from `pipeline.summary.JobSummary.metrics`.
+Only drivers use this (workers never talk to MLflow). `MlflowRun` uses an explicit `MlflowClient` on the
+configured tracking URI, never the process-global `mlflow.start_run` state. The default tracking URI is a
+local SQLite file, `sqlite:///<cwd>/mlflow.db`; `mlflow.tracking_uri` points at a server instead.
+Each job decides what it logs (`pipeline.generate.tracking`, `pipeline.benchmark.tracking`).
 """
 
 from __future__ import annotations
 
-import json
-import tempfile
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from pipeline.config import MlflowConfig, flatten
 from pipeline.errors import JobInputError
-from pipeline.summary import JobSummary, plot_tokens_per_call
 
-_BATCH = 100  # MLflow's limit on params per log_batch call
+PARAMS_PER_BATCH = 100  # MLflow's limit on params per log_batch call
+METRICS_PER_BATCH = 500  # below MLflow's limit of 1000 metrics per log_batch call
 
 
 def resolve_tracking_uri(config: MlflowConfig) -> str:
@@ -53,27 +47,14 @@ def check_reachable(config: MlflowConfig) -> None:
         raise JobInputError(f"mlflow.tracking_uri: no MLflow server answers at {uri} ({err})") from None
 
 
-class NullTracker:
-    """`mlflow.enabled=false`: logs nothing."""
-
-    run_id: str | None = None
-    tracking_uri: str | None = None
-    experiment: str | None = None
-
-    def start(self, params: dict[str, Any], tags: dict[str, str]) -> None:
-        pass
-
-    def finish(self, summary: JobSummary, resolved_config: dict[str, Any], status: str) -> None:
-        pass
-
-    def fail(self) -> None:
-        pass
-
-    def describe(self) -> list[tuple[str, str]]:
-        return [("mlflow", "disabled (mlflow.enabled=false)")]
+def param_value(value: Any) -> str:
+    text = "null" if value is None else str(value)
+    return text if len(text) <= 6000 else text[:5997] + "..."
 
 
-class MlflowTracker:
+class MlflowRun:
+    """One MLflow run of a job: `start` it, log to it, end it with `terminate` (or `fail`)."""
+
     def __init__(self, config: MlflowConfig):
         from mlflow.tracking import MlflowClient
 
@@ -83,7 +64,8 @@ class MlflowTracker:
         self.client = MlflowClient(tracking_uri=self.tracking_uri)
         self.run_id: str | None = None
 
-    def start(self, params: dict[str, Any], tags: dict[str, str]) -> None:
+    def start(self, params: dict[str, Any], tags: dict[str, str]) -> str:
+        """Create the experiment if needed, then the run with `tags` and the flattened `params`."""
         from mlflow.entities import Param
         from mlflow.exceptions import MlflowException
 
@@ -96,31 +78,25 @@ class MlflowTracker:
         except MlflowException as err:
             raise JobInputError(f"mlflow: cannot start a run at {self.tracking_uri}: {err.message}") from None
         self.run_id = run.info.run_id
-        items = [Param(key, _param_value(value)) for key, value in sorted(flatten(params).items())]
-        for start in range(0, len(items), _BATCH):
-            self.client.log_batch(self.run_id, params=items[start : start + _BATCH], synchronous=True)
+        items = [Param(key, param_value(value)) for key, value in sorted(flatten(params).items())]
+        for start in range(0, len(items), PARAMS_PER_BATCH):
+            self.client.log_batch(self.run_id, params=items[start : start + PARAMS_PER_BATCH], synchronous=True)
+        return self.run_id
 
-    def finish(self, summary: JobSummary, resolved_config: dict[str, Any], status: str) -> None:
-        import time
-
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        metrics = [Metric(name, value, now, 0) for name, value in summary.metrics().items()]
-        for position, count in enumerate(summary.accepted_per_position):
-            metrics.append(Metric("accepted_at_position", float(count), now, position))
-        self.client.log_batch(self.run_id, metrics=metrics, synchronous=True)
-        with tempfile.TemporaryDirectory() as tmp:
-            folder = Path(tmp)
-            (folder / "config.yaml").write_text(yaml.safe_dump(resolved_config, sort_keys=False))
-            (folder / "summary.json").write_text(json.dumps(summary.to_dict(), indent=1))
-            (folder / "summary.txt").write_text(summary.table() + "\n")
-            plot_tokens_per_call(
-                summary.tokens_per_call_histogram,
-                str(folder / "tokens_per_target_call.png"),
-                title=f"block efficiency {summary.block_efficiency:.2f}",
+    def log_metrics(self, metrics: list) -> None:
+        """`mlflow.entities.Metric`s, in as few batches as MLflow allows."""
+        for start in range(0, len(metrics), METRICS_PER_BATCH):
+            self.client.log_batch(
+                self.run_id, metrics=metrics[start : start + METRICS_PER_BATCH], synchronous=True
             )
-            self.client.log_artifacts(self.run_id, str(folder))
+
+    def log_artifacts(self, folder: Path) -> None:
+        self.client.log_artifacts(self.run_id, str(folder))
+
+    def log_artifact(self, path: Path) -> None:
+        self.client.log_artifact(self.run_id, str(path))
+
+    def terminate(self, status: str = "FINISHED") -> None:
         self.client.set_terminated(self.run_id, status=status)
 
     def fail(self) -> None:
@@ -132,12 +108,3 @@ class MlflowTracker:
             ("mlflow run", f"{self.run_id} in experiment '{self.experiment}' at {self.tracking_uri}"),
             ("mlflow ui", ui_command(self.tracking_uri)),
         ]
-
-
-def make_tracker(config: MlflowConfig) -> MlflowTracker | NullTracker:
-    return MlflowTracker(config) if config.enabled else NullTracker()
-
-
-def _param_value(value: Any) -> str:
-    text = "null" if value is None else str(value)
-    return text if len(text) <= 6000 else text[:5997] + "..."

@@ -26,8 +26,9 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
-from pipeline.config import PROJECT_ROOT, from_omegaconf
-from pipeline.runner import run_generate
+from pipeline.config import PROJECT_ROOT
+from pipeline.generate.config import from_omegaconf
+from pipeline.generate.job import run_generate
 
 
 def run(overrides: list[str]):

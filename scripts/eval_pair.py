@@ -30,7 +30,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.pair_training import read_sources, tokenize_documents  # noqa: E402
+from pipeline.train_pair.corpus import read_sources
+from pipeline.train_pair.tokenizer import tokenize_documents
 
 
 def load_pair(pair_dir: Path):

@@ -15,7 +15,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from jobs.benchmark import benchmark
-from pipeline.benchmark_config import bench_config_from_omegaconf, expand_grid
+from pipeline.benchmark.config import bench_config_from_omegaconf, expand_grid
 from pipeline.errors import JobInputError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -104,7 +104,7 @@ def test_smoke_benchmark_end_to_end(tiny_pair, prompts_jsonl, tmp_path):
 
 
 def _batches(config, batch_size):
-    from pipeline.benchmark import batches_for
+    from pipeline.benchmark.job import batches_for
 
     needed = [list(range(100))] * 100  # only the shapes matter here
     return batches_for(needed, batch_size, config.bench.num_prompts)
@@ -129,7 +129,7 @@ def test_repeats_run_round_robin_and_a_failed_configuration_is_isolated(tiny_pai
     spreads over all of them); a configuration that raises is reported and skipped, the others finish."""
     import torch
 
-    from pipeline import benchmark as bench
+    from pipeline.benchmark import job as bench
 
     config = bench_config_from_omegaconf(composed(tiny_pair, prompts_jsonl, "mlflow.enabled=false", "bench.repeats=2"))
     g = config.bench

@@ -24,11 +24,13 @@ from omegaconf import OmegaConf
 from tiny_pair_support import job_config
 
 from jobs.generate import generate
-from pipeline import runner
-from pipeline.config import from_dict
 from pipeline.errors import JobInputError
-from pipeline.output import read_output, read_settings
-from pipeline.runner import RunHooks, prepare, run_generate
+from pipeline.generate import job as runner
+from pipeline.generate.config import from_dict
+from pipeline.generate.job import run_generate
+from pipeline.generate.plan import prepare
+from pipeline.generate.reader import read_output, read_settings
+from pipeline.generate.scheduler import RunHooks
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir
 
 from jobs.generate import generate
 from pipeline.config import PROJECT_ROOT
-from pipeline.output import read_output
+from pipeline.generate.reader import read_output
 
 ASSETS = PROJECT_ROOT / "assets"
 REQUIRED = [

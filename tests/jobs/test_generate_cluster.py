@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.output import read_output
+from pipeline.generate.reader import read_output
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

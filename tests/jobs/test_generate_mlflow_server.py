@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 from tiny_pair_support import job_config
 
-from pipeline.config import from_dict
 from pipeline.errors import JobInputError
-from pipeline.output import read_output
-from pipeline.runner import run_generate
+from pipeline.generate.config import from_dict
+from pipeline.generate.job import run_generate
+from pipeline.generate.reader import read_output
 
 
 def free_port() -> int:

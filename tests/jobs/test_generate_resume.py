@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.output import read_output
+from pipeline.generate.reader import read_output
 
 
 def command(tiny_pair, data: Path, out: Path, address: str) -> list[str]:

@@ -14,15 +14,10 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from jobs.train_pair import run
-from pipeline.pair_training import (
-    CorpusSpec,
-    default_stdlib_dir,
-    draft_loss_fn,
-    is_heldout,
-    learning_rate,
-    list_corpus_files,
-)
-from pipeline.pair_training_prompts import _function_prompts
+from pipeline.train_pair.corpus import default_stdlib_dir, is_heldout, list_corpus_files
+from pipeline.train_pair.prompts import _function_prompts
+from pipeline.train_pair.spec import CorpusSpec
+from pipeline.train_pair.training import draft_loss_fn, learning_rate
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 

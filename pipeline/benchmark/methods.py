@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 import spectr
-from pipeline.benchmark_config import HF_ASSISTED, HF_GENERATE, BenchCase
+from pipeline.benchmark.config import HF_ASSISTED, HF_GENERATE, BenchCase
 
 
 @dataclass(frozen=True)

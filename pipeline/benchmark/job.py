@@ -33,27 +33,24 @@ from typing import Any
 
 import torch
 
-from pipeline import io, models
-from pipeline.benchmark_config import HF_ASSISTED, HF_GENERATE, BenchCase, BenchConfig, expand_grid
-from pipeline.benchmark_cost import (
+from pipeline import models
+from pipeline import prompts as io
+from pipeline.benchmark.config import HF_ASSISTED, HF_GENERATE, BenchCase, BenchConfig, expand_grid
+from pipeline.benchmark.methods import CaseRun, PeakMemory, SamplingSettings, run_case
+from pipeline.benchmark.optimality import OptimalityResult, run_optimality
+from pipeline.errors import JobInputError
+from spectr.hf import HFCausalLM
+from spectr.planner.latency import Calibrator, measure_latencies, pooled, prefill_latency
+from spectr.planner.predict import Prediction, predict_seconds
+from spectr.planner.table import (
     DRAFT,
     TARGET,
     BatchRun,
-    Calibrator,
     LatencyTable,
-    Prediction,
     batch_capacity,
     batch_context,
-    measure_latencies,
-    pooled,
-    predict_seconds,
-    prefill_latency,
     tree_widths,
 )
-from pipeline.benchmark_methods import CaseRun, PeakMemory, SamplingSettings, run_case
-from pipeline.benchmark_optimality import OptimalityResult, run_optimality
-from pipeline.errors import JobInputError
-from spectr.hf import HFCausalLM
 from spectr.warps import SamplingWarp
 
 SEED_STRIDE = 1000  # repeat r seeds its rows from seed + SEED_STRIDE * r
@@ -457,9 +454,8 @@ def environment(config: BenchConfig, device: torch.device, started: float) -> di
 
 def run_benchmark(config: BenchConfig, command: str | None = None) -> BenchmarkReport:
     """The whole job (see the module docstring). Raises JobInputError for bad input before measuring."""
-    from tqdm.auto import tqdm
-
-    from pipeline import benchmark_report
+    from pipeline.benchmark.report import write_report
+    from pipeline.benchmark.tracking import make_tracker
 
     started = time.time()
     device = resolve_device(config.device)
@@ -469,62 +465,78 @@ def run_benchmark(config: BenchConfig, command: str | None = None) -> BenchmarkR
     env["command"] = command or "python -m jobs.benchmark"
     pair = load_pair(config, device)
     bench_prompts, optimality_prompts = load_prompts(config, pair.tokenizer)
-    g = config.bench
-    cases = expand_grid(g)
-    output_dir = (
-        Path(config.output_dir or f"runs/benchmark-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}")
-        .expanduser()
-        .resolve()
-    )
+    output_dir = _output_dir(config)
     output_dir.mkdir(parents=True, exist_ok=True)
-    tracker = benchmark_report.make_tracker(config)
+    tracker = make_tracker(config)
     tracker.start(config)
     try:
-        calibrator = None
-        if g.cost_model.enabled and g.cost_model.calibrate:
-            calibrator = Calibrator(HFCausalLM(pair.target, role="target"), HFCausalLM(pair.draft, role="draft"),
-                                    g.cost_model.calibration_repeats)
-        runs_per_case = g.repeats + (1 if g.warmup_tokens > 0 else 0)
-        bar = tqdm(total=len(cases) * runs_per_case, desc="runs (round-robin over configurations)", unit="run",
-                   disable=not config.progress, dynamic_ncols=True)
-
-        def on_run(case: BenchCase) -> None:
-            bar.set_postfix_str(case.label)
-            bar.update(1)
-
-        results = measure_cases(
-            config, pair, cases, lambda case: batches_for(bench_prompts, case.batch_size, g.num_prompts),
-            calibrator, on_run,
-        )
-        bar.close()
+        results = _run_grid(config, pair, bench_prompts)
         attach_speedups(results)
-
-        # The analyses come after the grid: a failure in one is reported (exit 1), not allowed to lose the grid.
-        phase_errors: list[str] = []
-        optimality = None
-        if g.optimality.enabled:
-            try:
-                optimality = run_optimality(
-                    pair.target, pair.draft, optimality_prompts, g.optimality.continuation_tokens,
-                    SamplingWarp(g.temperature, g.top_k, g.top_p), g.seed, g.optimality.max_drafts,
-                )
-            except (RuntimeError, ValueError) as err:
-                phase_errors.append(f"optimality analysis failed: {type(err).__name__}: {err}")
-        latencies = None
-        if g.cost_model.enabled and any(r.ok and r.case.method not in (HF_GENERATE, HF_ASSISTED) for r in results):
-            try:
-                latencies = attach_predictions(config, pair, results, bench_prompts)
-            except (RuntimeError, ValueError, KeyError) as err:
-                phase_errors.append(f"cost model failed: {type(err).__name__}: {err}")
-                for r in results:
-                    r.predictions = []
+        optimality, latencies, phase_errors = _run_analyses(config, pair, results, bench_prompts, optimality_prompts)
         env["wall_minutes"] = round((time.time() - started) / 60.0, 2)
         env["load_average_at_end"] = round(__import__("os").getloadavg()[0], 2)
         report = BenchmarkReport(config, output_dir, results, optimality, latencies, env, phase_errors=phase_errors)
-        benchmark_report.write_report(report)
+        write_report(report)
         tracker.finish(report)
     except BaseException:
         tracker.fail()
         raise
     report.run_id, report.tracking_uri = tracker.run_id, tracker.tracking_uri
     return report
+
+
+def _output_dir(config: BenchConfig) -> Path:
+    default = f"runs/benchmark-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}"
+    return Path(config.output_dir or default).expanduser().resolve()
+
+
+def _run_grid(config: BenchConfig, pair: Pair, bench_prompts: list[list[int]]) -> list[CaseResult]:
+    """Every configuration of the grid, timed round-robin, with a progress bar over runs."""
+    from tqdm.auto import tqdm
+
+    g = config.bench
+    cases = expand_grid(g)
+    calibrator = None
+    if g.cost_model.enabled and g.cost_model.calibrate:
+        calibrator = Calibrator(HFCausalLM(pair.target, role="target"), HFCausalLM(pair.draft, role="draft"),
+                                g.cost_model.calibration_repeats)
+    runs_per_case = g.repeats + (1 if g.warmup_tokens > 0 else 0)
+    bar = tqdm(total=len(cases) * runs_per_case, desc="runs (round-robin over configurations)", unit="run",
+               disable=not config.progress, dynamic_ncols=True)
+
+    def on_run(case: BenchCase) -> None:
+        bar.set_postfix_str(case.label)
+        bar.update(1)
+
+    try:
+        return measure_cases(
+            config, pair, cases, lambda case: batches_for(bench_prompts, case.batch_size, g.num_prompts),
+            calibrator, on_run,
+        )
+    finally:
+        bar.close()
+
+
+def _run_analyses(config: BenchConfig, pair: Pair, results: list[CaseResult], bench_prompts, optimality_prompts):
+    """(optimality, latency table, errors). They come after the grid: a failure in one is reported
+    (exit 1), not allowed to lose the grid."""
+    g = config.bench
+    phase_errors: list[str] = []
+    optimality = None
+    if g.optimality.enabled:
+        try:
+            optimality = run_optimality(
+                pair.target, pair.draft, optimality_prompts, g.optimality.continuation_tokens,
+                SamplingWarp(g.temperature, g.top_k, g.top_p), g.seed, g.optimality.max_drafts,
+            )
+        except (RuntimeError, ValueError) as err:
+            phase_errors.append(f"optimality analysis failed: {type(err).__name__}: {err}")
+    latencies = None
+    if g.cost_model.enabled and any(r.ok and r.case.method not in (HF_GENERATE, HF_ASSISTED) for r in results):
+        try:
+            latencies = attach_predictions(config, pair, results, bench_prompts)
+        except (RuntimeError, ValueError, KeyError) as err:
+            phase_errors.append(f"cost model failed: {type(err).__name__}: {err}")
+            for r in results:
+                r.predictions = []
+    return optimality, latencies, phase_errors

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from pipeline.benchmark_config import (
+from pipeline.benchmark.config import (
     BenchCase,
     GridConfig,
     bench_config_from_dict,
@@ -16,7 +16,7 @@ from pipeline.benchmark_config import (
 )
 from pipeline.errors import JobInputError
 
-CONF = str(Path(__file__).resolve().parents[2] / "conf")
+CONF = str(Path(__file__).resolve().parents[3] / "conf")
 
 
 def composed(*overrides: str):

@@ -3,7 +3,7 @@
 `ShardGenerator(model, spectr, num_threads)` loads the target, the draft and the target's tokenizer in
 `__init__`; `__call__(shard)` cuts the shard into batches of `spectr.batch_size`, calls
 `spectr.generate` on each, and returns a `ShardResult` of contract rows plus the shard's statistics.
-It is a plain class: tests call it directly; `pipeline.runner` wraps it with `ray.remote`.
+It is a plain class: tests call it directly; `pipeline.generate.scheduler` wraps it with `ray.remote`.
 
 A batch that fails (e.g. one prompt too long for the model makes `spectr.generate` raise for the whole
 batch) is retried row by row, so that the good rows complete and only the bad rows are written with
@@ -18,22 +18,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.config import ModelConfig, SpectrConfig
-from pipeline.shards import Shard
+from pipeline.config import ModelConfig
+from pipeline.generate.config import SpectrConfig
+from pipeline.generate.shards import Shard
+from pipeline.generate.stats import empty_stats, merge_stats, stats_of
 
 log = logging.getLogger(__name__)
-
-# Statistic fields summed over batches (lists element-wise).
-_SUMMED = (
-    "tested_positions",
-    "draft_seconds",
-    "target_seconds",
-    "selection_seconds",
-    "other_seconds",
-    "wall_seconds",
-)
-_SUMMED_LISTS = ("accepted_per_position", "tokens_per_call_histogram")
-
 
 @dataclass
 class ShardResult:
@@ -41,46 +31,6 @@ class ShardResult:
     rows: list[dict[str, Any]]
     stats: dict[str, Any]  # see `empty_stats`
     worker: dict[str, Any] = field(default_factory=dict)  # node, pid, device: where it ran
-
-
-def empty_stats() -> dict[str, Any]:
-    stats: dict[str, Any] = {name: 0.0 for name in _SUMMED}
-    stats["tested_positions"] = 0
-    stats.update({name: [] for name in _SUMMED_LISTS})
-    stats.update(generated_tokens=0, target_calls=0, prompts_completed=0, prompts_failed=0, shard_seconds=0.0)
-    return stats
-
-
-def merge_stats(total: dict[str, Any], part: dict[str, Any]) -> dict[str, Any]:
-    """Add `part` into `total` (in place) and return it; lists are summed element-wise."""
-    for name in (
-        *_SUMMED,
-        "generated_tokens",
-        "target_calls",
-        "prompts_completed",
-        "prompts_failed",
-        "shard_seconds",
-    ):
-        total[name] = total.get(name, 0) + part.get(name, 0)
-    for name in _SUMMED_LISTS:
-        a, b = list(total.get(name, [])), list(part.get(name, []))
-        width = max(len(a), len(b))
-        a += [0] * (width - len(a))
-        b += [0] * (width - len(b))
-        total[name] = [x + y for x, y in zip(a, b)]
-    return total
-
-
-def _stats_of(generation_stats: Any) -> dict[str, Any]:
-    """The summable part of one `spectr.generate` call's stats."""
-    stats = empty_stats()
-    for name in _SUMMED:
-        stats[name] = getattr(generation_stats, name)
-    for name in _SUMMED_LISTS:
-        stats[name] = [int(x) for x in getattr(generation_stats, name)]
-    stats["generated_tokens"] = int(sum(generation_stats.generated_tokens))
-    stats["target_calls"] = int(sum(generation_stats.target_calls))
-    return stats
 
 
 class ShardGenerator:
@@ -186,7 +136,7 @@ class ShardGenerator:
             for i in positions:  # a row's output does not depend on its batch, so this loses nothing
                 rows.extend(self._generate_batch(shard, [i], stats))
             return rows
-        merge_stats(stats, _stats_of(output.stats))
+        merge_stats(stats, stats_of(output.stats))
         per_row = output.stats
         rows = []
         for j, i in enumerate(positions):

@@ -11,7 +11,7 @@ import pytest
 
 from pipeline.config import DataConfig
 from pipeline.errors import JobInputError
-from pipeline.io import read_prompts
+from pipeline.prompts import read_prompts
 
 ROWS = [{"id": f"r{i}", "prompt": f"def f{i}(x):", "extra": i} for i in range(5)]
 

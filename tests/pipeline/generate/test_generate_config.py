@@ -7,10 +7,12 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from pipeline.config import PROJECT_ROOT, from_dict, from_omegaconf, generation_settings, stable_hash
+from pipeline.config import PROJECT_ROOT
 from pipeline.errors import JobInputError
+from pipeline.generate.config import from_dict, from_omegaconf, generation_settings
+from pipeline.hashing import stable_hash
 
-CONF = str(Path(__file__).resolve().parents[2] / "conf")
+CONF = str(Path(__file__).resolve().parents[3] / "conf")
 
 
 def compose_generate(overrides: list[str]):
@@ -107,8 +109,8 @@ def test_hash_covers_what_changes_rows_and_not_where_they_run():
 
 
 def test_actor_resources_one_per_gpu_else_per_cpus():
-    from pipeline.config import RayConfig
-    from pipeline.runner import actor_resources
+    from pipeline.generate.cluster import actor_resources
+    from pipeline.generate.config import RayConfig
 
     # GPUs present: one actor per GPU, whatever the CPU count
     assert actor_resources(RayConfig(), {"CPU": 64.0, "GPU": 4.0}, shards_to_do=100) == (4, 1.0, 1.0)

@@ -3,7 +3,7 @@
 `bench_config_from_dict` turns the composed Hydra config (conf/benchmark.yaml: the main job's `model`,
 `data` and `mlflow` groups plus the `bench` group) into a frozen `BenchConfig`, checking every key, type
 and range, and raises `JobInputError` naming the key. The `model`, `data` and `mlflow` sections are
-validated by the main job's own rules (`pipeline.config.from_dict`), so both jobs accept the same values.
+validated by the rules both jobs share (`pipeline.config.shared_sections`), so both accept the same values.
 
 This module also expands the grid into the list of `BenchCase`s the runner measures. It does not load
 models or time anything.
@@ -21,8 +21,9 @@ from pipeline.config import (
     MlflowConfig,
     ModelConfig,
     build_section,
-    from_dict,
+    check_mapping,
     resolved_container,
+    shared_sections,
 )
 from pipeline.errors import JobInputError
 
@@ -110,25 +111,11 @@ def bench_config_from_omegaconf(cfg: Any) -> BenchConfig:
 
 
 def bench_config_from_dict(raw: dict[str, Any]) -> BenchConfig:
-    if not isinstance(raw, dict):
-        raise JobInputError(f"config: expected a mapping, got {type(raw).__name__}")
-    known = {f.name for f in fields(BenchConfig)}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise JobInputError(f"config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    check_mapping(raw, sorted(f.name for f in fields(BenchConfig)))
     for section in ("model", "data", "bench"):
         if not isinstance(raw.get(section), dict):
             raise JobInputError(f"config: missing section '{section}'")
-    # The main job's validation of the shared sections (its other sections take their defaults).
-    shared = from_dict(
-        {
-            "model": raw["model"],
-            "data": raw["data"],
-            "mlflow": raw.get("mlflow") or {},
-            "spectr": {},
-            "ray": {},
-        }
-    )
+    model, data, mlflow = shared_sections(raw["model"], raw["data"], raw.get("mlflow") or {})
     grid = _grid(raw["bench"])
     device = raw.get("device", "auto")
     if not isinstance(device, str) or not (device in ("auto", "cpu") or device.startswith("cuda")):
@@ -142,7 +129,7 @@ def bench_config_from_dict(raw: dict[str, Any]) -> BenchConfig:
     progress = raw.get("progress", True)
     if not isinstance(progress, bool):
         raise JobInputError(f"config: progress must be true or false, got {progress!r}")
-    return BenchConfig(shared.model, shared.data, shared.mlflow, grid, output_dir, device, threads, progress)
+    return BenchConfig(model, data, mlflow, grid, output_dir, device, threads, progress)
 
 
 def _grid(raw: dict[str, Any]) -> GridConfig:

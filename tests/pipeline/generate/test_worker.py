@@ -6,10 +6,11 @@ import dataclasses
 
 import pytest
 
-from pipeline.actor import ShardGenerator
-from pipeline.config import ModelConfig, SpectrConfig
+from pipeline.config import ModelConfig
+from pipeline.generate.config import SpectrConfig
+from pipeline.generate.shards import cut_shards
+from pipeline.generate.worker import ShardGenerator
 from pipeline.models import load_tokenizer, tokenize
-from pipeline.shards import cut_shards
 
 PROMPTS = ["def x", "return the value", "for item in list", "import data", "class self", "if x is none"]
 
@@ -94,7 +95,7 @@ def test_each_batch_is_reported_and_a_failing_report_changes_nothing(tiny_pair, 
 
 
 def test_progress_counts_cap_each_shard_at_its_length():
-    from pipeline.runner import ShardProgress, rows_in_flight
+    from pipeline.generate.progress import ShardProgress, rows_in_flight
 
     progress = ShardProgress()
     progress.add(3, 4)

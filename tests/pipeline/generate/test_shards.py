@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.shards import cut_shards, num_shards, row_seed
+from pipeline.generate.shards import cut_shards, num_shards, row_seed
 
 
 def test_fixed_shards_in_row_order():

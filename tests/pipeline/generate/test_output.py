@@ -9,16 +9,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.errors import JobInputError
-from pipeline.output import (
-    Manifest,
-    finished_shards,
-    open_output_dir,
-    output_schema,
-    read_output,
-    read_settings,
-    remove_stale_temporaries,
-    write_shard,
-)
+from pipeline.generate.manifest import Manifest, finished_shards, open_output_dir
+from pipeline.generate.output import output_schema, remove_stale_temporaries, write_shard
+from pipeline.generate.reader import read_output, read_settings
 
 
 def row(i, reason="length", error=None):

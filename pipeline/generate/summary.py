@@ -2,7 +2,7 @@
 
 `JobSummary.build` combines the manifest's per-shard stats (all shards, including those an earlier run
 finished) with this run's timings. The metric names are the MLflow contract of DESIGN.md. This module
-does not log (that is `pipeline.tracking`) and does not run anything.
+does not log (that is `pipeline.generate.tracking`) and does not run anything.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pipeline.actor import empty_stats, merge_stats
+from pipeline.generate.stats import empty_stats, merge_stats
 
 
 @dataclass
@@ -166,3 +166,13 @@ def plot_tokens_per_call(histogram: list[int], path: str, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def format_report(report: Any) -> str:
+    """The end-of-job text: the summary table, where the MLflow run is, and any error (a `JobReport`)."""
+    lines = ["SpecTr generation summary", report.summary.table()]
+    width = 16
+    for name, value in report.tracker_lines:
+        lines.append(f"  {name.ljust(width)}  {value}")
+    lines.extend(f"error: {message}" for message in report.messages)
+    return "\n".join(lines)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.benchmark_cost import (
+from spectr.planner.latency import pooled
+from spectr.planner.predict import active_rows, predict_seconds, reach_probabilities
+from spectr.planner.table import (
     ACCEPT_ALL,
     COMMIT,
     DRAFT,
@@ -19,13 +21,9 @@ from pipeline.benchmark_cost import (
     TARGET,
     BatchRun,
     LatencyTable,
-    active_rows,
     batch_capacity,
     batch_context,
     interpolate,
-    pooled,
-    predict_seconds,
-    reach_probabilities,
 )
 
 NO_ROWS_REMOVED = (0, 0)  # cache capacities for batches where no row leaves before the last iteration
@@ -172,7 +170,7 @@ def test_calibration_rescales_each_calibrated_shape_and_the_prefill():
 
 
 def test_later_draft_steps_attend_the_earlier_branch_tokens():
-    from pipeline.benchmark_cost import iteration_seconds
+    from spectr.planner.predict import iteration_seconds
 
     table = synthetic_table()
     table.add(f"selection_spectr_{REJECT_ALL}", 1, (2, 3), 0.003)
@@ -188,7 +186,7 @@ def test_later_draft_steps_attend_the_earlier_branch_tokens():
 
 
 def test_single_position_drafts_interpolate_by_the_batch_reaching_the_bonus():
-    from pipeline.benchmark_cost import iteration_seconds
+    from spectr.planner.predict import iteration_seconds
 
     table = LatencyTable()
     for batch in (1, 2):

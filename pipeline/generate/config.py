@@ -1,0 +1,176 @@
+"""The generation job's typed, validated configuration (`python -m jobs.generate`).
+
+`from_omegaconf` (or `from_dict`) turns the composed config into a frozen `GenerateConfig`, checking
+every key, type and range up front, and raises `JobInputError` naming the key and the bad value.
+It also defines which settings change the generated rows (`generation_settings`), which is what the
+output directory's config hash covers.
+
+Not here: the shared sections and the typed builder (`pipeline.config`), the file system.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+from pipeline.config import (
+    DataConfig,
+    MlflowConfig,
+    ModelConfig,
+    build_section,
+    check_data,
+    check_mapping,
+    check_mlflow,
+    check_model,
+    coerce,
+    out_of_range,
+    require_sections,
+    resolved_container,
+)
+
+METHODS = ("autoregressive", "speculative", "spectr", "specinfer")
+
+
+@dataclass(frozen=True)
+class SpectrConfig:
+    method: str = "spectr"
+    num_drafts: int = 4
+    draft_length: int = 4
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    batch_size: int = 8
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    address: str | None = None  # None: start a local Ray; "auto" or "host:port": join a cluster
+    num_actors: int | None = None  # None: one per GPU, else cluster CPUs // cpus_per_actor
+    gpus_per_actor: float | None = None  # None: 1 when the cluster has GPUs, else 0
+    cpus_per_actor: int = 1
+    max_restarts: int = 2  # Ray restarts a dead actor this many times
+    max_task_retries: int = 2  # and re-runs its unfinished shard on the restarted actor
+    shard_attempts: int = 3  # the driver re-dispatches a shard whose task failed, up to this many tries
+    local_num_cpus: int | None = None  # CPUs of a local Ray instance (None: all)
+    local_object_store_mb: int = 256
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    model: ModelConfig
+    data: DataConfig
+    spectr: SpectrConfig
+    ray: RayConfig
+    mlflow: MlflowConfig
+    output_dir: str | None = None  # None: runs/generate-<config hash>
+    shard_size: int = 16
+    max_failed_fraction: float = 0.0
+    progress: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_SECTIONS = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "spectr": SpectrConfig,
+    "ray": RayConfig,
+    "mlflow": MlflowConfig,
+}
+_TOP_LEVEL = ("output_dir", "shard_size", "max_failed_fraction", "progress")
+
+
+def from_omegaconf(cfg: Any) -> GenerateConfig:
+    """Resolve an OmegaConf/Hydra config and validate it into a `GenerateConfig`."""
+    return from_dict(resolved_container(cfg))
+
+
+def from_dict(raw: dict[str, Any]) -> GenerateConfig:
+    """Validate a plain nested dict (as the YAML would give it) into a `GenerateConfig`."""
+    top_fields = {f.name: f for f in fields(GenerateConfig)}
+    check_mapping(raw, top_fields)
+    require_sections(raw, tuple(_SECTIONS))
+    sections = {name: build_section(cls, raw[name], prefix=name) for name, cls in _SECTIONS.items()}
+    top = {name: coerce(raw[name], top_fields[name].type, name) for name in _TOP_LEVEL if name in raw}
+    config = GenerateConfig(**sections, **top)
+    check_spectr(config.spectr)
+    check_model(config.model)
+    check_data(config.data)
+    check_ray(config.ray)
+    _check_top_level(config)
+    check_mlflow(config.mlflow)
+    if config.spectr.method == "speculative" and config.spectr.num_drafts != 1:
+        # speculative sampling is the K = 1 method by definition; say so in the resolved config
+        config = dataclasses.replace(config, spectr=dataclasses.replace(config.spectr, num_drafts=1))
+    return config
+
+
+def check_spectr(s: SpectrConfig) -> None:
+    if s.method not in METHODS:
+        raise out_of_range("spectr.method", f"one of {', '.join(METHODS)}", s.method)
+    if s.num_drafts < 1:
+        raise out_of_range("spectr.num_drafts (K)", ">= 1", s.num_drafts)
+    if s.draft_length < 1:
+        raise out_of_range("spectr.draft_length (L)", ">= 1", s.draft_length)
+    if s.max_new_tokens < 1:
+        raise out_of_range("spectr.max_new_tokens", ">= 1", s.max_new_tokens)
+    if not math.isfinite(s.temperature) or s.temperature < 0:
+        raise out_of_range("spectr.temperature", "a finite number >= 0 (0 means greedy)", s.temperature)
+    if s.top_k < 0:
+        raise out_of_range("spectr.top_k", ">= 0 (0 means no top-k)", s.top_k)
+    if not (0.0 < s.top_p <= 1.0):
+        raise out_of_range("spectr.top_p", "in (0, 1]", s.top_p)
+    if s.batch_size < 1:
+        raise out_of_range("spectr.batch_size", ">= 1", s.batch_size)
+    if s.seed < 0:
+        raise out_of_range("spectr.seed", ">= 0", s.seed)
+
+
+def check_ray(r: RayConfig) -> None:
+    if r.num_actors is not None and r.num_actors < 1:
+        raise out_of_range(
+            "ray.num_actors", ">= 1 or null (one per GPU / per cpus_per_actor CPUs)", r.num_actors
+        )
+    if r.gpus_per_actor is not None and r.gpus_per_actor < 0:
+        raise out_of_range("ray.gpus_per_actor", ">= 0 or null (auto)", r.gpus_per_actor)
+    if r.cpus_per_actor < 1:
+        raise out_of_range("ray.cpus_per_actor", ">= 1", r.cpus_per_actor)
+    for key in ("max_restarts", "max_task_retries"):
+        if getattr(r, key) < -1:
+            raise out_of_range(f"ray.{key}", ">= -1 (-1 means unlimited)", getattr(r, key))
+    if r.shard_attempts < 1:
+        raise out_of_range("ray.shard_attempts", ">= 1", r.shard_attempts)
+    if r.local_num_cpus is not None and r.local_num_cpus < 1:
+        raise out_of_range("ray.local_num_cpus", ">= 1 or null", r.local_num_cpus)
+    if r.local_object_store_mb < 80:
+        raise out_of_range("ray.local_object_store_mb", ">= 80 (Ray's minimum)", r.local_object_store_mb)
+
+
+def _check_top_level(c: GenerateConfig) -> None:
+    if c.shard_size < 1:
+        raise out_of_range("shard_size", ">= 1", c.shard_size)
+    if not (0.0 <= c.max_failed_fraction <= 1.0):
+        raise out_of_range("max_failed_fraction", "in [0, 1]", c.max_failed_fraction)
+    if c.output_dir is not None and not c.output_dir.strip():
+        raise out_of_range("output_dir", "a directory or null", c.output_dir)
+
+
+def generation_settings(c: GenerateConfig) -> dict[str, Any]:
+    """The settings that decide the generated rows: what the output directory's hash covers.
+
+    Left out on purpose: where and how it runs (ray.*, spectr.batch_size: a row's output does not depend on
+    its batch), where it logs (mlflow.*), output_dir, progress and max_failed_fraction.
+    """
+    spectr = dataclasses.asdict(c.spectr)
+    spectr.pop("batch_size")
+    return {
+        "model": {"target": c.model.target, "draft": c.model.draft, "dtype": c.model.dtype},
+        "data": dataclasses.asdict(c.data),
+        "spectr": spectr,
+        "shard_size": c.shard_size,
+    }
