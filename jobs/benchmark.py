@@ -2,7 +2,7 @@
 
 Hydra composes conf/benchmark.yaml (the main job's `model`, `data` and `mlflow` groups plus the
 `bench` group); `benchmark(cfg)` turns that into a typed `BenchConfig` and runs
-`pipeline.benchmark.run_benchmark`, which prints nothing: this entry point prints its table. Tests call
+`pipeline.benchmark.job.run_benchmark`, which prints nothing: this entry point prints its table. Tests call
 `benchmark` directly. Bad config or input prints one line and exits 2; a configuration that failed to
 run exits 1 after the report.
 

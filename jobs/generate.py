@@ -1,7 +1,7 @@
 """`python -m jobs.generate [key=value ...]`: the main job, a thin Hydra entry point.
 
 Hydra composes conf/generate.yaml and its groups; `generate(cfg)` turns that into a typed
-`GenerateConfig` and runs `pipeline.runner.run_generate`. Tests call `generate` (or the runner)
+`GenerateConfig` and runs `pipeline.generate.job.run_generate`. Tests call `generate` (or the runner)
 directly. User errors (bad config, data, models, output dir) print one line and exit 2; a job whose
 failed-prompt fraction exceeds `max_failed_fraction` prints the summary and exits 1.
 """

@@ -1,7 +1,7 @@
 """Hydra entry point: ``python -m jobs.train_pair [train=smoke] [output_dir=...]``.
 
 Thin on purpose: it turns the composed config into typed specs and calls
-``pipeline.pair_training.train_pair``. Tests call :func:`run` with a composed config.
+``pipeline.train_pair.training.train_pair``. Tests call :func:`run` with a composed config.
 """
 
 from __future__ import annotations

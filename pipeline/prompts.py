@@ -4,7 +4,7 @@
 `JobInputError` naming the file, the column and the row for anything wrong: a missing file, an unknown
 format, a missing column, a prompt that is not a string, a duplicate or null id, an empty dataset.
 
-It does not tokenize (see `pipeline.models`) and does not write anything (see `pipeline.output`).
+It does not tokenize (see `pipeline.models`) and does not write anything (see `pipeline.generate.output`).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
     python scripts/bench_scaling.py                      # embedded pair, 200 prompts, then a 20-prompt job
     python scripts/bench_scaling.py --prompts 256 --repeats 2 --out bench_out/scaling.json
 
-Each run is the real job (`pipeline.runner.run_generate` on the composed default config, a fresh local Ray
+Each run is the real job (`pipeline.generate.job.run_generate` on the composed default config, a fresh local Ray
 and a fresh output directory) with only the listed overrides. Throughput is generated tokens divided by
 the generation phase (first shard handed out -> last shard written), so Ray start and model loading are
 left out of the ratio and reported separately. Runs alternate 1, 2, 2, 1, ... actors so that drifting

@@ -1,7 +1,7 @@
 """Slow reference implementation of draft selection, the oracle of the tests.
 
 Everything here is plain Python on lists of floats, one row and one draft at a time, so it
-can be read against the algorithm text in DESIGN.md line by line. It consumes uniforms
+can be read against the algorithm text in docs/architecture.md line by line. It consumes uniforms
 exactly like the batched code (`spectr.selection`, `spectr.sequence`): at a node, uniform j
 decides the test of draft j and uniform K the correction token; a sequence uses row i of its
 [L + 1, K + 1] block at position i and row L for the bonus token. Under the same generators

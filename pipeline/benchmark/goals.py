@@ -42,45 +42,54 @@ def pooled_block_efficiency(results, method: str, drafts: int, length: int) -> t
 
 
 def evaluate_goals(report) -> list[Goal]:
-    results, g = report.results, report.config.bench
-    goals = []
+    """The benchmark's four goals, each PASS / MISS from the measurements, or N/A when not in the grid."""
+    return [
+        block_efficiency_goal(report),
+        optimality_goal(report),
+        speculation_pays_goal(report),
+        cost_model_goal(report),
+    ]
 
-    # 1) block efficiency K=4, L=4 vs K=1, L=4 (pooled over batch sizes and repeats)
+
+def block_efficiency_goal(report) -> Goal:
+    """1) block efficiency K=4, L=4 vs K=1, L=4 (pooled over batch sizes and repeats)."""
+    results, g = report.results, report.config.bench
     name = f"block efficiency spectr K=4 L=4 >= {GOAL_BLOCK_EFFICIENCY_RATIO}x speculative (K=1) L=4, temperature {g.temperature:g}"
     many = pooled_block_efficiency(results, "spectr", 4, 4)
     one = pooled_block_efficiency(results, "speculative", 1, 4)
-    if many and one:
-        ratio = many[0] / one[0]
-        status = "PASS" if ratio >= GOAL_BLOCK_EFFICIENCY_RATIO else "MISS"
-        detail = (
-            f"{many[0]:.3f} vs {one[0]:.3f} tokens per target call = {ratio:.3f}x "
-            f"({many[1]} and {one[1]} target calls, pooled over batch sizes and repeats)"
-        )
-        if g.temperature != 1.0:
-            detail += f"; NOTE the goal is stated at temperature 1, this run used {g.temperature:g}"
-        goals.append(Goal(name, status, detail))
-    else:
-        goals.append(Goal(name, "N/A", "spectr K=4 L=4 or speculative L=4 not in this grid"))
+    if not (many and one):
+        return Goal(name, "N/A", "spectr K=4 L=4 or speculative L=4 not in this grid")
+    ratio = many[0] / one[0]
+    status = "PASS" if ratio >= GOAL_BLOCK_EFFICIENCY_RATIO else "MISS"
+    detail = (
+        f"{many[0]:.3f} vs {one[0]:.3f} tokens per target call = {ratio:.3f}x "
+        f"({many[1]} and {one[1]} target calls, pooled over batch sizes and repeats)"
+    )
+    if g.temperature != 1.0:
+        detail += f"; NOTE the goal is stated at temperature 1, this run used {g.temperature:g}"
+    return Goal(name, status, detail)
 
-    # 2) K-SEQ >= SpecInfer at every K
+
+def optimality_goal(report) -> Goal:
+    """2) K-SEQ >= SpecInfer at every K."""
     name = "mean K-SEQ acceptance >= SpecInfer for every K"
-    if report.optimality:
-        rows = report.optimality.rows
-        worst = min(rows, key=lambda row: row.kseq - row.specinfer)
-        status = "PASS" if all(row.kseq >= row.specinfer - 1e-9 for row in rows) else "MISS"  # float64 round-off at K=1
-        goals.append(
-            Goal(
-                name,
-                status,
-                "K-SEQ - SpecInfer per K: "
-                + ", ".join(f"K={row.num_drafts}: {row.kseq - row.specinfer:+.4f}" for row in rows)
-                + f" (smallest at K={worst.num_drafts}; {report.optimality.num_positions} positions)",
-            )
-        )
-    else:
-        goals.append(Goal(name, "N/A", "optimality analysis disabled"))
+    if not report.optimality:
+        return Goal(name, "N/A", "optimality analysis disabled")
+    rows = report.optimality.rows
+    worst = min(rows, key=lambda row: row.kseq - row.specinfer)
+    status = "PASS" if all(row.kseq >= row.specinfer - 1e-9 for row in rows) else "MISS"  # float64 round-off at K=1
+    return Goal(
+        name,
+        status,
+        "K-SEQ - SpecInfer per K: "
+        + ", ".join(f"K={row.num_drafts}: {row.kseq - row.specinfer:+.4f}" for row in rows)
+        + f" (smallest at K={worst.num_drafts}; {report.optimality.num_positions} positions)",
+    )
 
-    # 3) best spectr/speculative beats our autoregressive at B = 1
+
+def speculation_pays_goal(report) -> Goal:
+    """3) best spectr/speculative beats our autoregressive at B = 1."""
+    results = report.results
     name = "best spectr or speculative beats our autoregressive tokens/s at B=1"
     autoregressive = [
         r for r in results if r.ok and r.case.method == "autoregressive" and r.case.batch_size == 1
@@ -88,43 +97,34 @@ def evaluate_goals(report) -> list[Goal]:
     candidates = [
         r for r in results if r.ok and r.case.method in ("spectr", "speculative") and r.case.batch_size == 1
     ]
-    if autoregressive and candidates:
-        best = max(candidates, key=lambda r: r.tokens_per_second)
-        base = autoregressive[0].tokens_per_second
-        status = "PASS" if best.tokens_per_second > base else "MISS"
-        goals.append(
-            Goal(
-                name,
-                status,
-                f"{best.case.label}: {best.tokens_per_second:.1f} tok/s vs autoregressive "
-                f"{base:.1f} tok/s = {best.tokens_per_second / base:.2f}x",
-            )
-        )
-    else:
-        goals.append(
-            Goal(name, "N/A", "no B=1 autoregressive or spectr/speculative configuration in this grid")
-        )
+    if not (autoregressive and candidates):
+        return Goal(name, "N/A", "no B=1 autoregressive or spectr/speculative configuration in this grid")
+    best = max(candidates, key=lambda r: r.tokens_per_second)
+    base = autoregressive[0].tokens_per_second
+    status = "PASS" if best.tokens_per_second > base else "MISS"
+    return Goal(
+        name,
+        status,
+        f"{best.case.label}: {best.tokens_per_second:.1f} tok/s vs autoregressive "
+        f"{base:.1f} tok/s = {best.tokens_per_second / base:.2f}x",
+    )
 
-    # 4) cost model within 25%
+
+def cost_model_goal(report) -> Goal:
+    """4) cost model within 25% for every configuration of our methods."""
     name = f"cost model within {GOAL_COST_MODEL_ERROR:.0%} of measured tokens/s (every configuration of our methods)"
-    errors = [(abs(r.prediction_error), r) for r in results if r.ok and r.prediction_error is not None]
-    if errors:
-        worst_error, worst = max(errors, key=lambda e: e[0])
-        within = sum(1 for e, _ in errors if e <= GOAL_COST_MODEL_ERROR)
-        status = "PASS" if worst_error <= GOAL_COST_MODEL_ERROR else "MISS"
-        goals.append(
-            Goal(
-                name,
-                status,
-                (
-                    f"{within}/{len(errors)} within; median |error| {100 * statistics.median(e for e, _ in errors):.1f}%, "
-                    f"worst {100 * worst_error:.1f}% ({worst.case.label})"
-                ),
-            )
-        )
-    else:
-        goals.append(Goal(name, "N/A", "cost model disabled"))
-    return goals
+    errors = [(abs(r.prediction_error), r) for r in report.results if r.ok and r.prediction_error is not None]
+    if not errors:
+        return Goal(name, "N/A", "cost model disabled")
+    worst_error, worst = max(errors, key=lambda e: e[0])
+    within = sum(1 for e, _ in errors if e <= GOAL_COST_MODEL_ERROR)
+    status = "PASS" if worst_error <= GOAL_COST_MODEL_ERROR else "MISS"
+    return Goal(
+        name,
+        status,
+        f"{within}/{len(errors)} within; median |error| {100 * statistics.median(e for e, _ in errors):.1f}%, "
+        f"worst {100 * worst_error:.1f}% ({worst.case.label})",
+    )
 
 
 def best_configurations(report) -> list[str]:

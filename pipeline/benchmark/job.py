@@ -1,20 +1,20 @@
 """The benchmark job as the driver runs it: one process, one draft/target pair, every method, one run.
 
-    report = run_benchmark(config)   # config: pipeline.benchmark_config.BenchConfig
+    report = run_benchmark(config)   # config: pipeline.benchmark.config.BenchConfig
 
-1) load the pair and the prompts exactly as the main job does (`pipeline.models`, `pipeline.io`), cut
+1) load the pair and the prompts exactly as the main job does (`pipeline.models`, `pipeline.prompts`), cut
    each prompt to its last `max_prompt_tokens` tokens; the first prompts are the benchmark subset
    (batch size B runs ceil(num_prompts / B) batches of B of them), the next ones are the held-out
    prompts of the optimality analysis;
 2) for each configuration of the grid (`expand_grid`; tqdm bar): one untimed warm-up run on the
    first batch with `warmup_tokens` new tokens (all warm-ups first), then `repeats` timed runs with
-   seeds seed + 1000 r (`pipeline.benchmark_methods.run_case`), taken round-robin: repeat r of every configuration runs
+   seeds seed + 1000 r (`pipeline.benchmark.methods.run_case`), taken round-robin: repeat r of every configuration runs
    before repeat r + 1 of any, so a drift in the machine's speed spreads over all configurations
    instead of favouring the ones that ran in a quiet minute; tokens/s is the median over repeats,
    block efficiency and acceptance pool all repeats;
-3) token-level optimality (`pipeline.benchmark_optimality`);
-4) cost model: per-call latencies, then a prediction for every timed run (`pipeline.benchmark_cost`);
-5) report (`pipeline.benchmark_report`): printed table, Markdown, CSV, PNG plots, goals, benchmark.log,
+3) token-level optimality (`pipeline.benchmark.optimality`);
+4) cost model: per-call latencies, then a prediction for every timed run (`spectr.planner`);
+5) report (`pipeline.benchmark.report`, `tables`, `goals`, `plots`): printed table, Markdown, CSV, PNG plots, goals, benchmark.log,
    all logged to MLflow as artifacts of one run (`mlflow.enabled`).
 
 The whole job runs in this process (no Ray): a benchmark wants one pair on one device and nothing else
@@ -124,7 +124,7 @@ class CaseResult:
 
     @property
     def acceptance_rate(self) -> float:
-        """Accepted draft tokens / tested draft positions (the DESIGN.md definition)."""
+        """Accepted draft tokens / tested draft positions (the definition in docs/architecture.md)."""
         accepted = self.accepted_per_position
         if not accepted:
             return float("nan")
@@ -199,7 +199,7 @@ class BenchmarkReport:
     environment: dict[str, Any]
     phase_errors: list[str] = field(default_factory=list)
     files: list[Path] = field(default_factory=list)
-    goals: list[Any] = field(default_factory=list)  # pipeline.benchmark_report.Goal
+    goals: list[Any] = field(default_factory=list)  # pipeline.benchmark.goals.Goal
     text: str = ""
     run_id: str | None = None
     tracking_uri: str | None = None
@@ -363,21 +363,12 @@ def attach_predictions(
     g = config.bench
     ours = [r for r in results if r.ok and r.case.method not in (HF_GENERATE, HF_ASSISTED)]
     target_lm, draft_lm = HFCausalLM(pair.target, role="target"), HFCausalLM(pair.draft, role="draft")
-    warp = SamplingWarp(g.temperature, g.top_k, g.top_p)
     batch_sizes = sorted(
         {b for b in g.cost_model.latency_batch_sizes if b <= max(g.batch_sizes)} | set(g.batch_sizes)
     )
-    shapes = {}  # case -> its BatchRun shapes (context, capacities) per batch
-    for r in ours:
-        widths = tree_widths(r.case.method, r.case.num_drafts, r.case.draft_length)  # draft 0: no draft cache
-        shapes[r.case] = [
-            (batch, batch_context(batch, g.max_new_tokens),
-             tuple(batch_capacity(batch, g.max_new_tokens, w) for w in widths))
-            for batch in batches_for(bench_prompts, r.case.batch_size, g.num_prompts)
-        ]
+    shapes = _batch_shapes(config, ours, bench_prompts)
     for r in ours:
         r.context = case_context(config, [b for b, _, _ in shapes[r.case]])
-    contexts = {r.context for r in ours}
     capacities = [
         caps[i]
         for case, s in shapes.items()
@@ -389,46 +380,71 @@ def attach_predictions(
         draft_lm,
         [r.case for r in ours],
         batch_sizes,
-        contexts,
+        {r.context for r in ours},
         {min(capacities), max(capacities)},
-        warp,
+        SamplingWarp(g.temperature, g.top_k, g.top_p),
         g.cost_model.latency_repeats,
         on_step,
     )
-    prefill_cache: dict[tuple[str, tuple], float] = {}
-
-    def prefill_of(role: str, model: HFCausalLM, batch) -> float:
-        key = (role, tuple(map(tuple, batch)))
-        if key not in prefill_cache:
-            prefill_cache[key] = prefill_latency(model, batch, g.cost_model.latency_repeats)
-            table.add(f"prefill_{role}", len(batch), (max(len(p) for p in batch) - 1,), prefill_cache[key])
-        return prefill_cache[key]
-
+    prefills = _PrefillLatencies(table, g.cost_model.latency_repeats)
     for r in ours:
         speculative = r.case.method != "autoregressive"
-        prefills = [
-            (prefill_of(TARGET, target_lm, b), prefill_of(DRAFT, draft_lm, b) if speculative else 0.0)
+        batch_prefills = [
+            (prefills.of(TARGET, target_lm, b), prefills.of(DRAFT, draft_lm, b) if speculative else 0.0)
             for b, _, _ in shapes[r.case]
         ]
-        calibration = pooled(run.calibration for run in r.runs)
-        r.predictions = [
-            predict_seconds(
-                table,
-                r.case.method,
-                r.case.num_drafts,
-                r.case.draft_length,
-                [
-                    BatchRun(calls, prefill, context, caps)
-                    for calls, prefill, (_, context, caps) in zip(run.row_target_calls, prefills, shapes[r.case])
-                ],
-                run.tokens_per_call_histogram,
-                calibration=calibration,
-                batch_size=r.case.batch_size,
-                calibration_context=r.context,
-            )
-            for run in r.runs
-        ]
+        r.predictions = _predict_runs(table, r, batch_prefills, shapes[r.case])
     return table
+
+
+def _batch_shapes(config: BenchConfig, ours: list[CaseResult], bench_prompts) -> dict:
+    """case -> per batch: (its prompts, context, (target, draft) cache capacities)."""
+    g = config.bench
+    shapes = {}
+    for r in ours:
+        widths = tree_widths(r.case.method, r.case.num_drafts, r.case.draft_length)  # draft 0: no draft cache
+        shapes[r.case] = [
+            (batch, batch_context(batch, g.max_new_tokens),
+             tuple(batch_capacity(batch, g.max_new_tokens, w) for w in widths))
+            for batch in batches_for(bench_prompts, r.case.batch_size, g.num_prompts)
+        ]
+    return shapes
+
+
+class _PrefillLatencies:
+    """Prefill latency of each (model, batch of prompts), measured once and added to the table."""
+
+    def __init__(self, table: LatencyTable, repeats: int):
+        self.table, self.repeats = table, repeats
+        self.cache: dict[tuple[str, tuple], float] = {}
+
+    def of(self, role: str, model: HFCausalLM, batch) -> float:
+        key = (role, tuple(map(tuple, batch)))
+        if key not in self.cache:
+            self.cache[key] = prefill_latency(model, batch, self.repeats)
+            self.table.add(f"prefill_{role}", len(batch), (max(len(p) for p in batch) - 1,), self.cache[key])
+        return self.cache[key]
+
+
+def _predict_runs(table: LatencyTable, r: CaseResult, batch_prefills, shapes) -> list[Prediction]:
+    calibration = pooled(run.calibration for run in r.runs)
+    return [
+        predict_seconds(
+            table,
+            r.case.method,
+            r.case.num_drafts,
+            r.case.draft_length,
+            [
+                BatchRun(calls, prefill, context, caps)
+                for calls, prefill, (_, context, caps) in zip(run.row_target_calls, batch_prefills, shapes)
+            ],
+            run.tokens_per_call_histogram,
+            calibration=calibration,
+            batch_size=r.case.batch_size,
+            calibration_context=r.context,
+        )
+        for run in r.runs
+    ]
 
 
 def environment(config: BenchConfig, device: torch.device, started: float) -> dict[str, Any]:

@@ -90,11 +90,32 @@ def _median_cpu_per_wall(report) -> float:
 
 
 def write_report(report) -> None:
+    """Fill `report.text`, `report.goals` and `report.files`; write every file into `report.output_dir`."""
     out = report.output_dir
-    g = report.config.bench
     rows = [result_row(r) for r in report.results]
     goals = evaluate_goals(report)
     best = best_configurations(report)
+    report.text = report_text(report, rows, goals, best)
+    (out / "results.md").write_text("\n".join(report_markdown(report, rows, goals, best)) + "\n")
+    _write_csv(out / "results.csv", rows)
+    files = [out / "results.md", out / "results.csv"] + _write_figures(report)
+    summary = {
+        "environment": report.environment,
+        "config": report.config.to_dict(),
+        "results": rows,
+        "goals": [goal.__dict__ for goal in goals],
+        "best": best,
+        "optimality": optimality_rows(report.optimality) if report.optimality else None,
+    }
+    (out / "results.json").write_text(json.dumps(summary, indent=1, default=str))
+    (out / "benchmark.log").write_text(report.text + "\n")
+    files += [out / "results.json", out / "benchmark.log"]
+    report.files = files
+    report.goals = goals
+
+
+def report_text(report, rows, goals, best) -> str:
+    """What the job prints (and benchmark.log holds)."""
     env = report.environment
     header = (
         f"SpecTr benchmark: target {report.config.model.target}, draft {report.config.model.draft}, "
@@ -102,7 +123,6 @@ def write_report(report) -> None:
         f"{env['load_average_at_start']} at start, {env.get('load_average_at_end', '?')} at end), "
         f"{env.get('wall_minutes', '?')} min"
     )
-
     text = [header, "", text_table(rows), ""]
     text += ["Best configuration per batch size:"] + [f"  {line}" for line in best] + [""]
     if report.optimality:
@@ -114,8 +134,12 @@ def write_report(report) -> None:
         ]
     text += ["Goals:"] + [f"  {goal.line()}" for goal in goals]
     text += [f"ERROR: {error}" for error in report.phase_errors]
-    report.text = "\n".join(text)
+    return "\n".join(text)
 
+
+def report_markdown(report, rows, goals, best) -> list[str]:
+    """results.md, as lines."""
+    env = report.environment
     md = [
         "# SpecTr benchmark results",
         "",
@@ -132,17 +156,16 @@ def write_report(report) -> None:
     md += [f"- **{goal.status}** {goal.name}: {goal.detail}" for goal in goals]
     md += [f"- **ERROR** {error}" for error in report.phase_errors]
     md += ["", "## Summary", "", "Fastest K, L of each method per batch size (full grid below).", "",
-           summary_markdown(summary_rows(report.results, g.batch_sizes))]
+           summary_markdown(summary_rows(report.results, report.config.bench.batch_sizes))]
     md += ["", "## Throughput, block efficiency, time split", "", markdown_results(rows), ""]
     md += [f"- {line}" for line in notes(report)]
-    md += [
-        "",
-        "![block efficiency vs K](block_efficiency_vs_k.png)",
-        "",
-        "![speedup vs K](speedup_vs_k.png)",
-        "",
-    ]
+    md += ["", "![block efficiency vs K](block_efficiency_vs_k.png)", "", "![speedup vs K](speedup_vs_k.png)", ""]
     md += ["## Best configuration per batch size", ""] + [f"- {line}" for line in best] + [""]
+    return md + _analysis_markdown(report)
+
+
+def _analysis_markdown(report) -> list[str]:
+    md = []
     if report.optimality:
         md += [
             "## Token-level optimality",
@@ -163,7 +186,7 @@ def write_report(report) -> None:
             "",
             "Predicted tokens/s (last column of the main table) from per-call latencies measured through the "
             "engine's own forward, sampling, selection and cache code, and each run's measured target calls "
-            "per row and acceptance histogram (see pipeline/benchmark_cost.py). Forwards are measured at the "
+            "per row and acceptance histogram (see spectr/planner/). Forwards are measured at the "
             "cached context of each batch size's prompts (a batch attends as many slots as its longest row).",
             "",
             latency_markdown(report.latencies),
@@ -171,9 +194,13 @@ def write_report(report) -> None:
             "![cost model](cost_model.png)",
             "",
         ]
-    (out / "results.md").write_text("\n".join(md) + "\n")
-    _write_csv(out / "results.csv", rows)
-    files = [out / "results.md", out / "results.csv"]
+    return md
+
+
+def _write_figures(report) -> list[Path]:
+    """The CSVs and plots of the analyses and the grid; returns the files written."""
+    out, g = report.output_dir, report.config.bench
+    files = []
     if report.optimality:
         _write_csv(out / "optimality.csv", optimality_rows(report.optimality))
         plot_optimality(report.optimality, out / "optimality.png")
@@ -185,16 +212,4 @@ def write_report(report) -> None:
     plot_block_efficiency(report.results, g.draft_lengths, out / "block_efficiency_vs_k.png")
     plot_speedup(report.results, g.batch_sizes, g.draft_lengths, out / "speedup_vs_k.png")
     files += [out / "block_efficiency_vs_k.png", out / "speedup_vs_k.png"]
-    summary = {
-        "environment": env,
-        "config": report.config.to_dict(),
-        "results": rows,
-        "goals": [goal.__dict__ for goal in goals],
-        "best": best,
-        "optimality": optimality_rows(report.optimality) if report.optimality else None,
-    }
-    (out / "results.json").write_text(json.dumps(summary, indent=1, default=str))
-    (out / "benchmark.log").write_text(report.text + "\n")
-    files += [out / "results.json", out / "benchmark.log"]
-    report.files = files
-    report.goals = goals
+    return files

@@ -5,7 +5,7 @@ Shard i holds rows [i * shard_size, (i + 1) * shard_size) in file order, so the 
 hash of `spectr.seed` and the row's id: it does not depend on the row's position, its shard, its batch
 or the number of actors.
 
-This module does not run anything; `pipeline.actor` turns a shard into rows.
+This module does not run anything; `pipeline.generate.worker` turns a shard into rows.
 """
 
 from __future__ import annotations

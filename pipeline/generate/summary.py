@@ -1,7 +1,7 @@
 """Aggregating shard statistics into the job's metrics, the summary table, and the plot.
 
 `JobSummary.build` combines the manifest's per-shard stats (all shards, including those an earlier run
-finished) with this run's timings. The metric names are the MLflow contract of DESIGN.md. This module
+finished) with this run's timings. The metric names are the MLflow contract of docs/architecture.md. This module
 does not log (that is `pipeline.generate.tracking`) and does not run anything.
 """
 

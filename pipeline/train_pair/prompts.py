@@ -2,14 +2,14 @@
 
 What this is: each prompt is one function's (or method's) signature plus its docstring, cut right after
 the closing quotes and dedented (or, for a function without a docstring, its signature plus its first
-simple statement), taken from the modules that ``pipeline.pair_training`` held out of
+simple statement), taken from the modules that ``pipeline.train_pair.training`` held out of
 training. The model is then asked to write the body. Rows are ``{"id", "prompt"}``, where ``id`` is
 ``<module path>:<qualified name>:<line>``, stable across runs of the same Python version.
 
 What this is not: a tokenizer or a model. The tokenizer is only used to drop prompts longer than
 ``max_prompt_tokens`` (BOS included), so that a prompt plus the generated tokens fits the context.
 
-Run: ``python -m pipeline.pair_training_prompts --pair train_out/pair --out assets/prompts.jsonl``.
+Run: ``python -m pipeline.train_pair.prompts --pair train_out/pair --out assets/prompts.jsonl``.
 """
 
 from __future__ import annotations
