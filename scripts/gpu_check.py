@@ -130,7 +130,13 @@ class Context:
     plan: Plan
     device: torch.device
     budget: Budget
+    out: Path
     results: dict = field(default_factory=dict)
+
+    def save_partial(self, section: str, partial: dict) -> None:
+        """Record a section's progress so far (status 'incomplete'), so a run killed mid-section keeps it."""
+        self.results[section] = dict(partial, status="incomplete")
+        write_results(self.out, self.results)
 
     @property
     def cuda(self) -> bool:
@@ -371,6 +377,7 @@ def section_exactness(ctx: Context) -> dict:
             log(f"exactness {dtype_name} {method}: p = {case.get('p_value', float('nan')):.3g}, control p = "
                 f"{case.get('control', {}).get('p_value', float('nan')):.3g} -> {'PASS' if case['passed'] else 'FAIL'}")
             cases.append(case)
+            ctx.save_partial("exactness", dict(cases=cases))
     passed = bool(cases) and all(c["passed"] for c in cases) and not skipped
     return dict(status="passed" if passed else "failed", accept_p=ACCEPT_P, reject_p=REJECT_P,
                 methods=spectr.known_methods(), cases=cases, skipped_for_time=skipped)
@@ -478,8 +485,9 @@ def measure_pair_acceptance(ctx: Context) -> dict:
     tokenizer = transformers.AutoTokenizer.from_pretrained(PAIR_DIR / "target")
     prompts = pair_prompts(tokenizer, ctx.plan.pair_prompts)
     common = dict(max_new_tokens=ctx.plan.pair_new_tokens, temperature=1.0, seed=list(range(len(prompts))))
-    out = spectr.generate(target, draft, prompts, method="speculative", draft_length=4, **common)
-    efficiency = {}
+    length = ctx.plan.assisted_length  # the L of the speed section's speculative row
+    out = spectr.generate(target, draft, prompts, method="speculative", draft_length=length, **common)
+    efficiency = {f"K=1,L={length}": out.stats.block_efficiency}
     for k, length in itertools.product(ctx.plan.grid_drafts, ctx.plan.grid_lengths):
         if ctx.budget.expired():
             break
@@ -487,9 +495,9 @@ def measure_pair_acceptance(ctx: Context) -> dict:
         efficiency[f"K={k},L={length}"] = run.stats.block_efficiency
     log(f"embedded pair: alpha = {out.stats.acceptance_rate:.3f} over {out.stats.tested_positions} positions")
     return dict(status="measured", source=f"assets/models on this device ({dtype}), {len(prompts)} prompts of "
-                f"assets/prompts.jsonl, {ctx.plan.pair_new_tokens} new tokens, temperature 1",
-                alpha=out.stats.acceptance_rate, tested_positions=out.stats.tested_positions,
-                speculative_block_efficiency=out.stats.block_efficiency, block_efficiency=efficiency)
+                f"assets/prompts.jsonl, {ctx.plan.pair_new_tokens} new tokens, temperature 1, alpha from "
+                f"speculative L={ctx.plan.assisted_length}", alpha=out.stats.acceptance_rate,
+                tested_positions=out.stats.tested_positions, block_efficiency=efficiency)
 
 
 # ---------------------------------------------------------------------------------------
@@ -718,6 +726,7 @@ def section_speed(ctx: Context) -> dict:
         log(f"speed B={run.batch} {run.name}: " + (f"{row['tokens_per_s']:.1f} tokens/s" if "error" not in row
                                                     else row["error"]))
         rows.append(row)
+        ctx.save_partial("speed", dict(models=models, rows=rows))
     add_ratios(rows)
     ok = [r for r in rows if "error" not in r]
     status = "measured" if ok and len(ok) == len(rows) else ("partial" if ok else "failed")
@@ -759,28 +768,35 @@ def tokens_per_call(alpha: float, draft_length: int) -> float:
 
 def predict(speed: dict, pair: dict) -> dict:
     """Predicted speedup over our autoregressive decoding = tokens per iteration at the embedded pair's
-    acceptance / (measured cost of one iteration / measured cost of one autoregressive step)."""
+    acceptance / (measured cost of one iteration / measured cost of one autoregressive step, same batch).
+
+    Tokens per iteration: the formula (1 - a^(L+1)) / (1 - a) at the pair's acceptance a (exact for one
+    draft with i.i.d. acceptance; for K > 1 it ignores the extra drafts, a lower estimate), and, where the
+    pair section ran the pair at that (K, L), its measured block efficiency.
+    """
     alpha = pair.get("alpha")
     if alpha is None or speed.get("status") not in ("measured", "partial"):
         return dict(status="skipped", reason="needs both the speed rows and the embedded pair's acceptance")
     rows = [r for r in speed["rows"] if "error" not in r and r["kind"] == "ours"]
-    ar_step = {r["batch"]: r["iteration_ms"] for r in rows if r["method"] == AUTOREGRESSIVE}
+    ar_rows = {r["batch"]: r for r in rows if r["method"] == AUTOREGRESSIVE}
     predictions = []
     for row in rows:
-        if row["method"] == AUTOREGRESSIVE or row["batch"] not in ar_step:
+        ar = ar_rows.get(row["batch"])
+        if row["method"] == AUTOREGRESSIVE or ar is None:
             continue
         k, length = row["num_drafts"], row["draft_length"]
+        formula = tokens_per_call(alpha, length)
         measured_be = pair.get("block_efficiency", {}).get(f"K={k},L={length}")
-        formula = tokens_per_call(alpha, length)  # exact for K = 1; a lower estimate for K > 1
-        per_iteration = measured_be if measured_be is not None else formula
-        cost = row["iteration_ms"] / ar_step[row["batch"]]
-        predictions.append(dict(batch=row["batch"], name=row["name"], num_drafts=k, draft_length=length,
-                                tokens_per_iteration=per_iteration,
-                                tokens_per_iteration_source="embedded pair, measured" if measured_be is not None
-                                else ("formula (1 - a^(L+1)) / (1 - a)" + (" (lower estimate for K > 1)" if k > 1 else "")),
-                                formula_tokens_per_iteration=formula, iteration_cost_vs_ar_step=cost,
-                                predicted_speedup_vs_our_autoregressive=per_iteration / cost,
-                                measured_speedup_random_pair=row.get("speedup_vs_our_autoregressive")))
+        cost = row["iteration_ms"] / ar["iteration_ms"]  # wall time per iteration, prefill differenced out
+        forwards = row["per_iteration_ms"]["draft"] + row["per_iteration_ms"]["target"]
+        predictions.append(dict(
+            batch=row["batch"], name=row["name"], num_drafts=k, draft_length=length,
+            formula_tokens_per_iteration=formula, embedded_pair_block_efficiency=measured_be,
+            iteration_cost_vs_ar_step=cost,
+            forward_cost_vs_ar_step=forwards / max(ar["per_iteration_ms"]["target"], 1e-9),
+            predicted_speedup_formula=formula / cost,
+            predicted_speedup_embedded_pair=None if measured_be is None else measured_be / cost,
+            measured_speedup_random_pair=row.get("speedup_vs_our_autoregressive")))
     return dict(status="predicted", alpha=alpha, alpha_source=pair.get("source"), rows=predictions)
 
 
@@ -852,20 +868,25 @@ def markdown_speed(section: dict) -> list[str]:
 
 
 def markdown_predictions(section: dict) -> list[str]:
-    rows = [[p["batch"], p["name"], p["tokens_per_iteration"], p["tokens_per_iteration_source"],
-             p["iteration_cost_vs_ar_step"], p["predicted_speedup_vs_our_autoregressive"],
-             p["measured_speedup_random_pair"]] for p in section.get("rows", [])]
-    return _table(["B", "run", "tokens/iter (predicted)", "source", "iter cost / AR step (measured)",
-                   "PREDICTED speedup vs our AR", "measured speedup (random pair)"], rows)
+    rows = [[p["batch"], p["name"], p["formula_tokens_per_iteration"], p["embedded_pair_block_efficiency"],
+             p["iteration_cost_vs_ar_step"], p["forward_cost_vs_ar_step"], p["predicted_speedup_formula"],
+             p["predicted_speedup_embedded_pair"], p["measured_speedup_random_pair"]] for p in section.get("rows", [])]
+    return _table(["B", "run", "tokens/iter (formula)", "tokens/iter (pair, measured)", "iter cost / AR step",
+                   "forwards / AR forward", "PREDICTED speedup (formula)", "PREDICTED speedup (pair BE)",
+                   "measured speedup (random pair)"], rows)
 
 
 NOTES = [
     "MEASURED: every tokens/s, ratio, block efficiency, time breakdown, sync count and memory figure of the "
     "speed table, on the random-initialised pair. Its draft is the target's own first layers, so its acceptance "
     "is high and says nothing about a trained pair; the ratios compare runs of this one process.",
-    "PREDICTED: the speedups of the prediction table. Tokens per iteration come from the embedded trained pair "
-    "(its block efficiency at that K, L when measured, else (1 - a^(L+1)) / (1 - a) at its acceptance a); the "
-    "cost of an iteration relative to an autoregressive step is measured here, with the prefill differenced out.",
+    "PREDICTED: the speedups of the prediction table = tokens per iteration of the embedded trained pair "
+    "((1 - a^(L+1)) / (1 - a) at its acceptance a, exact for K = 1 and a lower estimate for K > 1; and its "
+    "block efficiency at that K, L where the pair section measured it) / the cost of one iteration relative "
+    "to one autoregressive step, measured here on the random pair (wall time per iteration, prefill "
+    "differenced out; the ratio of forward times alone is shown beside it).",
+    "vs HF: ours speculative against HF assisted generation (batch 1, same L, constant schedule); every other "
+    "ours row against HF generate (sampling) at the same batch.",
     "Syncs per iteration are differenced between a run of `sync_new_tokens` and a one-token run (both "
     "instrumented, untimed), so setup and prefill drop out; CUDA syncs are the warnings of "
     "torch.cuda.set_sync_debug_mode('warn'); host syncs are spectr.diagnostics.HostSyncCounter's count.",
@@ -899,8 +920,9 @@ def markdown(results: dict) -> str:
               str(speed.get("models", {}).get("description", "")), ""]
     lines += markdown_speed(speed)
     lines += ["", "## 5. PREDICTED speedup at the embedded pair's acceptance (not measured)", "",
-              "tokens per iteration at the embedded pair's acceptance divided by the measured cost of one "
-              "iteration relative to one autoregressive step of the same batch (prefill removed).", ""]
+              f"alpha = {_fmt(results.get('predictions', {}).get('alpha'), 3)}: tokens per iteration at the embedded "
+              "pair's acceptance divided by the measured cost of one iteration relative to one autoregressive "
+              "step of the same batch (prefill removed).", ""]
     lines += markdown_predictions(results.get("predictions", {}))
     lines += ["", "## Notes", ""] + [f"- {note}" for note in NOTES]
     return "\n".join(lines) + "\n"
@@ -920,7 +942,7 @@ SECTION_FUNCTIONS = {"exactness": section_exactness, "greedy": section_greedy,
                      "pair_acceptance": section_pair_acceptance, "speed": section_speed}
 
 
-def run_section(name: str, ctx: Context, out: Path) -> None:
+def run_section(name: str, ctx: Context) -> None:
     ctx.budget.enter(name)
     log(f"== {name} (t = {ctx.budget.elapsed():.0f} s) ==")
     start = time.perf_counter()
@@ -932,7 +954,7 @@ def run_section(name: str, ctx: Context, out: Path) -> None:
     section["seconds"] = time.perf_counter() - start
     ctx.results[name] = section
     release_memory(ctx.device)
-    write_results(out, ctx.results)  # after every section, so a killed run still leaves its results
+    write_results(ctx.out, ctx.results)  # after every section, so a killed run still leaves its results
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -965,14 +987,14 @@ def main(argv: list[str] | None = None) -> int:
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     device = torch.device(args.device)
-    ctx = Context(plan=args.plan, device=device, budget=Budget(args.budget_s, args.sections))
+    ctx = Context(plan=args.plan, device=device, budget=Budget(args.budget_s, args.sections), out=args.out)
     ctx.results["environment"] = environment(args, device)
     ctx.results["plan"] = asdict(args.plan)
     ctx.results["notes"] = NOTES
     log(f"{ctx.results['environment']['device_name']}, torch {torch.__version__}, "
         f"transformers {transformers.__version__}, methods {spectr.known_methods()}")
     for name in args.sections:
-        run_section(name, ctx, args.out)
+        run_section(name, ctx)
     ctx.results["predictions"] = predict(ctx.results.get("speed", {}), ctx.results.get("pair_acceptance", {}))
     ctx.results["wall_s"] = ctx.budget.elapsed()
     checks = [ctx.results[s]["status"] for s in ("exactness", "greedy") if s in ctx.results]
