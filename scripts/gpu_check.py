@@ -33,9 +33,11 @@ import itertools
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -942,12 +944,39 @@ SECTION_FUNCTIONS = {"exactness": section_exactness, "greedy": section_greedy,
                      "pair_acceptance": section_pair_acceptance, "speed": section_speed}
 
 
+SECTION_GRACE_S = 30.0  # a unit still running this long after its section's share is interrupted
+
+
+class SectionTimeout(Exception):
+    """Raised inside a unit that runs far past its section's share (the units are not otherwise bounded)."""
+
+
+@contextlib.contextmanager
+def hard_deadline(seconds: float):
+    """Interrupt the block with SectionTimeout after `seconds` (SIGALRM; a no-op where that is unavailable)."""
+    if not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise SectionTimeout(f"still running {SECTION_GRACE_S:.0f} s after the section's share of the budget")
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.01))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def run_section(name: str, ctx: Context) -> None:
     ctx.budget.enter(name)
     log(f"== {name} (t = {ctx.budget.elapsed():.0f} s) ==")
     start = time.perf_counter()
     try:
-        section = SECTION_FUNCTIONS[name](ctx)
+        with hard_deadline(ctx.budget.section_end[name] - start + SECTION_GRACE_S):
+            section = SECTION_FUNCTIONS[name](ctx)
     except Exception as error:  # a failing section is recorded; the others still run
         section = dict(status="error", error=_describe(error), traceback=traceback.format_exc())
         log(f"{name} failed: {section['error']}")

@@ -2,8 +2,8 @@
 
 The smoke run is one subprocess (the script as the GPU machine runs it), shared by the structure
 tests below. A few in-process tests cover the pieces a smoke run cannot show: the time budget
-skipping and recording units, the chi-square tail against scipy, and the negative-control
-injection restoring the selector registry.
+skipping and recording units (and interrupting one that overruns), the chi-square tail against
+scipy, and the negative-control injection restoring the selector registry.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -140,3 +141,13 @@ def test_the_negative_control_is_injected_and_then_removed():
     broken = gpu_check.skip_residual(TOKEN_SELECTORS["speculative"])
     token, accepted = broken(tokens, alive, probs[[0, 0]], probs[[0, 1]], uniforms)
     assert accepted.tolist() == [True, False] and token.tolist() == [0, 2]
+
+
+def test_a_unit_far_past_its_share_is_interrupted():
+    gpu_check = load_script()
+    with pytest.raises(gpu_check.SectionTimeout):
+        with gpu_check.hard_deadline(0.05):
+            time.sleep(5)
+    with gpu_check.hard_deadline(5):  # a block that ends in time is left alone, and the timer is cleared
+        pass
+    time.sleep(0.1)
