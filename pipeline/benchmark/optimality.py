@@ -21,11 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from spectr.planner.acceptance import (
     collect_distributions,
     specinfer_acceptance_curve,
 )
-
 from spectr.selection import kseq_acceptance, optimal_acceptance
 from spectr.warps import SamplingWarp
 
