@@ -165,3 +165,21 @@ def test_calibration_on_real_models_prices_every_candidate():
     # a lower occupancy interpolates between the measured 1 and 4 rows
     assert make_plan(candidates, acceptance, cost, batch=2).batch == 2
     assert forward_widths(13) == [1, 2, 3, 5, 9, 13] and forward_widths(2) == [1, 2]
+
+
+def test_auto_planner_on_real_models_chooses_a_bounded_exact_candidate():
+    from hf_tiny import tiny_model
+
+    from spectr.planner.auto import auto_planner
+    from spectr.warps import SamplingWarp
+
+    target, draft = tiny_model(seed=0), tiny_model(seed=0, num_layers=1)
+    prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9]]
+    planner, calibration = auto_planner(target, draft, prompts, batch_size=2, warp=SamplingWarp(1.0, 0, 1.0),
+                                        max_num_drafts=2, max_draft_length=2)
+    assert calibration.seconds > 0
+    assert all(c.num_drafts <= 2 and c.draft_length <= 2 for c in planner.candidates)
+    assert planner.choice in planner.candidates
+    greedy, _ = auto_planner(target, draft, prompts, batch_size=2, warp=SamplingWarp(0.0, 0, 1.0),
+                             max_draft_length=2)
+    assert {c.method for c in greedy.candidates} == {"autoregressive", "speculative"}
