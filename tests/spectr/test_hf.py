@@ -130,7 +130,7 @@ def test_half_precision_models_run_every_method_and_keep_consistent_caches(metho
         allowed = tree_attention(lengths, torch.ones(1, 1, dtype=torch.bool), int(lengths.max()) + 1)
         cached = generation.target.forward(generation.pending[:, None], slots, allowed,
                                            generation.target_cache, slots)[:, 0]
-    sequences = [PROMPTS[i] + generation.outputs[i] for i in generation.rows]
+    sequences = generation.row_sequences()
     assert cached.dtype == dtype
     full = full_last_logits(target, sequences)
     # bf16 keeps ~3 significant digits (fp16 ~4): compare at that precision
