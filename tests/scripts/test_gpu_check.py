@@ -151,3 +151,17 @@ def test_a_unit_far_past_its_share_is_interrupted():
     with gpu_check.hard_deadline(5):  # a block that ends in time is left alone, and the timer is cleared
         pass
     time.sleep(0.1)
+
+
+def test_a_row_whose_iteration_time_is_lost_in_noise_is_skipped_not_divided_by():
+    gpu_check = load_script()
+    stats = {"draft": 0.0, "target": 0.0, "selection": 0.0, "other": 0.0}
+    rows = [
+        dict(kind="ours", method="autoregressive", batch=1, name="ar", iteration_ms=0.0, per_iteration_ms=stats),
+        dict(kind="ours", method="spectr", batch=1, name="spectr K=2 L=2", num_drafts=2, draft_length=2,
+             iteration_ms=0.0, per_iteration_ms=stats),
+    ]
+    result = gpu_check.predict({"status": "measured", "rows": rows}, {"alpha": 0.6})
+    assert result["status"] == "predicted"
+    assert [p.get("skipped") for p in result["rows"]] == ["iteration time not measurable above timing noise"]
+    assert gpu_check.markdown_predictions(result)  # the table still renders
