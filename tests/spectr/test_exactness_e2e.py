@@ -164,7 +164,7 @@ def test_negative_control_skipping_the_residual_is_rejected(pair, exact_laws, mo
 
 def test_negative_control_a_commit_without_path_gather_is_rejected(pair, exact_laws, monkeypatch):
     # Without keep_path the caches keep draft 0's entries even when another draft was accepted.
-    monkeypatch.setattr(RowKVCache, "keep_path", lambda self, source, dest: None)
+    monkeypatch.setattr(RowKVCache, "keep_path", lambda self, source, dest, rows=None: None)
     out = run(pair, "spectr", 3, 1, "plain", 6000)
     assert chi_square_pvalue(out.tokens, exact_laws["plain"]) < REJECT_P
 
