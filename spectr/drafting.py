@@ -147,7 +147,7 @@ class TreeDrafter:
         dest = base[:, None] + depth  # [B, L-1]
         source = base[:, None] + depth * num_drafts + draft_index[:, None]  # [B, L-1]
         self.cache.rows.keep_path(torch.where(depth < kept[:, None], source, dest), dest)
-        self.cache.rows.lengths = torch.where(running, base + kept, lengths)
+        self.cache.rows.advance(torch.where(running, self.num_pending + kept, 0))  # to base + kept, in place
 
         all_accepted = num_accepted == draft_length  # [B]
         last_draft = tree.tokens[:, :, -1].gather(1, draft_index[:, None]).squeeze(1)  # [B]
