@@ -61,6 +61,7 @@ class RowState:
     iteration: torch.Tensor  # [R] int64, the row's own iteration count
     target_cache: HFRowCache
     drafter: TreeDrafter | None
+    views: tuple | None = None  # (target, draft) HF caches over RowViews, reused by every `take`
 
     @classmethod
     def pool(cls, num_slots: int, target_cache: HFRowCache, drafter: TreeDrafter | None, device) -> RowState:
@@ -89,8 +90,14 @@ class RowState:
 
     def take(self, rows: torch.Tensor) -> RowState:
         """The rows `rows` ([R] int64) of the pool: gathered state, views of the caches."""
-        target_cache = self.target_cache.view(rows)
-        drafter = None if self.drafter is None else self.drafter.take(rows, self.drafter.cache.view(rows))
+        if self.views is None:  # built once: an HF cache has one object per layer
+            draft_view = None if self.drafter is None else self.drafter.cache.view(rows)
+            self.views = (self.target_cache.view(rows), draft_view)
+        target_cache, draft_cache = self.views
+        for cache in self.views:
+            if cache is not None:
+                cache.rows.rows = rows
+        drafter = None if self.drafter is None else self.drafter.take(rows, draft_cache)
         return RowState(slots=self.slots.index_select(0, rows), running=self.running.index_select(0, rows),
                         pending=self.pending.index_select(0, rows), keys=self.keys.index_select(0, rows),
                         iteration=self.iteration.index_select(0, rows), target_cache=target_cache,
