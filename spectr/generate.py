@@ -26,7 +26,7 @@ import torch
 
 from spectr.batching import ContinuousBatcher, FinishedRow
 from spectr.rows import prefill
-from spectr.selection import TOKEN_SELECTORS
+from spectr.sequence import sequence_methods
 from spectr.settings import AUTOREGRESSIVE, Settings, check_prompts
 from spectr.stats import GenerationStats
 
@@ -34,7 +34,7 @@ __all__ = ["Generation", "GenerationOutput", "generate", "known_methods", "prefi
 
 
 def known_methods() -> list[str]:
-    return [AUTOREGRESSIVE, *sorted(TOKEN_SELECTORS)]
+    return [AUTOREGRESSIVE, *sequence_methods()]
 
 
 @dataclass
@@ -65,7 +65,8 @@ def generate(
 
     target, draft: Hugging Face causal LMs sharing a vocabulary (`draft` may be None for
     "autoregressive"). prompts: list of token-id lists. method: "autoregressive",
-    "speculative" (one draft: num_drafts is taken as 1), "spectr" or "specinfer".
+    "speculative" (one draft: num_drafts is taken as 1), "spectr", "specinfer" or "block"
+    (block verification of one draft, num_drafts taken as 1).
     max_new_tokens: an int or one int per prompt. eos_token_id: None, an int or a list of ints.
     top_k=0 / top_p=1.0 mean no truncation; temperature=0 is greedy (and drafts one path:
     K identical argmax drafts would add nothing). seed: an int (row i uses seed + i) or one

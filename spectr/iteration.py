@@ -8,7 +8,8 @@ pool, or only its live rows):
 2) verify  - one target forward over the tree of every row: the last committed token, then
              one token per unique tree node, after the row's cached prefix (4D mask + explicit
              position ids), padded to the widest tree of the rows;
-3) select  - `spectr.sequence.select_tree` (the method by name), on the node's own p and q;
+3) select  - `spectr.sequence.select_tree` (SpecTr, SpecInfer, speculative sampling, or block
+             verification, by name), on the node's own p and q;
 4) commit  - both KV caches keep only the accepted path (`keep_path`, one gather and one
              scatter per cache), rows advance by different amounts, and `spectr.records`
              appends the emitted tokens and marks rows that finished.

@@ -13,7 +13,7 @@ from spectr.batching import ContinuousBatcher
 from spectr.kv_cache import RowKVCache
 from spectr.stats import GenerationStats
 
-METHODS = ["autoregressive", "speculative", "spectr", "specinfer"]
+METHODS = ["autoregressive", "speculative", "spectr", "specinfer", "block"]
 SETTINGS = dict(num_drafts=3, draft_length=3, top_p=0.95)
 
 
