@@ -155,7 +155,8 @@ def summarize(results, args) -> list[dict]:
 
 def print_table(rows, args, budgets) -> None:
     print(f"\n{len(budgets)} prompts, budgets {args.min_tokens}..{args.max_tokens} (mean {statistics.mean(budgets):.1f}),"
-          f" K={args.num_drafts} L={args.draft_length}, {args.repeats} repeats, {args.threads} thread(s), {args.device}")
+          f" K={args.num_drafts} L={args.draft_length}, {args.repeats} repeats, {args.threads} thread(s), {args.device}"
+          + ("; policy cells: the first B prompts as one static batch" if "policy" in args.sections else ""))
     print(f"{'method':<15}{'B':>3}  {'mode':<12}{'target calls':>13}{'tok/s wall':>12}{'tok/CPU-s':>11}"
           f"{'cont/static wall':>18}{'cpu':>7}{'calls':>7}")
     for r in rows:

@@ -25,11 +25,14 @@ Host syncs: per iteration the engine's usual one (autoregressive) or two (specul
 one read-back in an iteration where rows finished (retirement, which frees the slots the
 next admission fills). Admission itself reads nothing.
 
-Live rows: on the CPU, a forward costs about in proportion to its rows, so once half the
-slots are empty (the tail of a run, when nothing waits) an iteration on the live rows only is
-faster even though each forward then attends a gathered copy of those rows' cache slots; on
-CUDA a small forward costs about the same at 2 rows as at 16, so the default never gathers
-(see README, "Continuous batching").
+Live rows: with a queue of waiting prompts every slot is busy; at the tail of a run (nothing
+waits) slots empty one by one. An iteration may then run on the live rows only, gathered
+through views of the caches (each forward attends a gathered copy of those rows' slots), when
+at most `gather_below x batch_size` rows are live. On the CPU a speculative iteration (verify
+forwards of 1 + K*L tokens per row) costs about in proportion to its rows, so it gathers as
+soon as one slot is free (gather_below = 1); an autoregressive forward of one token per row
+costs about the same at 16 rows as at 8, and it never gathers; on CUDA a small forward is
+bound by reading the weights, so the default never gathers (measured: `DEFAULT_GATHER_BELOW`).
 
 This module knows nothing about tokenizers, Ray or files: prompts are lists of token ids.
 """
@@ -61,9 +64,15 @@ from spectr.settings import (
 )
 from spectr.stats import GenerationStats, PhaseTimer
 
-# Run an iteration on the live rows only when at most this fraction of the slots is live
-# (measured: README, "Continuous batching").
-DEFAULT_GATHER_BELOW = {"cpu": 0.5, "cuda": 0.0}
+# Run an iteration on the live rows only when at most this fraction of the slots is live, by
+# (device type, speculative). Measured on the CPU (scripts/bench_batching.py --sections policy:
+# embedded pair, float32, one thread, one batch of 16 with budgets 8..128, K=2 L=3, tokens per
+# CPU second, medians of 5 interleaved repeats): autoregressive 0 / 0.5 / 1 -> see README; a
+# T=1 forward costs about the same at 16 rows as at 8, and the gathered copy of the live rows'
+# cache eats the rest, so autoregressive never gathers; speculative and spectr gain ~25% at 1
+# (verify forwards of 1 + K*L tokens per row cost in proportion to their rows). On CUDA a small
+# forward is bound by reading the weights, whatever its rows: never (not measured on a GPU yet).
+DEFAULT_GATHER_BELOW = {("cpu", False): 0.0, ("cpu", True): 1.0}
 
 
 @dataclass
@@ -152,7 +161,7 @@ class ContinuousBatcher:
         self.max_length = self._max_length(max_length)
         self.device = self.target.device
         if gather_below is None:
-            gather_below = DEFAULT_GATHER_BELOW.get(self.device.type, 0.0)
+            gather_below = DEFAULT_GATHER_BELOW.get((self.device.type, self.settings.speculative), 0.0)
         self.gather_below = float(gather_below)
         s = self.settings
         self.stats = GenerationStats(method=s.method, num_drafts=s.num_drafts, draft_length=s.draft_length)
