@@ -220,3 +220,20 @@ def test_admit_refuses_bad_rows_by_argument_and_row_and_queues_nothing(pair):
     with pytest.raises(ValueError, match=r"max_length must be an int >= 2"):
         ContinuousBatcher(*pair, batch_size=2, max_length=1)
     assert ContinuousBatcher(*pair, batch_size=2, max_length=10_000).max_length == 128  # the models' positions
+
+
+def test_the_batcher_leaves_models_in_their_training_mode_and_reports_its_run(pair):
+    target, draft = pair
+    batcher = ContinuousBatcher(target, draft, batch_size=2, max_length=40, method="spectr", num_drafts=2,
+                                draft_length=2)
+    target.train()
+    try:
+        batcher.admit(random_prompts(5, 4), max_new_tokens=[3, 9, 4, 7, 2], seed=5)
+        rows = list(batcher.finished())
+        assert target.training and not draft.training
+    finally:
+        target.eval()
+    assert sorted(r.request for r in rows) == list(range(5)) and all(r.error is None for r in rows)
+    stats = batcher.snapshot()
+    assert stats.iterations >= 25 / (2 * 3) and stats.admissions >= 3 and stats.wall_seconds > 0
+    assert stats.target_seconds > 0 and stats.draft_seconds > 0
