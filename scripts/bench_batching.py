@@ -11,9 +11,9 @@ At each batch size B and for each method:
 - continuous: `spectr.generate(all prompts, batch_size=B)`: a finished row's slot takes the next
               waiting prompt.
 Both use the engine's default live-row policy. With --sections policy, the live-row policy itself is
-timed too: one static batch of B (a run that is all tail) with `gather_below` 0 (every slot runs,
-dead ones masked), 0.5 (live rows gathered once at most half are live) and 1 (gathered as soon
-as one row is dead).
+timed too: one static batch of B (a run that is all tail) with `pack_below` 0 (slots below the
+highest live one run, finished ones masked), 0.5 (live rows packed into the emptied slots once at
+most half are live) and 1 (packed as soon as one row is done).
 
 Timings: every repeat runs every cell once, the cells in a fixed interleaved order (mode
 innermost), so machine load drifts over all cells alike. Reported: the median tokens/s of wall
@@ -101,14 +101,14 @@ def timed(fn) -> dict:
                 tokens_per_cpu_s=tokens / cpu)
 
 
-def run_cell(target, draft, prompts, budgets, args, method, batch, mode, gather_below=None):
+def run_cell(target, draft, prompts, budgets, args, method, batch, mode, pack_below=None):
     """One timed run; returns its timing dict (tokens = generated tokens, iterations = target calls)."""
     settings = dict(method=method, num_drafts=args.num_drafts, draft_length=args.draft_length)
     seeds = list(range(len(prompts)))
 
     def generate(rows, batch_size):
         generation = Generation(target, draft, [prompts[i] for i in rows], max_new_tokens=[budgets[i] for i in rows],
-                                seed=[seeds[i] for i in rows], batch_size=batch_size, gather_below=gather_below,
+                                seed=[seeds[i] for i in rows], batch_size=batch_size, pack_below=pack_below,
                                 **settings)
         out = _run(generation)
         return out.stats.total_generated_tokens, out.stats.iterations
@@ -136,8 +136,8 @@ def cells(args):
 
 def summarize(results, args) -> list[dict]:
     rows = []
-    for (method, batch, mode, gather), runs in results.items():
-        rows.append(dict(method=method, batch_size=batch, mode=mode, gather_below=gather, runs=runs,
+    for (method, batch, mode, pack), runs in results.items():
+        rows.append(dict(method=method, batch_size=batch, mode=mode, pack_below=pack, runs=runs,
                          tokens_per_s=statistics.median(r["tokens_per_s"] for r in runs),
                          tokens_per_cpu_s=statistics.median(r["tokens_per_cpu_s"] for r in runs),
                          iterations=runs[0]["iterations"], tokens=runs[0]["tokens"]))
@@ -175,9 +175,9 @@ def main(argv=None) -> None:
     run_cell(target, draft, prompts[:4], budgets[:4], args, grid[0][0], 2, "continuous")  # warm-up
     started = time.perf_counter()
     for repeat in range(args.repeats):
-        for method, batch, mode, gather in grid:
-            result = run_cell(target, draft, prompts, budgets, args, method, batch, mode, gather)
-            results[(method, batch, mode, gather)].append(result)
+        for method, batch, mode, pack in grid:
+            result = run_cell(target, draft, prompts, budgets, args, method, batch, mode, pack)
+            results[(method, batch, mode, pack)].append(result)
             print(f"repeat {repeat} {method:<14} B={batch:<3} {mode:<11} {result['tokens_per_s']:8.1f} tok/s "
                   f"{result['tokens_per_cpu_s']:8.1f} tok/CPU-s  {result['iterations']} calls", flush=True)
     rows = summarize(results, args)

@@ -8,9 +8,10 @@ life is a loop of three moves:
 1) admit   - `admit(prompts, max_new_tokens=..., seed=..., tags=...)` checks the prompts and
              queues them, in order; at the next `step`, waiting prompts take the free slots
              (prefill of the new rows only, one forward per model, no host sync);
-2) iterate - `step()` runs one iteration (`spectr.iteration`) on every slot, empty and finished
-             slots masked; when at most `gather_below x batch_size` rows are live, on the live
-             rows only (gathered through views of the caches; see "Live rows" below);
+2) iterate - `step()` runs one iteration (`spectr.iteration`) on the slots [0, top) (top = the
+             highest occupied slot + 1; empty and finished slots below it masked); when at most
+             `pack_below x batch_size` rows are live, live rows above the holes are first moved
+             down into them (see "Live rows" below);
 3) retire  - rows that finished in that iteration are read back (one host copy for all of
              them) and returned as `FinishedRow`s; their slots are reset, never compacted,
              and take the next waiting prompts.
@@ -27,13 +28,14 @@ K > 1), plus one read-back in an iteration where rows finished (retirement, whic
 slots the next admission fills). Admission itself reads nothing.
 
 Live rows: with a queue of waiting prompts every slot is busy; at the tail of a run (nothing
-waits) slots empty one by one. An iteration may then run on the live rows only, gathered
-through views of the caches (each forward attends a gathered copy of those rows' slots), when
-at most `gather_below x batch_size` rows are live. On the CPU a speculative iteration (verify
-forwards of 1 + K*L tokens per row) costs about in proportion to its rows, so it gathers as
-soon as one slot is free (gather_below = 1); an autoregressive forward of one token per row
-costs about the same at 16 rows as at 8, and it never gathers; on CUDA a small forward is
-bound by reading the weights, so the default never gathers (measured: `DEFAULT_GATHER_BELOW`).
+waits) slots empty one by one. Slots above the highest occupied one are never computed (the
+iteration runs on a prefix of the pool, views, no copy). With packing, the live rows fill
+the holes below: each hole takes the highest live row (`RowKVCache.move_rows`: a copy of that
+row's used cache slots, once, not of the cache), so that the iteration runs on the live rows
+only. On the CPU a forward costs about in proportion to its rows, so packing pays as soon as
+a slot is free (pack_below = 1); on CUDA a small forward is bound by reading the weights and a
+masked row costs little, so the default never packs (not measured on a GPU yet; see
+`DEFAULT_PACK_BELOW`).
 
 This module knows nothing about tokenizers, Ray or files: prompts are lists of token ids.
 """
@@ -65,15 +67,10 @@ from spectr.settings import (
 )
 from spectr.stats import GenerationStats, PhaseTimer
 
-# Run an iteration on the live rows only when at most this fraction of the slots is live, by
-# (device type, speculative). Measured on the CPU (scripts/bench_batching.py --sections policy:
-# embedded pair, float32, one thread, one batch of 16 with budgets 8..128, K=2 L=3, tokens per
-# CPU second, medians of 5 interleaved repeats): autoregressive 0 / 0.5 / 1 -> see README; a
-# T=1 forward costs about the same at 16 rows as at 8, and the gathered copy of the live rows'
-# cache eats the rest, so autoregressive never gathers; speculative and spectr gain ~25% at 1
-# (verify forwards of 1 + K*L tokens per row cost in proportion to their rows). On CUDA a small
-# forward is bound by reading the weights, whatever its rows: never (not measured on a GPU yet).
-DEFAULT_GATHER_BELOW = {("cpu", False): 0.0, ("cpu", True): 1.0}
+# Pack live rows into the holes below them when at most this fraction of the slots is live, by
+# device type. Measured on the CPU: README, "Continuous batching" (scripts/bench_batching.py
+# --sections policy). On CUDA never (not measured on a GPU yet): see the module docstring.
+DEFAULT_PACK_BELOW = {"cpu": 1.0}
 
 
 @dataclass
@@ -151,7 +148,7 @@ class ContinuousBatcher:
 
     def __init__(self, target, draft, *, batch_size: int, max_length: int | None = None, method: str = "spectr",
                  num_drafts: int = 4, draft_length: int = 4, temperature: float = 1.0, top_k: int = 0,
-                 top_p: float = 1.0, eos_token_id=None, gather_below: float | None = None):
+                 top_p: float = 1.0, eos_token_id=None, pack_below: float | None = None):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
         self.settings = Settings.for_run(methods=_known_methods(), method=method, num_drafts=num_drafts,
@@ -161,9 +158,7 @@ class ContinuousBatcher:
         self.batch_size = batch_size
         self.max_length = self._max_length(max_length)
         self.device = self.target.device
-        if gather_below is None:
-            gather_below = DEFAULT_GATHER_BELOW.get((self.device.type, self.settings.speculative), 0.0)
-        self.gather_below = float(gather_below)
+        self.pack_below = float(DEFAULT_PACK_BELOW.get(self.device.type, 0.0) if pack_below is None else pack_below)
         s = self.settings
         self.stats = GenerationStats(method=s.method, num_drafts=s.num_drafts, draft_length=s.draft_length)
         with torch.inference_mode():
@@ -173,6 +168,7 @@ class ContinuousBatcher:
         self._waiting: deque[_Request] = deque()
         self._free = list(range(batch_size))  # a heap: the lowest free slot first
         self._in_slot: list[_Request | None] = [None] * batch_size
+        self._top = 0  # the highest occupied slot + 1 (host)
         self._next_request = 0
         self.rows_running = 0  # host copy of running.sum()
 
@@ -292,6 +288,7 @@ class ContinuousBatcher:
             self.records.reset(index, budgets)
         for slot, request in zip(slots, requests):
             self._in_slot[slot] = request
+        self._top = max(self._top, slots[-1] + 1)
         self.rows_running += count
         longest = max(len(p) for p in prompts)
         loop = self.loop
@@ -301,19 +298,42 @@ class ContinuousBatcher:
 
     # -- one iteration -------------------------------------------------------------------
     def _iterate(self) -> None:
-        """One iteration on every slot, or on the live rows only when few are live."""
+        """One iteration on the slots [0, top), after packing the live rows down if that is due."""
         step = autoregressive_step if self.settings.method == AUTOREGRESSIVE else speculative_step
         live = self.rows_running
-        if live == self.batch_size or live > self.gather_below * self.batch_size:
+        if self._top > live and live <= self.pack_below * self.batch_size:
+            self._pack()
+        if self._top == self.batch_size:
             step(self.loop, self.rows)
         else:
-            # the live slots first, in slot order; `live` is this iteration's host count
-            index = torch.argsort((~self.rows.running).to(torch.int8), stable=True)[:live]  # [R]
-            part = self.rows.take(index)
+            part = self.rows.prefix(self._top)
             step(self.loop, part)
-            self.rows.put(index, part)
-            self.stats.gathered_iterations += 1
+            self.rows.put_prefix(self._top, part)
+            self.stats.narrow_iterations += 1
         self.stats.iterations += 1
+
+    def _pack(self) -> None:
+        """Move the highest live rows into the empty slots below the live count (host bookkeeping, no sync)."""
+        live = self.rows_running
+        holes = [slot for slot in range(live) if self._in_slot[slot] is None]
+        sources = [slot for slot in range(self._top - 1, live - 1, -1) if self._in_slot[slot] is not None]
+        source = torch.tensor(sources, dtype=torch.int64, device=self.device)  # [M]
+        dest = torch.tensor(holes, dtype=torch.int64, device=self.device)  # [M]
+        loop = self.loop
+        caches = [(self.target_cache.rows, loop.target_longest)]
+        if self.rows.drafter is not None:
+            caches.append((self.rows.drafter.cache.rows, loop.draft_extent[0]))
+        for cache, used in caches:  # every row's used slots are below the host bound of its lengths
+            cache.move_rows(source, dest, min(cache.capacity, used))
+        self.rows.move(source, dest)
+        self.records.move(source, dest)
+        self.occupied.index_fill_(0, dest, True)
+        self.occupied.index_fill_(0, source, False)
+        for slot, hole in zip(sources, holes):
+            self._in_slot[hole], self._in_slot[slot] = self._in_slot[slot], None
+        self._free = list(range(live, self.batch_size))  # already a heap
+        self._top = live
+        self.stats.packed_rows += len(holes)
 
     def _sync(self) -> None:
         """The iteration's host copy: running rows and the longest cache rows (they size the next forwards)."""
@@ -342,6 +362,8 @@ class ContinuousBatcher:
         for result in results:
             self._in_slot[result.slot] = None
             heapq.heappush(self._free, result.slot)
+        while self._top and self._in_slot[self._top - 1] is None:
+            self._top -= 1
         return rows
 
     def _finished_row(self, result: SlotResult) -> FinishedRow:

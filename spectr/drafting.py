@@ -24,7 +24,7 @@ Draft-cache layout during an iteration (see spectr.kv_cache for the invariant): 
 `base + i` and advances the committed prefix, for the rows still running only.
 
 Rows of the pool: `reset` starts newly admitted rows (their last prompt token pending),
-`take` / `put` make a drafter of a subset of the rows (over a `RowView` of the cache) and
+`prefix` / `put_prefix` make a drafter of the rows [0, R) (over that prefix of the cache) and
 write its pending tokens back.
 
 Randomness: the caller passes the uniforms ([B, L, K] per iteration: slot i*K + k of the
@@ -162,16 +162,16 @@ class TreeDrafter:
         self.pending.index_copy_(0, rows, torch.stack([last_tokens, torch.zeros_like(last_tokens)], 1))
         self.num_pending.index_fill_(0, rows, 1)
 
-    def take(self, rows: torch.Tensor, cache) -> TreeDrafter:
-        """A drafter for the rows `rows` ([R] int64) only, over `cache` (a view of those rows)."""
+    def prefix(self, count: int, cache) -> TreeDrafter:
+        """A drafter for rows [0, count) only, over `cache` (their prefix of the draft cache)."""
         part = object.__new__(TreeDrafter)
         part.__dict__.update(self.__dict__)
         part.cache = cache
-        part.pending = self.pending.index_select(0, rows)  # [R, 2]
-        part.num_pending = self.num_pending.index_select(0, rows)  # [R]
+        part.pending = self.pending[:count]  # [R, 2] a view
+        part.num_pending = self.num_pending[:count]  # [R] a view
         return part
 
-    def put(self, rows: torch.Tensor, part: TreeDrafter) -> None:
-        """Write back the pending tokens of a drafter made by `take(rows, ...)`."""
-        self.pending.index_copy_(0, rows, part.pending)
-        self.num_pending.index_copy_(0, rows, part.num_pending)
+    def put_prefix(self, count: int, part: TreeDrafter) -> None:
+        """Write back the pending tokens of a drafter made by `prefix(count, ...)` (its commit rebinds them)."""
+        self.pending[:count] = part.pending
+        self.num_pending[:count] = part.num_pending

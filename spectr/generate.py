@@ -115,7 +115,7 @@ class Generation:
 
     def __init__(self, target, draft, prompts, *, method="spectr", num_drafts=4, draft_length=4,
                  max_new_tokens=64, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=None, seed=0,
-                 batch_size: int | None = None, gather_below: float | None = None):
+                 batch_size: int | None = None, pack_below: float | None = None):
         self.prompts = check_prompts(prompts)
         check_batch_size(batch_size)
         self.settings = Settings.from_arguments(
@@ -127,7 +127,7 @@ class Generation:
         self.batcher = ContinuousBatcher(
             target, draft, batch_size=max(1, min(batch_size or count, count)), max_length=longest,
             method=method, num_drafts=num_drafts, draft_length=draft_length, temperature=temperature, top_k=top_k,
-            top_p=top_p, eos_token_id=eos_token_id, gather_below=gather_below)
+            top_p=top_p, eos_token_id=eos_token_id, pack_below=pack_below)
         self.batcher.admit(self.prompts, max_new_tokens=list(self.settings.max_new_tokens),
                            seed=list(self.settings.seeds))
         self.target, self.draft = self.batcher.target, self.batcher.draft

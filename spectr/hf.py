@@ -114,6 +114,10 @@ class HFRowCache(Cache):
         """The buffer rows `rows` ([R] int64) of this cache as an HF cache of R rows (no copy)."""
         return HFRowCache(self.rows.view(rows))
 
+    def prefix(self, count: int) -> HFRowCache:
+        """Rows [0, count) of this cache as an HF cache of their own over the same storage (no copy)."""
+        return HFRowCache(self.rows.prefix(count))
+
 
 class HFCausalLM:
     """A Hugging Face causal LM as the engine sees it: vocabulary, device, positions, `forward`."""

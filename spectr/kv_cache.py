@@ -26,9 +26,12 @@ per forward, known without a device sync.
 
 Row subsets: `view(rows)` is the same cache seen through a `[R]` index of its rows
 (`RowView`): forwards write into those rows only and attend a gathered copy of their slots,
-`keep_path` and `advance` touch only them. The engine uses it to prefill newly admitted rows
-alone and to run an iteration on the live rows only when few are live. `select_rows` (one
-copy of the whole buffer) is kept for the planner's latency table; the engine no longer calls it.
+`keep_path` and `advance` touch only them; the engine prefills newly admitted rows that way.
+`prefix(R)` is rows [0, R) as a cache of its own over the same storage (views, no copy): an
+iteration runs on it when the slots above R are empty. `move_rows` copies a few rows' used
+slots into empty rows, which is how the engine packs the live rows into [0, R) when slots
+empty at the tail of a run. `select_rows` (one copy of the whole buffer into a new one) is
+kept for the planner's latency table; the engine does not call it.
 
 This module knows nothing about Hugging Face: `spectr.hf` adapts it to HF's cache API.
 """
@@ -171,6 +174,25 @@ class RowKVCache:
     def view(self, rows: torch.Tensor) -> RowView:
         """The rows `rows` ([R] int64) of this cache, as a cache of R rows (no copy)."""
         return RowView(self, rows)
+
+    def prefix(self, count: int) -> RowKVCache:
+        """Rows [0, count) as a cache of their own that shares this one's storage (views, no copy):
+        every in-place write (forwards, keep_path, advance) lands in this cache. Needs the buffer."""
+        part = object.__new__(RowKVCache)
+        part.__dict__.update(self.__dict__)
+        part.buffer = self.buffer[:, :, :count]  # [layers, 2, count, H, capacity, D]
+        part.lengths = self.lengths[:count]  # [count]
+        part._write_slots = part._write_index = part._write_rows = None
+        return part
+
+    def move_rows(self, source: torch.Tensor, dest: torch.Tensor, used_slots: int) -> None:
+        """Copy rows `source` to rows `dest` ([M] int64 each, disjoint): their lengths and their first
+        `used_slots` slots (a bound of every row's used slots; the rest is scratch), then empty the sources."""
+        self.lengths.index_copy_(0, dest, self.lengths.index_select(0, source))
+        if self.buffer is not None:
+            used = self.buffer[:, :, :, :, :used_slots]  # [layers, 2, B, H, used, D] a view
+            used.index_copy_(2, dest, used.index_select(2, source))
+        self.lengths.index_fill_(0, source, 0)
 
     def select_rows(self, row_indices: torch.Tensor) -> None:
         """Keep only rows `row_indices` ([B'] int64), in that order: one copy of the whole buffer."""

@@ -85,6 +85,11 @@ class Records:
         self.budget.index_copy_(0, slots, budgets)
         self.reason.index_fill_(0, slots, RUNNING)
 
+    def move(self, source: torch.Tensor, dest: torch.Tensor) -> None:
+        """Rows in slots `source` move to the empty slots `dest` ([M] int64 each)."""
+        for tensor in (self.tokens, self.budget, self.reason, *self._counters()):
+            tensor.index_copy_(0, dest, tensor.index_select(0, source))
+
     def record(self, slots: torch.Tensor, running: torch.Tensor, emitted: torch.Tensor, counts: torch.Tensor,
                error_flags: torch.Tensor) -> torch.Tensor:
         """One iteration of the rows in `slots`; returns [R] bool, the rows still running afterwards.

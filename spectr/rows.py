@@ -11,15 +11,16 @@ admission to its last token; then the slot is reset and the next prompt takes it
   random-stream key, iteration 0, running.
 
 `RowState` is also what one iteration works on: the whole pool (`slots` = 0..B-1), or
-`take(rows)`, the live rows only, as views of the same caches (no copy of the cache; a
-forward then attends a gathered copy of those rows' slots), written back with `put`.
+`prefix(R)`, the slots [0, R) when those above are empty, as views of the same state and
+caches (no copy), written back with `put_prefix`. `move` (with `RowKVCache.move_rows` and
+`Records.move`) packs live rows into empty lower slots, so that the prefix covers them.
 
 This module does not select tokens, hold outputs or decide when rows are admitted.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -61,7 +62,7 @@ class RowState:
     iteration: torch.Tensor  # [R] int64, the row's own iteration count
     target_cache: HFRowCache
     drafter: TreeDrafter | None
-    views: tuple | None = None  # (target, draft) HF caches over RowViews, reused by every `take`
+    prefixes: dict = field(default_factory=dict)  # count -> (target, draft) HF caches over rows [0, count)
 
     @classmethod
     def pool(cls, num_slots: int, target_cache: HFRowCache, drafter: TreeDrafter | None, device) -> RowState:
@@ -88,25 +89,31 @@ class RowState:
         if self.drafter is not None:
             self.drafter.reset(slots, last_tokens)
 
-    def take(self, rows: torch.Tensor) -> RowState:
-        """The rows `rows` ([R] int64) of the pool: gathered state, views of the caches."""
-        if self.views is None:  # built once: an HF cache has one object per layer
-            draft_view = None if self.drafter is None else self.drafter.cache.view(rows)
-            self.views = (self.target_cache.view(rows), draft_view)
-        target_cache, draft_cache = self.views
-        for cache in self.views:
-            if cache is not None:
-                cache.rows.rows = rows
-        drafter = None if self.drafter is None else self.drafter.take(rows, draft_cache)
-        return RowState(slots=self.slots.index_select(0, rows), running=self.running.index_select(0, rows),
-                        pending=self.pending.index_select(0, rows), keys=self.keys.index_select(0, rows),
-                        iteration=self.iteration.index_select(0, rows), target_cache=target_cache,
+    def prefix(self, count: int) -> RowState:
+        """Rows [0, count) of the pool: views of its state and caches (no copy); `put_prefix` after."""
+        if count not in self.prefixes:  # built once per count: an HF cache has one object per layer
+            draft = None if self.drafter is None else self.drafter.cache.prefix(count)
+            self.prefixes[count] = (self.target_cache.prefix(count), draft)
+        target_cache, draft_cache = self.prefixes[count]
+        drafter = None if self.drafter is None else self.drafter.prefix(count, draft_cache)
+        return RowState(slots=self.slots[:count], running=self.running[:count], pending=self.pending[:count],
+                        keys=self.keys[:count], iteration=self.iteration[:count], target_cache=target_cache,
                         drafter=drafter)
 
-    def put(self, rows: torch.Tensor, part: RowState) -> None:
-        """Write back what an iteration changed in `part = take(rows)` (the caches are shared)."""
-        self.running.index_copy_(0, rows, part.running)
-        self.pending.index_copy_(0, rows, part.pending)
-        self.iteration.index_copy_(0, rows, part.iteration)
+    def put_prefix(self, count: int, part: RowState) -> None:
+        """Write back what an iteration rebound in `part = prefix(count)` (the caches are shared)."""
+        self.running[:count] = part.running
+        self.pending[:count] = part.pending
+        self.iteration[:count] = part.iteration
         if self.drafter is not None:
-            self.drafter.put(rows, part.drafter)
+            self.drafter.put_prefix(count, part.drafter)
+
+    def move(self, source: torch.Tensor, dest: torch.Tensor) -> None:
+        """Rows `source` take the empty slots `dest` ([M] int64 each); the sources are left empty (the
+        caches move with `RowKVCache.move_rows`, the records with `Records.move`)."""
+        tensors = [self.running, self.pending, self.keys, self.iteration]
+        if self.drafter is not None:
+            tensors += [self.drafter.pending, self.drafter.num_pending]
+        for tensor in tensors:
+            tensor.index_copy_(0, dest, tensor.index_select(0, source))
+        self.running.index_fill_(0, source, False)

@@ -22,7 +22,9 @@ Definitions:
   target call) of the row's own tree nodes (root included), so tree_nodes / total_target_calls
   is the mean tree size (1 + K*L when no drafts share a prefix, L + 1 when all coincide);
   admissions: how often waiting prompts were prefilled into free slots (one prefill each);
-  gathered_iterations: iterations run on the live rows only (gathered, when few were live).
+  narrow_iterations: iterations run on fewer slots than the pool has (the slots above the
+  highest occupied one are skipped); packed_rows: rows moved into empty lower slots (one copy
+  of the row's used cache slots each), so that the iterations cover the live rows only.
 - seconds: wall time split into draft forwards, target forwards, selection (warps, sampling,
   draft selection) and everything else. On CUDA the phases are timed with CUDA events, so the
   loop needs no extra host syncs; on CPU with perf_counter.
@@ -58,7 +60,8 @@ class GenerationStats:
     verify_tokens: int = 0
     tree_nodes: int = 0
     admissions: int = 0
-    gathered_iterations: int = 0
+    narrow_iterations: int = 0
+    packed_rows: int = 0
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
     selection_seconds: float = 0.0
@@ -138,8 +141,9 @@ class GenerationStats:
             getattr(self, name).extend(getattr(other, name))
         for name in ("accepted_per_position", "tokens_per_call_histogram"):
             setattr(self, name, [a + b for a, b in zip(getattr(self, name), getattr(other, name))])
-        for name in ("tested_positions", "iterations", "verify_tokens", "tree_nodes", "admissions", "gathered_iterations",
-                     "draft_seconds", "target_seconds", "selection_seconds", "other_seconds", "wall_seconds"):
+        for name in ("tested_positions", "iterations", "verify_tokens", "tree_nodes", "admissions", "narrow_iterations",
+                     "packed_rows", "draft_seconds", "target_seconds", "selection_seconds", "other_seconds",
+                     "wall_seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
 

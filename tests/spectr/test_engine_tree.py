@@ -296,8 +296,8 @@ def test_non_finite_logits_end_only_that_row_with_an_error_naming_row_and_model(
     kwargs = dict(method=method, num_drafts=3, draft_length=3, max_new_tokens=24, seed=[1, 2, 3, 4])
     clean = spectr.generate(target, draft, PROMPTS, **kwargs)
     handle = _poison(target if poisoned == "target" else draft, row=2, after_calls=4)
-    try:  # no gathering of live rows, so that batch row 2 stays prompt 2 while the hook poisons it
-        out = run_generation(Generation(target, draft, PROMPTS, gather_below=0.0, **kwargs))
+    try:  # no packing of live rows, so that batch row 2 stays prompt 2 while the hook poisons it
+        out = run_generation(Generation(target, draft, PROMPTS, pack_below=0.0, **kwargs))
     finally:
         handle.remove()
     assert out.stats.finish_reason[2] == "error"

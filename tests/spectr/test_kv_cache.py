@@ -1,5 +1,5 @@
 """The per-row KV cache: unit behaviour (row views, resets), and caches == fresh full forwards after real
-iterations, with rows finishing, slots reset and refilled, and iterations on gathered live rows."""
+iterations, with rows finishing, slots reset and refilled, and live rows packed into emptied slots."""
 
 from __future__ import annotations
 
@@ -162,16 +162,17 @@ def test_caches_equal_fresh_full_forward_after_iterations(pair, method):
         assert len({len(s) - len(p) for s, p in zip(sequences, PROMPTS)}) > 1
 
 
-@pytest.mark.parametrize("gather_below", [0.0, 1.0], ids=["masked in place", "live rows gathered"])
+@pytest.mark.parametrize("pack_below", [0.0, 1.0], ids=["masked in place", "live rows packed"])
 @pytest.mark.parametrize("method", ["autoregressive", "spectr"])
-def test_slots_are_reset_and_refilled_and_every_running_row_stays_consistent(pair, method, gather_below):
+def test_slots_are_reset_and_refilled_and_every_running_row_stays_consistent(pair, method, pack_below):
     """Six prompts through 3 slots: rows finish, their slots take the next prompts (a slot's stale
-    entries stay behind, masked), and after every iteration each running row's caches are exact."""
+    entries stay behind, masked) or, at the tail, the live rows move down into them; after every
+    iteration each running row's caches are exact."""
     target, draft = pair
     prompts = PROMPTS + [[2, 4, 6, 8, 10, 12, 14], [9, 9]]
     budgets = [6, 9, 30, 12, 5, 20]
     generation = Generation(target, draft, prompts, method=method, num_drafts=2, draft_length=3,
-                            max_new_tokens=budgets, seed=[1, 2, 3, 4, 5, 6], batch_size=3, gather_below=gather_below)
+                            max_new_tokens=budgets, seed=[1, 2, 3, 4, 5, 6], batch_size=3, pack_below=pack_below)
     buffer = None
     with torch.inference_mode():
         generation.start()
@@ -185,18 +186,33 @@ def test_slots_are_reset_and_refilled_and_every_running_row_stays_consistent(pai
     assert [len(t) for t in generation.tokens] == budgets
     assert generation.stats.finish_reason == ["length"] * 6
     assert generation.stats.admissions >= 3
-    assert (generation.stats.gathered_iterations > 0) == (gather_below == 1.0)
+    assert (generation.stats.packed_rows > 0) == (pack_below == 1.0)
 
 
-def test_gathering_live_rows_does_not_change_the_output(pair):
+def test_packing_live_rows_does_not_change_the_output(pair):
     target, draft = pair
     outputs = []
-    for gather_below in (0.0, 0.5, 1.0):
+    for pack_below in (0.0, 0.5, 1.0):
         out = run(Generation(target, draft, PROMPTS, method="spectr", num_drafts=2, draft_length=3,
-                             max_new_tokens=[6, 9, 40, 25], seed=[1, 2, 3, 4], gather_below=gather_below))
-        outputs.append((out.tokens, out.stats.target_calls, out.stats.gathered_iterations))
+                             max_new_tokens=[6, 9, 40, 25], seed=[1, 2, 3, 4], pack_below=pack_below))
+        outputs.append((out.tokens, out.stats.target_calls, out.stats.packed_rows, out.stats.narrow_iterations))
     assert outputs[0][:2] == outputs[1][:2] == outputs[2][:2]
-    assert outputs[0][2] == 0 < outputs[1][2] < outputs[2][2]
+    assert outputs[0][2] == 0 < outputs[1][2] <= outputs[2][2]  # rows 0 and 1 finish first: 2 then 1 live
+    assert outputs[2][3] > outputs[0][3] > 0  # slots above the top row are skipped even without packing
+
+
+def test_move_rows_copies_used_slots_and_empties_the_sources():
+    cache = RowKVCache(num_layers=1, batch_size=4, capacity=6, device="cpu")
+    values = torch.arange(4.0)[:, None, None, None].expand(4, 1, 6, 1) + 1  # [B, H, S, D]: row b holds b + 1
+    cache.begin_forward(torch.arange(6).expand(4, 6), view_length=6)
+    cache.write(0, values, values)
+    cache.lengths = torch.tensor([0, 3, 0, 4])
+    cache.move_rows(torch.tensor([3]), torch.tensor([0]), used_slots=4)
+    assert cache.lengths.tolist() == [4, 3, 0, 0]
+    assert cache.buffer[0, 0, 0, 0, :, 0].tolist() == [4, 4, 4, 4, 1, 1]  # used slots moved, scratch untouched
+    prefix = cache.prefix(2)
+    prefix.advance(torch.tensor([1, 1]))
+    assert cache.lengths.tolist() == [5, 4, 0, 0] and prefix.buffer.data_ptr() == cache.buffer.data_ptr()
 
 
 def run(generation):
