@@ -56,7 +56,11 @@ from spectr.tree import verify_layout
 DEFAULT_COMPACT_FRACTION = {"cpu": 0.0, "cuda": 0.5}
 
 
+AUTO = "auto"
+
+
 def known_methods() -> list[str]:
+    """The concrete methods (`method="auto"` picks one of them)."""
     return [AUTOREGRESSIVE, *sorted(TOKEN_SELECTORS)]
 
 
@@ -88,7 +92,9 @@ def generate(
 
     target, draft: Hugging Face causal LMs sharing a vocabulary (`draft` may be None for
     "autoregressive"). prompts: list of token-id lists. method: "autoregressive",
-    "speculative" (one draft: num_drafts is taken as 1), "spectr" or "specinfer".
+    "speculative" (one draft: num_drafts is taken as 1), "spectr", "specinfer", or "auto" (the
+    planner measures this pair on this device and picks the fastest of the exact methods, with K <=
+    num_drafts and L <= draft_length; `stats.plan` says what it chose).
     max_new_tokens: an int or one int per prompt. eos_token_id: None, an int or a list of ints.
     top_k=0 / top_p=1.0 mean no truncation; temperature=0 is greedy (and drafts one path:
     K identical argmax drafts would add nothing). seed: an int (row i uses seed + i) or one
@@ -96,6 +102,12 @@ def generate(
     settings. batch_size: rows in flight; None = all prompts at once, else consecutive groups
     of batch_size prompts (a finished row's slot is not refilled yet; the output is the same).
     """
+    if method == AUTO:  # the planner picks an exact method, K <= num_drafts and L <= draft_length
+        from spectr.planner.auto import generate_auto
+
+        return generate_auto(target, draft, prompts, num_drafts=num_drafts, draft_length=draft_length,
+                             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                             eos_token_id=eos_token_id, seed=seed, batch_size=batch_size)
     checked = check_prompts(prompts)
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
         raise ValueError(f"batch_size must be None or an int >= 1, got {batch_size!r}")

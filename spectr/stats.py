@@ -57,6 +57,7 @@ class GenerationStats:
     verify_tokens: int = 0
     tree_nodes: int = 0
     compactions: int = 0
+    plan: str = ""  # method="auto": what the planner chose and predicted
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
     selection_seconds: float = 0.0
