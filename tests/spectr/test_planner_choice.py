@@ -186,8 +186,9 @@ def test_auto_planner_on_real_models_chooses_a_bounded_exact_candidate():
 
 
 def test_generate_auto_uses_the_planners_choice_and_says_so():
-    import spectr
     from hf_tiny import tiny_model
+
+    import spectr
 
     target, draft = tiny_model(seed=0), tiny_model(seed=0, num_layers=1)
     prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10]]
