@@ -7,8 +7,8 @@ Each iteration has four phases for every row of the batch:
 2) verify  - one target forward over the tree of every row: the last committed token, then
              one token per unique tree node, after the row's cached prefix (4D mask + explicit
              position ids), padded to the widest tree of the batch;
-3) select  - `spectr.sequence.select_tree` (SpecTr, SpecInfer or speculative sampling), on
-             the node's own p and q;
+3) select  - `spectr.sequence.select_tree` (SpecTr, SpecInfer, speculative sampling, or block
+             verification), on the node's own p and q;
 4) commit  - both KV caches keep only the accepted path (`keep_path`, one gather and one
              scatter per cache), rows advance by different amounts, and `spectr.records`
              appends the emitted tokens and marks rows that finished.
@@ -44,15 +44,18 @@ from spectr.hf import HFCausalLM
 from spectr.kv_cache import tree_attention
 from spectr.records import DRAFT_NONFINITE, TARGET_NONFINITE, Records
 from spectr.rng import IterationSlots, counter_uniforms, row_keys, sample_categorical
-from spectr.selection import TOKEN_SELECTORS
-from spectr.sequence import select_tree
+from spectr.sequence import select_tree, sequence_methods
 from spectr.settings import AUTOREGRESSIVE, Settings, check_prompts, check_prompts_fit
 from spectr.stats import GenerationStats, PhaseTimer
 from spectr.tree import verify_layout
 
-# Compact the batch once this fraction of its rows has finished. On the CPU a finished row
-# costs as much per iteration as a running one and the copy is cheap; on accelerators at
-# large batch the copy dominates (see README, "Engine benchmark").
+# Compact the batch once this fraction of its rows has finished (0: at every finished row).
+# On the CPU a finished row costs about as much per iteration as a running one and the copy
+# is cheap: measured with scripts/bench_engine.py (embedded pair, spectr K=4 L=4, B=16, EOS
+# on, 8 interleaved rounds) at 146 / 134 / 114 tokens per CPU second for 0 / 0.5 / 1. On
+# CUDA a copy of every cache is expensive at large batch and a masked row is cheap while the
+# forward is memory-bound, so rows are kept until half the batch has finished (not measured
+# on a GPU yet).
 DEFAULT_COMPACT_FRACTION = {"cpu": 0.0, "cuda": 0.5}
 
 
@@ -61,7 +64,7 @@ AUTO = "auto"
 
 def known_methods() -> list[str]:
     """The concrete methods (`method="auto"` picks one of them)."""
-    return [AUTOREGRESSIVE, *sorted(TOKEN_SELECTORS)]
+    return [AUTOREGRESSIVE, *sequence_methods()]
 
 
 @dataclass
@@ -92,9 +95,10 @@ def generate(
 
     target, draft: Hugging Face causal LMs sharing a vocabulary (`draft` may be None for
     "autoregressive"). prompts: list of token-id lists. method: "autoregressive",
-    "speculative" (one draft: num_drafts is taken as 1), "spectr", "specinfer", or "auto" (the
-    planner measures this pair on this device and picks the fastest of the exact methods, with K <=
-    num_drafts and L <= draft_length; `stats.plan` says what it chose).
+    "speculative" (one draft: num_drafts is taken as 1), "spectr", "specinfer", "block" (block
+    verification of one draft, num_drafts taken as 1), or "auto" (the planner measures this pair on
+    this device and picks the fastest of the exact methods, with K <= num_drafts and L <=
+    draft_length; `stats.plan` says what it chose).
     max_new_tokens: an int or one int per prompt. eos_token_id: None, an int or a list of ints.
     top_k=0 / top_p=1.0 mean no truncation; temperature=0 is greedy (and drafts one path:
     K identical argmax drafts would add nothing). seed: an int (row i uses seed + i) or one

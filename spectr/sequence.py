@@ -21,6 +21,9 @@ on no alive drafts, and its results are discarded), so the walk reads no device 
 the host. Each row uses exactly its own [L + 1, K + 1] block of uniforms per call, whatever
 it accepts, so a row's randomness never depends on the other rows.
 
+Block verification (`spectr.block`, method "block", K = 1) is a sequence-level rule of its
+own, registered in `SEQUENCE_RULES`; `select_tree` and `select_sequences` dispatch to it by name.
+
 Target distributions come either per draft (`[B, K, L + 1, V]`, `select_sequences`) or per
 tree node (`[B, M, V]` with a node map `[B, K, L + 1]`, `select_tree`); the walk is the same.
 
@@ -31,36 +34,32 @@ needs to commit: the tokens, their count, and a draft consistent with the accept
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
+from spectr.block import block_rule, block_stop_probabilities
+from spectr.outcome import PAD_TOKEN, SequenceSelection
 from spectr.rng import draw_uniforms, sample_categorical
-from spectr.selection import get_token_selector
+from spectr.selection import TOKEN_SELECTORS, get_token_selector
 from spectr.validation import check_probabilities, check_shape, check_token_ids, check_uniforms
 
-PAD_TOKEN = -1
+__all__ = ["PAD_TOKEN", "SEQUENCE_RULES", "SequenceSelection", "select_sequences", "select_sequences_with_uniforms",
+           "select_tree", "sequence_methods", "uniforms_shape"]
+
+# Sequence-level rules that are not a walk of a token-level rule; same signature as the walk
+# (draft_tokens, draft_probs, node_target_probs, node_of, uniforms) -> SequenceSelection.
+SEQUENCE_RULES = {"block": block_rule(block_stop_probabilities)}
+SINGLE_DRAFT_METHODS = ("speculative", "block")
 
 
-@dataclass
-class SequenceSelection:
-    """What one target call yields per prompt.
+def sequence_methods() -> list[str]:
+    """Every selection method by name: the walked token-level rules and the sequence-level ones."""
+    return sorted({*TOKEN_SELECTORS, *SEQUENCE_RULES})
 
-    tokens: [B, L + 1] int64, accepted draft tokens then one correction or bonus token;
-        positions >= num_tokens hold PAD_TOKEN (-1).
-    num_tokens: [B] int64 in 1..L+1.
-    num_accepted: [B] int64 = num_tokens - 1, the accepted draft tokens.
-    draft_index: [B] int64, a draft whose first num_accepted tokens equal the accepted ones
-        (its KV cache can be committed).
-    accepted_per_position: [L] int64, how many rows accepted a draft token at position i.
-    """
 
-    tokens: torch.Tensor
-    num_tokens: torch.Tensor
-    num_accepted: torch.Tensor
-    draft_index: torch.Tensor
-    accepted_per_position: torch.Tensor
-
+def _check_method(method: str) -> None:
+    if method not in SEQUENCE_RULES:
+        get_token_selector(method)
 
 def uniforms_shape(num_drafts: int, draft_length: int) -> tuple[int, int]:
     """Per-row uniforms of one call: row i (< L) decides position i, row L the bonus token."""
@@ -78,7 +77,7 @@ def select_sequences(
 ) -> SequenceSelection:
     """Sequence-level selection for a batch of draft sets; see the module docstring."""
     if validate:
-        get_token_selector(method)
+        _check_method(method)
         _check_sequence_inputs(draft_tokens, draft_probs, target_probs, method)
     if len(generators) != draft_tokens.shape[0]:
         raise ValueError(
@@ -102,7 +101,7 @@ def select_sequences_with_uniforms(
 ) -> SequenceSelection:
     """`select_sequences` with the uniforms given instead of drawn (for tests and replays)."""
     if validate:
-        get_token_selector(method)
+        _check_method(method)
         _check_sequence_inputs(draft_tokens, draft_probs, target_probs, method)
         batch_size, num_drafts, draft_length = draft_tokens.shape
         check_shape(
@@ -126,7 +125,10 @@ def select_tree(
     *,
     method: str = "spectr",
 ) -> SequenceSelection:
-    """The masked walk over all L positions (unchecked: the engine's hot path)."""
+    """One call's selection on a tree (unchecked: the engine's hot path): a sequence-level rule
+    (`SEQUENCE_RULES`, e.g. block verification) or the masked walk of a token-level rule."""
+    if method in SEQUENCE_RULES:
+        return SEQUENCE_RULES[method](draft_tokens, draft_probs, node_target_probs, node_of, uniforms)
     selector = get_token_selector(method)
     batch_size, num_drafts, draft_length = draft_tokens.shape
     device = draft_tokens.device
@@ -178,8 +180,8 @@ def _check_sequence_inputs(draft_tokens, draft_probs, target_probs, method) -> N
         raise ValueError(f"draft_tokens must hold K >= 1 drafts per row, got K = {num_drafts}")
     if draft_length < 1:
         raise ValueError(f"draft_tokens must hold drafts of length L >= 1, got L = {draft_length}")
-    if method == "speculative" and num_drafts != 1:
-        raise ValueError(f"method 'speculative' needs K = 1 draft per row, got K = {num_drafts}")
+    if method in SINGLE_DRAFT_METHODS and num_drafts != 1:
+        raise ValueError(f"method {method!r} needs K = 1 draft per row, got K = {num_drafts}")
     if not isinstance(draft_probs, torch.Tensor) or draft_probs.dim() != 4:
         raise ValueError(
             f"draft_probs must be a [B, K, L, V] tensor, got {getattr(draft_probs, 'shape', type(draft_probs))}"

@@ -60,7 +60,7 @@ def auto_planner(
     if not prompts:
         raise ValueError("auto_planner needs at least one prompt to measure the pair's acceptance")
     greedy = warp.temperature == 0
-    candidates = default_candidates(methods=("speculative",) if greedy else ("speculative", "spectr", "specinfer"))
+    candidates = default_candidates(methods=("speculative",) if greedy else ("speculative", "block", "spectr", "specinfer"))
     candidates = bounded(candidates, max_num_drafts, max_draft_length)
     target_lm, draft_lm = HFCausalLM(target, role="target"), HFCausalLM(draft, role="draft")
     context = max(len(p) for p in prompts)

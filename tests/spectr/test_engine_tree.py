@@ -16,7 +16,7 @@ from spectr.generate import Generation
 from spectr.rng import counter_uniforms, sample_categorical
 from spectr.tree import compact_nodes, prefix_leaders, verify_layout
 
-METHODS = ["autoregressive", "speculative", "spectr", "specinfer"]
+METHODS = ["autoregressive", "speculative", "spectr", "specinfer", "block"]
 PROMPTS = [[3, 17, 42, 8, 1], [9], [5, 6, 7, 8, 9, 10, 11, 12, 13], [60, 2]]
 
 

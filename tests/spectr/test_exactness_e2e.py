@@ -14,7 +14,9 @@ output is the bf16 model's law; the skip-residual control is rejected there too.
 Negative controls, which the same test must reject:
 - a selection rule that skips the residual (a rejected draft is replaced by a fresh sample
   from q instead of norm(max(0, q - p))), injected through the method registry;
-- a commit that forgets to gather the accepted path in the KV caches (keep_path no-op).
+- a commit that forgets to gather the accepted path in the KV caches (keep_path no-op);
+- block verification with h_i = w_i at every i (token verification's stopping with block
+  residuals), registered as a sequence-level rule.
 
 The default suite runs a representative subset; the full grid (every method, K in {1, 3},
 L in {1, 2, 4}, with and without temperature/top-k/top-p) is marked slow.
@@ -31,8 +33,10 @@ from scipy.stats import chi2
 
 import spectr
 import spectr.selection as selection
+from spectr.block import block_rule
 from spectr.kv_cache import RowKVCache
 from spectr.rng import sample_categorical
+from spectr.sequence import SEQUENCE_RULES
 from spectr.warps import SamplingWarp
 
 VOCAB = 8
@@ -121,10 +125,11 @@ DEFAULT_CASES = [
     ("spectr", 3, 1, "plain"),
     ("spectr", 3, 4, "warped"),
     ("specinfer", 3, 2, "warped"),
+    ("block", 1, 3, "warped"),
 ]
 FULL_GRID = [
     (method, k, length, warp)
-    for method, ks in (("speculative", (1,)), ("spectr", (1, 3)), ("specinfer", (1, 3)))
+    for method, ks in (("speculative", (1,)), ("spectr", (1, 3)), ("specinfer", (1, 3)), ("block", (1,)))
     for k in ks
     for length in (1, 2, 4)
     for warp in WARPS
@@ -159,6 +164,13 @@ def _skip_residual(draft_tokens, alive, draft_probs, target_probs, uniforms):
 def test_negative_control_skipping_the_residual_is_rejected(pair, exact_laws, monkeypatch, warp):
     monkeypatch.setitem(selection.TOKEN_SELECTORS, "skip_residual", _skip_residual)
     out = run(pair, "skip_residual", 1, 2, warp, 6000)
+    assert chi_square_pvalue(out.tokens, exact_laws[warp]) < REJECT_P
+
+
+@pytest.mark.parametrize("warp", ["plain", "warped"])
+def test_negative_control_block_with_token_stops_is_rejected(pair, exact_laws, monkeypatch, warp):
+    monkeypatch.setitem(SEQUENCE_RULES, "block_token_stops", block_rule(lambda weights, excess: weights))
+    out = run(pair, "block_token_stops", 1, 3, warp, 6000)
     assert chi_square_pvalue(out.tokens, exact_laws[warp]) < REJECT_P
 
 

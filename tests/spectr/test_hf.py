@@ -12,7 +12,7 @@ from spectr.hf import HFCausalLM
 from spectr.kv_cache import tree_attention
 
 PROMPTS = [[3, 17, 42, 8, 1], [9], [5, 6, 7, 8, 9, 10, 11, 12, 13]]
-METHODS = ["autoregressive", "speculative", "spectr", "specinfer"]
+METHODS = ["autoregressive", "speculative", "spectr", "specinfer", "block"]
 
 
 @pytest.fixture(scope="module", params=ARCHITECTURES)
