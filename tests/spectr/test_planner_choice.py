@@ -33,7 +33,7 @@ def synthetic_table(target_seconds, draft_seconds, batches=(1, 8), overhead=1e-5
         for length in (0, 8):
             table.add(COMMIT, b, (length,), overhead)
         table.add(f"{SELECTION}_autoregressive", b, (0,), overhead * b)
-        for method in ("speculative", "spectr", "specinfer"):
+        for method in ("speculative", "block", "spectr", "specinfer"):
             for nodes in (1, 64):
                 table.add(f"{SELECTION}_{method}", b, (nodes,), overhead * b * nodes)
     return table
