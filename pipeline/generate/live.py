@@ -134,6 +134,10 @@ class LiveMetrics:
                 log.warning("live MLflow metrics failed (%s: %s); the job goes on", type(err).__name__, err)
                 self._warned = True
 
+    def flush(self) -> None:
+        """Wait until every point submitted so far was sent (or failed)."""
+        self._background.submit(lambda: None).result()
+
     def stop(self) -> None:
         """Send what is pending (worker usage) and wait for the background thread."""
         usage = self._usage_metrics()
