@@ -29,7 +29,7 @@ from pipeline.errors import JobInputError
 from pipeline.generate.config import from_dict, from_omegaconf
 from pipeline.generate.job import JobReport, run_generate
 from pipeline.generate.summary import format_report
-from pipeline.generate.sweep import cell_output_dir, read_sweep
+from pipeline.generate.sweep import cell_output_dir, cell_run_name, read_sweep
 
 log = logging.getLogger("pipeline")
 
@@ -40,18 +40,20 @@ def generate(cfg: DictConfig) -> JobReport:
 
 
 def sweep_cell_config(cfg: DictConfig, sweep_dir: str) -> dict[str, Any]:
-    """A cell's config: its run nested under the sweep's parent run, and with an explicit `output_dir`,
-    a subfolder per cell named by its swept values."""
+    """A cell's config: its run nested under the sweep's parent run and named by the cell's swept values,
+    and with an explicit `output_dir`, a subfolder per cell named the same way."""
     raw = resolved_container(cfg)
     sweep = read_sweep(sweep_dir)
     if sweep is None:
         return raw
+    task = dict(item.split("=", 1) for item in HydraConfig.get().overrides.task if "=" in item)
     mlflow = raw.setdefault("mlflow", {})
     if sweep.run_id and not mlflow.get("parent_run_id"):
         mlflow["parent_run_id"] = sweep.run_id
+    if not mlflow.get("run_name"):
+        mlflow["run_name"] = cell_run_name(task, sweep.swept_keys)
     if raw.get("output_dir"):
-        task = [item.split("=", 1) for item in HydraConfig.get().overrides.task if "=" in item]
-        raw["output_dir"] = cell_output_dir(raw["output_dir"], dict(task), sweep.swept_keys)
+        raw["output_dir"] = cell_output_dir(raw["output_dir"], task, sweep.swept_keys)
     return raw
 
 

@@ -46,6 +46,13 @@ def ui_command(tracking_uri: str) -> str:
     return f"mlflow ui --backend-store-uri {tracking_uri}"
 
 
+def run_page(tracking_uri: str, experiment_id: str | None, run_id: str | None) -> str:
+    """The run's page in the MLflow UI, in its model-training pages (MLflow 3's `workflowType`): on the
+    server itself, or where `mlflow ui` serves a local store by default."""
+    base = tracking_uri.rstrip("/") if tracking_uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
+    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"
+
+
 def check_reachable(config: MlflowConfig) -> None:
     """Fail fast (before any actor starts) when a configured tracking server does not answer."""
     if not config.enabled:
@@ -226,6 +233,7 @@ class MlflowRun:
         return [
             ("mlflow run", f"{self.run_id} in experiment '{self.experiment}' at {self.tracking_uri}"),
             ("mlflow ui", ui_command(self.tracking_uri)),
+            ("run page", run_page(self.tracking_uri, self.experiment_id, self.run_id)),
         ]
 
 

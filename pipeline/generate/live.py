@@ -6,11 +6,12 @@
     live.stop()                                   # flush; the final point is `MlflowTracker.finish`'s
 
 Each point holds the contract metrics `throughput_tokens_per_s`, `block_efficiency`, `acceptance_rate`,
-`prompts_completed`, `generated_tokens` and `acceptance_at_position_<i>`, for the whole job so far (a
-resumed job's earlier shards included), computed by `pipeline.generate.summary.progress_metrics`, the
-function the final values come from. A point is logged at most every `mlflow.log_every_s` seconds (<= 30):
-when a shard arrives, and while the driver waits, so a chart moves even when shards are long (the step then
-repeats; MLflow's wall-time axis shows the pace). Each worker's resource usage (`pipeline.generate.stats.
+`prompts_completed`, `generated_tokens`, and `target_calls`, `prompts_failed`, `acceptance_at_position_<i>`,
+for the whole job so far (a resumed job's earlier shards included), computed by
+`pipeline.generate.summary.progress_metrics`, the function the final values come from. A point is logged
+when a shard arrives, at most every `mlflow.log_every_s` seconds, and, while no shard arrives, every
+`HEARTBEAT_S` (30 s), so a chart moves even when shards are long (the step then repeats: MLflow's
+wall-time axis shows the pace). The first point comes with this run's first shard. Each worker's resource usage (`pipeline.generate.stats.
 ResourceMeter`) goes with the next point as `system/worker_<n>/<name>`, the peak over the interval.
 The MLflow calls run on one background thread, so a slow tracking server never holds up generation; a
 failed call is logged as a warning and the job goes on.
@@ -31,6 +32,8 @@ from pipeline.generate.stats import merge_stats
 from pipeline.generate.summary import progress_metrics, total_stats
 
 log = logging.getLogger("pipeline")
+
+HEARTBEAT_S = 30.0  # a point at least this often, shard or not
 
 
 def worker_key(worker: dict[str, Any]) -> str:
@@ -59,6 +62,7 @@ class LiveMetrics:
         started: float,
         checkpoint: Callable[[float], None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        heartbeat_s: float = HEARTBEAT_S,
     ):
         """log_metrics: takes a list of `mlflow.entities.Metric` (run on the background thread);
         started: the `clock()` time generation started; checkpoint(generation seconds so far): called
@@ -69,6 +73,7 @@ class LiveMetrics:
         self.earlier_generation_s = earlier_generation_s
         self.num_prompts = num_prompts
         self.every_s = every_s
+        self.heartbeat_s = max(heartbeat_s, every_s)
         self.started = started
         self.checkpoint = checkpoint
         self.clock = clock
@@ -87,13 +92,16 @@ class LiveMetrics:
             self.pending_usage[number] = merge_usage(self.pending_usage.get(number, {}), stats["resources"])
         if self.checkpoint is not None:
             self.checkpoint(self.clock() - self.started)
-        self.tick()
+        self._log_if(self.every_s)
 
     def tick(self) -> None:
-        """Log a point when `every_s` has passed since the last one."""
+        """While the driver waits: a point when `heartbeat_s` passed without one."""
+        self._log_if(self.heartbeat_s)
+
+    def _log_if(self, interval_s: float) -> None:
         now = self.clock()
-        if now - self.last_logged < self.every_s:
-            return
+        if now - self.last_logged < interval_s or not self.this_run["prompts_completed"] + self.this_run["prompts_failed"]:
+            return  # too soon, or nothing of this run yet (no point at step 0 with zeros)
         self.last_logged = now
         done = self.total["prompts_completed"] + self.total["prompts_failed"]
         # the point at the end of the job is the final one (MlflowTracker.finish), not a live one

@@ -42,7 +42,8 @@ def acceptance_by_position(accepted_per_position: list[int], target_calls: int) 
 def progress_metrics(
     total: dict[str, Any], this_run: dict[str, Any], generation_s: float, earlier_generation_s: float | None
 ) -> dict[str, float]:
-    """The live metrics and `acceptance_at_position_<i>` from summed stats (`total_stats`).
+    """The live metrics (`LIVE_METRICS`, `target_calls`, `prompts_failed`, `acceptance_at_position_<i>`)
+    from summed stats (`total_stats`).
 
     total: every finished shard of the job; this_run: the shards this run generated; generation_s: this
     run's generation time so far; earlier_generation_s: the earlier runs' (None: unknown, and then the
@@ -59,6 +60,8 @@ def progress_metrics(
         "acceptance_rate": sum(total["accepted_per_position"]) / tested if tested else 0.0,
         "prompts_completed": float(total["prompts_completed"]),
         "generated_tokens": float(total["generated_tokens"]),
+        "target_calls": float(total["target_calls"]),
+        "prompts_failed": float(total["prompts_failed"]),
     }
     for i, rate in enumerate(acceptance_by_position(total["accepted_per_position"], total["target_calls"])):
         values[f"acceptance_at_position_{i + 1}"] = rate

@@ -8,7 +8,8 @@ them together, without Hydra (the Hydra callback that drives it is `jobs.sweep`)
   interrupted). Its id goes into `<sweep dir>/_mlflow_sweep.json`, which each cell reads
   (`read_sweep`) to nest its run under it.
 - `cell_output_dir`: with an explicit `output_dir`, each cell writes into a subfolder named by its swept
-  values (with `output_dir=null` each cell already gets its own `runs/generate-<config hash>`).
+  values (with `output_dir=null` each cell already gets its own `runs/generate-<config hash>`);
+  `cell_run_name` names its run the same way (`num_drafts=2 draft_length=4`).
 
 Not here: running a cell (`pipeline.generate.job`), Hydra's sweep itself.
 """
@@ -60,6 +61,12 @@ def cell_name(cell_overrides: dict[str, str], swept_keys: list[str]) -> str:
     """A folder name from a cell's swept values: `spectr.num_drafts=2,spectr.draft_length=4`."""
     parts = [f"{key}={cell_overrides[key]}" for key in swept_keys if key in cell_overrides]
     return re.sub(r"[^A-Za-z0-9._=,+-]", "_", ",".join(parts)) or "cell"
+
+
+def cell_run_name(cell_overrides: dict[str, str], swept_keys: list[str]) -> str:
+    """A cell's MLflow run name from its swept values: `num_drafts=2 draft_length=4`."""
+    parts = [f"{key.rsplit('.', 1)[-1]}={cell_overrides[key]}" for key in swept_keys if key in cell_overrides]
+    return " ".join(parts)[:250] or "cell"
 
 
 def cell_output_dir(output_dir: str, cell_overrides: dict[str, str], swept_keys: list[str]) -> str:

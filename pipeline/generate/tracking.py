@@ -116,7 +116,8 @@ class MlflowTracker(MlflowRun):
         tags = {**tags, **job_tags(self.plan), "job_runs": str(self.record.invocations + 1)}
         previous = self._previous_run()
         if previous is None:
-            super().start(params, tags)
+            s = self.plan.config.spectr
+            super().start(params, tags, run_name=self.config.run_name or f"{s.method} K={s.num_drafts} L={s.draft_length}")
         else:
             if previous.info.status == "RUNNING":  # its job died without ending the run
                 log.warning("mlflow run %s was left RUNNING by a job that died: marked KILLED", previous.info.run_id)

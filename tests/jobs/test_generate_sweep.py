@@ -52,6 +52,7 @@ def test_two_cell_sweep_has_two_child_runs_under_one_parent(
     assert len(runs) == 3 and parent.info.status == "FINISHED"
     assert parent.data.params["spectr.num_drafts"] == "1,2" and parent.data.params["data.limit"] == "8"
     assert [r.data.params["spectr.num_drafts"] for r in children] == ["1", "2"]
+    assert [r.info.run_name for r in children] == ["num_drafts=1", "num_drafts=2"]
     assert [r.info.status for r in children] == ["FINISHED", "FINISHED"]
     dirs = [r.data.tags["output_dir"] for r in children]
     assert dirs == [str(out / "spectr.num_drafts=1"), str(out / "spectr.num_drafts=2")]

@@ -33,9 +33,10 @@ class Clock:
         return self.now
 
 
-def live_logger(sent: list, earlier=(), earlier_s=0.0, num_prompts=8, every_s=5.0, clock=None):
+def live_logger(sent: list, earlier=(), earlier_s=0.0, num_prompts=8, every_s=5.0, clock=None, heartbeat_s=30.0):
     clock = clock or Clock()
-    return LiveMetrics(sent.extend, list(earlier), earlier_s, num_prompts, every_s, started=clock(), clock=clock)
+    return LiveMetrics(sent.extend, list(earlier), earlier_s, num_prompts, every_s, started=clock(), clock=clock,
+                       heartbeat_s=heartbeat_s)  # fmt: skip
 
 
 def test_acceptance_by_position_is_conditional_on_reaching_the_position():
@@ -49,6 +50,9 @@ def test_live_points_are_rate_limited_and_stepped_by_prompts_completed():
     clock = Clock()
     live = live_logger(sent, clock=clock)
     clock.now += 1.0
+    live.tick()  # nothing of this run yet: no point at step 0
+    live.flush()
+    assert sent == []
     live.shard_written(shard(2, 20, 10, [8, 4], 14), {"host": "h", "pid": 1})
     live.flush()
     first = list(sent)  # the first shard is logged at once
@@ -56,7 +60,9 @@ def test_live_points_are_rate_limited_and_stepped_by_prompts_completed():
     live.tick()  # 1 s later: too soon
     live.shard_written(shard(2, 10, 5, [3, 1], 6), {"host": "h", "pid": 1})
     live.stop()
-    assert {m.key for m in first} == {*LIVE_METRICS, "acceptance_at_position_1", "acceptance_at_position_2"}
+    assert {m.key for m in first} == {
+        *LIVE_METRICS, "target_calls", "prompts_failed", "acceptance_at_position_1", "acceptance_at_position_2",
+    }  # fmt: skip
     values = {m.key: m.value for m in first}
     assert all(m.step == 2 for m in first) and values["prompts_completed"] == 2
     assert values["throughput_tokens_per_s"] == 20.0 and values["block_efficiency"] == 2.0
@@ -67,14 +73,16 @@ def test_live_points_are_rate_limited_and_stepped_by_prompts_completed():
 def test_live_heartbeat_repeats_the_step_and_the_end_is_left_to_the_final_point():
     sent: list = []
     clock = Clock()
-    live = live_logger(sent, num_prompts=4, every_s=5.0, clock=clock)
+    live = live_logger(sent, num_prompts=4, every_s=5.0, clock=clock, heartbeat_s=30.0)
     clock.now += 2.0
     live.shard_written(shard(2, 20, 10, [5], 10), None)
     clock.now += 6.0
-    live.tick()  # no new shard: a point at the same step, throughput over the longer time
+    live.tick()  # 6 s without a shard: no heartbeat yet
+    clock.now += 30.0
+    live.tick()  # 36 s: a point at the same step, throughput over the longer time
     live.flush()
     beats = [m for m in sent if m.key == "throughput_tokens_per_s"]
-    assert [m.step for m in beats] == [2, 2] and beats[0].value == 10.0 and beats[1].value == 2.5
+    assert [m.step for m in beats] == [2, 2] and beats[0].value == 10.0 and beats[1].value == 20 / 38
     clock.now += 6.0
     live.shard_written(shard(2, 20, 10, [5], 10), None)  # the job is complete: no live point
     live.stop()
