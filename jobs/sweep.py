@@ -47,7 +47,9 @@ class SweepCallback(Callback):
         self.ray: contextlib.ExitStack | None = None
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        mlflow = build_section(MlflowConfig, OmegaConf.to_container(config.mlflow, resolve=True), prefix="mlflow")
+        mlflow = build_section(
+            MlflowConfig, OmegaConf.to_container(config.mlflow, resolve=True), prefix="mlflow"
+        )
         check_mlflow(mlflow)
         overrides, swept = parse_overrides(list(config.hydra.overrides.task))
         self.sweep = SweepRun(mlflow, config.hydra.sweep.dir)

@@ -49,7 +49,11 @@ def ui_command(tracking_uri: str) -> str:
 def run_page(tracking_uri: str, experiment_id: str | None, run_id: str | None) -> str:
     """The run's page in the MLflow UI, in its model-training pages (MLflow 3's `workflowType`): on the
     server itself, or where `mlflow ui` serves a local store by default."""
-    base = tracking_uri.rstrip("/") if tracking_uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
+    base = (
+        tracking_uri.rstrip("/")
+        if tracking_uri.startswith(("http://", "https://"))
+        else "http://127.0.0.1:5000"
+    )
     return f"{base}/#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"
 
 
@@ -143,10 +147,14 @@ class MlflowRun:
         self.client.update_run(run_id, status="RUNNING")
         present = run.data.params
         changed = sorted(
-            key for key, value in flatten(params).items() if key in present and present[key] != param_value(value)
+            key
+            for key, value in flatten(params).items()
+            if key in present and present[key] != param_value(value)
         )
         if changed:
-            log.info("mlflow run %s keeps its first value of %s (params cannot change)", run_id, ", ".join(changed))
+            log.info(
+                "mlflow run %s keeps its first value of %s (params cannot change)", run_id, ", ".join(changed)
+            )
         self.log_params({key: value for key, value in flatten(params).items() if key not in present})
         tags = dict(tags)
         if self.config.parent_run_id:
@@ -159,7 +167,9 @@ class MlflowRun:
 
         items = [Param(key, param_value(value)) for key, value in sorted(flatten(params).items())]
         for start in range(0, len(items), PARAMS_PER_BATCH):
-            self.client.log_batch(self.run_id, params=items[start : start + PARAMS_PER_BATCH], synchronous=True)
+            self.client.log_batch(
+                self.run_id, params=items[start : start + PARAMS_PER_BATCH], synchronous=True
+            )
 
     def set_tags(self, tags: dict[str, Any]) -> None:
         from mlflow.entities import RunTag
@@ -190,7 +200,9 @@ class MlflowRun:
             source=json.dumps({"uri": uri}),
             profile=json.dumps({"num_rows": num_rows}),
         )
-        self.client.log_inputs(self.run_id, datasets=[DatasetInput(dataset, [InputTag("mlflow.data.context", context)])])
+        self.client.log_inputs(
+            self.run_id, datasets=[DatasetInput(dataset, [InputTag("mlflow.data.context", context)])]
+        )
 
     def start_system_metrics(self, interval_s: float, resume: bool = False) -> None:
         """MLflow's system-metrics monitor (CPU, memory, disk, network; GPUs when NVML is there) on this
@@ -199,7 +211,10 @@ class MlflowRun:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
             self._monitor = SystemMetricsMonitor(
-                self.run_id, sampling_interval=interval_s, resume_logging=resume, tracking_uri=self.tracking_uri
+                self.run_id,
+                sampling_interval=interval_s,
+                resume_logging=resume,
+                tracking_uri=self.tracking_uri,
             )
         except ImportError as err:
             log.warning("mlflow system metrics are off: %s", err)

@@ -1,4 +1,4 @@
-"""Screenshots of what a user sees in MLflow, for the README: a finished job's run page and a sweep's comparison.
+"""Screenshots of what a user sees in MLflow, for the README: a finished job's run page, a sweep's comparison.
 
     .venv/bin/python scripts/mlflow_screenshots.py                  # -> docs/images/mlflow_*.png
     .venv/bin/python scripts/mlflow_screenshots.py --tracking-uri http://127.0.0.1:5000 --skip-jobs
@@ -43,7 +43,10 @@ CHROMIUM_FLAGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
     "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars",
 ]  # fmt: skip
-HIDE_PLOTLY_TOOLBAR = "const s=document.createElement('style');s.textContent='.modebar-container{display:none!important}';document.head.appendChild(s);"
+HIDE_PLOTLY_TOOLBAR = (
+    "const s = document.createElement('style');"
+    "s.textContent = '.modebar-container{display:none!important}'; document.head.appendChild(s);"
+)
 
 
 def free_port() -> int:
@@ -57,8 +60,10 @@ def start_server(folder: Path) -> tuple[subprocess.Popen, str]:
     mlflow = str(Path(sys.executable).with_name("mlflow"))
     server = subprocess.Popen(
         [mlflow, "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-         "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}", "--artifacts-destination", str(folder / "artifacts")],
-        cwd=folder, start_new_session=True, stdout=subprocess.DEVNULL, stderr=open(folder / "server.log", "w"),
+         "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}",
+         "--artifacts-destination", str(folder / "artifacts")],
+        cwd=folder, start_new_session=True, stdout=subprocess.DEVNULL,
+        stderr=open(folder / "server.log", "w"),
     )  # fmt: skip
     uri = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
@@ -68,7 +73,9 @@ def start_server(folder: Path) -> tuple[subprocess.Popen, str]:
                 return server, uri
         except OSError:
             if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"mlflow server did not start: {(folder / 'server.log').read_text()[-2000:]}") from None
+                raise SystemExit(
+                    f"mlflow server did not start: {(folder / 'server.log').read_text()[-2000:]}"
+                ) from None
             time.sleep(0.5)
 
 
@@ -78,10 +85,13 @@ def run_jobs(uri: str, folder: Path) -> None:
     common = [f"mlflow.tracking_uri={uri}", "mlflow.log_every_s=2", "mlflow.system_metrics_interval_s=2",
               "progress=false", "shard_size=4"]  # fmt: skip
     job = [sys.executable, "-m", "jobs.generate", "data.limit=64", "spectr.max_new_tokens=48",
-           f"output_dir={folder / 'job'}", f"mlflow.experiment={JOB_EXPERIMENT}", "mlflow.run_name=demo", *common]  # fmt: skip
-    sweep = [sys.executable, "-m", "jobs.generate", "-m", "spectr.num_drafts=1,2,4", "spectr.draft_length=2,4",
+           f"output_dir={folder / 'job'}", f"mlflow.experiment={JOB_EXPERIMENT}", "mlflow.run_name=demo",
+           *common]  # fmt: skip
+    sweep = [sys.executable, "-m", "jobs.generate", "-m",
+             "spectr.num_drafts=1,2,4", "spectr.draft_length=2,4",
              "data.limit=24", "spectr.max_new_tokens=32", f"output_dir={folder / 'sweep'}",
-             f"mlflow.experiment={SWEEP_EXPERIMENT}", f"hydra.sweep.dir={folder / 'sweep-dir'}", *common]  # fmt: skip
+             f"mlflow.experiment={SWEEP_EXPERIMENT}", f"hydra.sweep.dir={folder / 'sweep-dir'}",
+             *common]  # fmt: skip
     for command in (job, sweep):
         print("$", " ".join(command[1:]), flush=True)
         subprocess.run(command, cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL)
@@ -95,7 +105,9 @@ def find_runs(uri: str) -> tuple[dict, dict]:
     job = client.get_experiment_by_name(JOB_EXPERIMENT)
     sweep = client.get_experiment_by_name(SWEEP_EXPERIMENT)
     if job is None or sweep is None:
-        raise SystemExit(f"no experiments {JOB_EXPERIMENT!r} / {SWEEP_EXPERIMENT!r} at {uri}: run without --skip-jobs")
+        raise SystemExit(
+            f"no experiments {JOB_EXPERIMENT!r} / {SWEEP_EXPERIMENT!r} at {uri}: run without --skip-jobs"
+        )
     (demo,) = client.search_runs([job.experiment_id], "attributes.run_name = 'demo'", max_results=1)
     (parent,) = client.search_runs([sweep.experiment_id], "tags.job = 'generate-sweep'", max_results=1)
     children = client.search_runs([sweep.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
@@ -128,7 +140,13 @@ class Page:
         self.session = aiohttp.ClientSession()
         self.ws = await self.session.ws_connect(target["webSocketDebuggerUrl"], max_msg_size=0)
         width, height = self.size
-        await self.send("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=False)
+        await self.send(
+            "Emulation.setDeviceMetricsOverride",
+            width=width,
+            height=height,
+            deviceScaleFactor=1,
+            mobile=False,
+        )
 
     async def send(self, method: str, **params) -> dict:
         self.calls += 1
@@ -141,7 +159,9 @@ class Page:
                 return message.get("result", {})
 
     async def js(self, expression: str):
-        result = await self.send("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
+        result = await self.send(
+            "Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True
+        )
         return result.get("result", {}).get("value")
 
     async def goto(self, url: str, wait_for: str, timeout_s: float = 60.0) -> None:
@@ -177,7 +197,9 @@ class Page:
 
     async def press(self, key: str, key_code: int) -> None:
         for kind in ("keyDown", "keyUp"):
-            await self.send("Input.dispatchKeyEvent", type=kind, key=key, code=key, windowsVirtualKeyCode=key_code)
+            await self.send(
+                "Input.dispatchKeyEvent", type=kind, key=key, code=key, windowsVirtualKeyCode=key_code
+            )
 
     async def choose(self, input_id: str, values: list[str]) -> None:
         """Pick `values` in one of the UI's searchable multi-selects (type, Enter), then close it."""
@@ -192,13 +214,18 @@ class Page:
 
 async def shoot_run(page: Page, uri: str, run, out: Path) -> None:
     base = f"{uri}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
-    await page.goto(f"{base}/model-metrics?workflowType=machine_learning", "document.querySelector('.js-plotly-plot')")
+    await page.goto(
+        f"{base}/model-metrics?workflowType=machine_learning", "document.querySelector('.js-plotly-plot')"
+    )
     await page.close_assistant()
     await page.type_into(
-        'input[placeholder="Search metric charts"]', "throughput|block_efficiency|acceptance_rate|prompts_completed"
+        'input[placeholder="Search metric charts"]',
+        "throughput|block_efficiency|acceptance_rate|prompts_completed",
     )
     await page.screenshot(out / "mlflow_run_page.png")
-    await page.goto(f"{base}/system-metrics?workflowType=machine_learning", "document.querySelector('.js-plotly-plot')")
+    await page.goto(
+        f"{base}/system-metrics?workflowType=machine_learning", "document.querySelector('.js-plotly-plot')"
+    )
     await page.close_assistant()
     await page.screenshot(out / "mlflow_run_system_metrics.png")
 

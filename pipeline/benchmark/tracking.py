@@ -8,7 +8,8 @@
   figures of the parent's slugged names), so MLflow's compare and parallel-coordinates views can plot
   them against K and L. A configuration that failed is a FAILED child with its error as a tag.
 
-`mlflow.enabled=false` turns it off (`NullTracker`). Not here: the MLflow client and run (`pipeline.tracking`).
+`mlflow.enabled=false` turns it off (`NullTracker`). Not here: the MLflow client and run
+(`pipeline.tracking`).
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def case_metrics(report, now: int) -> list:
 
 
 def case_params(case) -> dict[str, str]:
-    return {"method": case.method, "K": str(case.num_drafts), "L": str(case.draft_length), "batch": str(case.batch_size)}
+    c = case
+    return {"method": c.method, "K": str(c.num_drafts), "L": str(c.draft_length), "batch": str(c.batch_size)}
 
 
 def log_case_runs(run: MlflowRun, report, now: int) -> list[str]:

@@ -11,8 +11,8 @@ for the whole job so far (a resumed job's earlier shards included), computed by
 `pipeline.generate.summary.progress_metrics`, the function the final values come from. A point is logged
 when a shard arrives, at most every `mlflow.log_every_s` seconds, and, while no shard arrives, every
 `HEARTBEAT_S` (30 s), so a chart moves even when shards are long (the step then repeats: MLflow's
-wall-time axis shows the pace). The first point comes with this run's first shard. Each worker's resource usage (`pipeline.generate.stats.
-ResourceMeter`) goes with the next point as `system/worker_<n>/<name>`, the peak over the interval.
+wall-time axis shows the pace). The first point comes with this run's first shard. Each worker's
+resource usage (`pipeline.generate.stats.ResourceMeter`) goes with the next point as `system/worker_<n>/<name>`, the peak over the interval.
 The MLflow calls run on one background thread, so a slow tracking server never holds up generation; a
 failed call is logged as a warning and the job goes on.
 
@@ -100,7 +100,10 @@ class LiveMetrics:
 
     def _log_if(self, interval_s: float) -> None:
         now = self.clock()
-        if now - self.last_logged < interval_s or not self.this_run["prompts_completed"] + self.this_run["prompts_failed"]:
+        if (
+            now - self.last_logged < interval_s
+            or not self.this_run["prompts_completed"] + self.this_run["prompts_failed"]
+        ):
             return  # too soon, or nothing of this run yet (no point at step 0 with zeros)
         self.last_logged = now
         done = self.total["prompts_completed"] + self.total["prompts_failed"]

@@ -53,10 +53,10 @@ def progress_metrics(
         seconds, tokens = generation_s, this_run["generated_tokens"]
     else:
         seconds, tokens = earlier_generation_s + generation_s, total["generated_tokens"]
-    tested = total["tested_positions"]
+    tested, calls = total["tested_positions"], total["target_calls"]
     values = {
         "throughput_tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
-        "block_efficiency": total["generated_tokens"] / total["target_calls"] if total["target_calls"] else 0.0,
+        "block_efficiency": total["generated_tokens"] / calls if calls else 0.0,
         "acceptance_rate": sum(total["accepted_per_position"]) / tested if tested else 0.0,
         "prompts_completed": float(total["prompts_completed"]),
         "generated_tokens": float(total["generated_tokens"]),

@@ -117,10 +117,16 @@ class MlflowTracker(MlflowRun):
         previous = self._previous_run()
         if previous is None:
             s = self.plan.config.spectr
-            super().start(params, tags, run_name=self.config.run_name or f"{s.method} K={s.num_drafts} L={s.draft_length}")
+            super().start(
+                params,
+                tags,
+                run_name=self.config.run_name or f"{s.method} K={s.num_drafts} L={s.draft_length}",
+            )
         else:
             if previous.info.status == "RUNNING":  # its job died without ending the run
-                log.warning("mlflow run %s was left RUNNING by a job that died: marked KILLED", previous.info.run_id)
+                log.warning(
+                    "mlflow run %s was left RUNNING by a job that died: marked KILLED", previous.info.run_id
+                )
                 self.client.set_terminated(previous.info.run_id, status="KILLED")
             self.reopen(previous.info.run_id, params, {**tags, "resumed_from_status": previous.info.status})
             self.resumed_run = True
@@ -147,7 +153,9 @@ class MlflowTracker(MlflowRun):
         except MlflowException:
             log.warning("mlflow run %s of %s is gone; starting a new run", record.run_id, self.output_dir)
             return None
-        if run.info.lifecycle_stage != "active" or run.info.experiment_id != self.experiment_id_for(self.experiment):
+        if run.info.lifecycle_stage != "active" or run.info.experiment_id != self.experiment_id_for(
+            self.experiment
+        ):
             return None  # deleted, or the job now logs to another experiment
         return run
 

@@ -35,7 +35,8 @@ def mlflow_server(tmp_path_factory):
             "--backend-store-uri", f"sqlite:///{folder / 'server.db'}",
             "--artifacts-destination", str(folder / "artifacts"),
         ],
-        cwd=folder, start_new_session=True, stdout=subprocess.DEVNULL, stderr=open(folder / "server.log", "w"),
+        cwd=folder, start_new_session=True, stdout=subprocess.DEVNULL,
+        stderr=open(folder / "server.log", "w"),
     )  # fmt: skip
     uri = f"http://127.0.0.1:{port}"
     try:

@@ -1,4 +1,4 @@
-"""MLflow against a real tracking server: `mlflow server` on 127.0.0.1, everything read back with MlflowClient.
+"""MLflow against a real tracking server (`mlflow server` on 127.0.0.1), read back with MlflowClient.
 
 - A job with several shards: live time series (more than one point per contract metric, step = prompts
   completed, the last point equal to the final value), per-position acceptance, params and tags, the
@@ -31,7 +31,13 @@ from pipeline.generate.job import run_generate
 from pipeline.generate.reader import read_output
 
 REPO = Path(__file__).resolve().parents[2]
-LIVE = ("throughput_tokens_per_s", "block_efficiency", "acceptance_rate", "prompts_completed", "generated_tokens")
+LIVE = (
+    "throughput_tokens_per_s",
+    "block_efficiency",
+    "acceptance_rate",
+    "prompts_completed",
+    "generated_tokens",
+)
 
 
 def free_port() -> int:
@@ -54,7 +60,8 @@ def server_run(mlflow_server, tiny_pair, tmp_path_factory, ray_local):
     raw = job_config(
         tiny_pair, data, folder / "out", shard_size=2, max_failed_fraction=0.2,
         **{"ray.num_actors": 1, "spectr.batch_size": 1, "spectr.max_new_tokens": 16, "mlflow.enabled": True,
-           "mlflow.tracking_uri": mlflow_server, "mlflow.experiment": "server-test", "mlflow.run_name": "tiny",
+           "mlflow.tracking_uri": mlflow_server, "mlflow.experiment": "server-test",
+           "mlflow.run_name": "tiny",
            "mlflow.log_every_s": 0.05, "mlflow.system_metrics_interval_s": 0.5},
     )  # fmt: skip
     report = run_generate(from_dict(raw))
@@ -92,7 +99,9 @@ def test_live_series_have_several_points_ending_on_the_final_value(server_run):
     final = run.data.metrics
     positions = [f"acceptance_at_position_{i}" for i in (1, 2, 3)]  # spectr.draft_length = 3
     for name in (*LIVE, *positions):
-        history = sorted(client.get_metric_history(run.info.run_id, name), key=lambda m: (m.step, m.timestamp))
+        history = sorted(
+            client.get_metric_history(run.info.run_id, name), key=lambda m: (m.step, m.timestamp)
+        )
         assert len(history) > 1, name
         assert history[-1].value == pytest.approx(final[name]), name
         assert history[-1].step == final["prompts_completed"] == 11, name
@@ -138,18 +147,23 @@ def driver_command(tiny_pair, data: Path, out: Path, address: str, tracking_uri:
     return [
         sys.executable, "-m", "jobs.generate",
         f"model.target={tiny_pair['target']}", f"model.draft={tiny_pair['draft']}",
-        f"data.path={data}", f"output_dir={out}", "shard_size=4", "ray.num_actors=1", f"ray.address={address}",
+        f"data.path={data}", f"output_dir={out}", "shard_size=4", "ray.num_actors=1",
+        f"ray.address={address}",
         "spectr.num_drafts=2", "spectr.draft_length=3", "spectr.max_new_tokens=40", "spectr.batch_size=1",
         f"mlflow.tracking_uri={tracking_uri}", "mlflow.experiment=killed-test", "mlflow.log_every_s=0.2",
         "progress=false",
     ]  # fmt: skip
 
 
-def test_sigkilled_then_resumed_job_has_one_finished_run(mlflow_server, tiny_pair, prompts_jsonl, tmp_path, ray_local):
+def test_sigkilled_then_resumed_job_has_one_finished_run(
+    mlflow_server, tiny_pair, prompts_jsonl, tmp_path, ray_local
+):
     from mlflow.tracking import MlflowClient
 
     out = tmp_path / "out"
-    command = driver_command(tiny_pair, prompts_jsonl, out, ray_local.get_runtime_context().gcs_address, mlflow_server)
+    command = driver_command(
+        tiny_pair, prompts_jsonl, out, ray_local.get_runtime_context().gcs_address, mlflow_server
+    )
     # cwd = this checkout: Ray's workers import the code from the driver's directory (everything the job
     # writes goes to output_dir and the server)
     env = dict(os.environ, OMP_NUM_THREADS="1", RAY_AUTH_MODE="token", PYTHONPATH=str(REPO))
@@ -192,3 +206,35 @@ def test_sigkilled_then_resumed_job_has_one_finished_run(mlflow_server, tiny_pai
     record = json.loads((out / "_mlflow_run.json").read_text())
     assert record["run_id"] == run.info.run_id and record["invocations"] == 2
     assert record["generation_s"] > 0 and run.data.metrics["throughput_tokens_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_sigterm_marks_the_run_killed(mlflow_server, tiny_pair, prompts_jsonl, tmp_path, ray_local):
+    """SIGTERM (`ray job stop`, a scheduler's kill) ends the job like Ctrl-C: its run is KILLED at once."""
+    from mlflow.tracking import MlflowClient
+
+    out = tmp_path / "out"
+    address = ray_local.get_runtime_context().gcs_address
+    command = driver_command(tiny_pair, prompts_jsonl, out, address, mlflow_server)
+    command[command.index("mlflow.experiment=killed-test")] = "mlflow.experiment=terminated-test"
+    env = dict(os.environ, OMP_NUM_THREADS="1", RAY_AUTH_MODE="token", PYTHONPATH=str(REPO))
+    driver = subprocess.Popen(
+        command, cwd=REPO, env=env, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while not part_files(out):
+            assert driver.poll() is None, f"the job ended before it could be stopped:\n{driver.stderr.read()}"
+            assert time.monotonic() < deadline, "no shard finished in time"
+            time.sleep(0.05)
+        driver.send_signal(signal.SIGTERM)
+        assert driver.wait(timeout=60) != 0
+    finally:
+        try:
+            os.killpg(driver.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    client = MlflowClient(tracking_uri=mlflow_server)
+    (run,) = client.search_runs([client.get_experiment_by_name("terminated-test").experiment_id])
+    assert run.info.status == "KILLED"

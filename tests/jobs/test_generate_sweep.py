@@ -66,7 +66,8 @@ def test_every_cell_runs_and_the_sweep_exits_non_zero_after_the_last(tmp_path, r
     missing = [tmp_path / "missing-a.jsonl", tmp_path / "missing-b.jsonl"]
     command = [
         sys.executable, "-m", "jobs.generate", "-m", f"data.path={missing[0]},{missing[1]}",
-        "mlflow.enabled=false", "progress=false", f"ray.address={ray_local.get_runtime_context().gcs_address}",
+        "mlflow.enabled=false", "progress=false",
+        f"ray.address={ray_local.get_runtime_context().gcs_address}",
     ]  # fmt: skip
     done = subprocess.run(command, cwd=tmp_path, env=sweep_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, (done.stdout + done.stderr)[-4000:]

@@ -20,7 +20,9 @@ from pipeline.tracking import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, MlflowRun
 
 def shard(prompts: int, tokens: int, calls: int, accepted: list[int], tested: int, failed: int = 0) -> dict:
     stats = empty_stats()
-    stats.update(prompts_completed=prompts, prompts_failed=failed, generated_tokens=tokens, target_calls=calls)
+    stats.update(
+        prompts_completed=prompts, prompts_failed=failed, generated_tokens=tokens, target_calls=calls
+    )
     stats.update(accepted_per_position=accepted, tested_positions=tested)
     return stats
 
@@ -33,9 +35,12 @@ class Clock:
         return self.now
 
 
-def live_logger(sent: list, earlier=(), earlier_s=0.0, num_prompts=8, every_s=5.0, clock=None, heartbeat_s=30.0):
+def live_logger(
+    sent: list, earlier=(), earlier_s=0.0, num_prompts=8, every_s=5.0, clock=None, heartbeat_s=30.0
+):
     clock = clock or Clock()
-    return LiveMetrics(sent.extend, list(earlier), earlier_s, num_prompts, every_s, started=clock(), clock=clock,
+    return LiveMetrics(sent.extend, list(earlier), earlier_s, num_prompts, every_s, started=clock(),
+                       clock=clock,
                        heartbeat_s=heartbeat_s)  # fmt: skip
 
 
@@ -61,7 +66,8 @@ def test_live_points_are_rate_limited_and_stepped_by_prompts_completed():
     live.shard_written(shard(2, 10, 5, [3, 1], 6), {"host": "h", "pid": 1})
     live.stop()
     assert {m.key for m in first} == {
-        *LIVE_METRICS, "target_calls", "prompts_failed", "acceptance_at_position_1", "acceptance_at_position_2",
+        *LIVE_METRICS, "target_calls", "prompts_failed",
+        "acceptance_at_position_1", "acceptance_at_position_2",
     }  # fmt: skip
     values = {m.key: m.value for m in first}
     assert all(m.step == 2 for m in first) and values["prompts_completed"] == 2
@@ -114,7 +120,8 @@ def test_worker_usage_is_logged_per_worker_as_its_peak_over_the_interval():
     live.shard_written({**shard(1, 5, 2, [1], 2), "resources": usage}, {"host": "b", "pid": 7})
     live.stop()
     rss = {(m.key, m.value) for m in sent if m.key.endswith("peak_rss_megabytes")}
-    assert rss == {("system/worker_0/peak_rss_megabytes", 300.0), ("system/worker_0/peak_rss_megabytes", 350.0),
+    assert rss == {("system/worker_0/peak_rss_megabytes", 300.0),
+                   ("system/worker_0/peak_rss_megabytes", 350.0),
                    ("system/worker_1/peak_rss_megabytes", 300.0)}  # fmt: skip
     assert not any(m.key.endswith(("wall_s", "cpu_s")) for m in sent)
     assert merge_usage({"a": 1.0, "b": 5.0}, {"a": 3.0}) == {"a": 3.0, "b": 5.0}
@@ -122,7 +129,9 @@ def test_worker_usage_is_logged_per_worker_as_its_peak_over_the_interval():
 
 def test_summary_throughput_and_wall_time_cover_the_whole_job():
     earlier, now = shard(4, 40, 20, [10, 5], 25), shard(4, 60, 20, [12, 6], 26)
-    common = dict(num_prompts=8, startup_s=1.0, num_actors=2, actor_device="cpu", output_dir="o", num_shards=2)
+    common = dict(
+        num_prompts=8, startup_s=1.0, num_actors=2, actor_device="cpu", output_dir="o", num_shards=2
+    )
     resumed = JobSummary.build([earlier, now], [now], wall_time_s=12.0, generation_s=10.0,
                                earlier_generation_s=15.0, earlier_wall_s=20.0, **common)  # fmt: skip
     assert resumed.throughput_tokens_per_s == 100 / 25 and resumed.wall_time_s == 32.0
@@ -161,15 +170,22 @@ def test_model_names_for_tags(tmp_path):
 
 
 def test_sweep_overrides_cell_dirs_and_outcomes(tmp_path):
-    values, swept = parse_overrides(["spectr.num_drafts=1,2", "data.limit=4", "spectr.draft_length=range(2,4)"])
+    values, swept = parse_overrides(
+        ["spectr.num_drafts=1,2", "data.limit=4", "spectr.draft_length=range(2,4)"]
+    )
     assert values == {"spectr.num_drafts": "1,2", "data.limit": "4", "spectr.draft_length": "range(2,4)"}
     assert swept == ["spectr.num_drafts", "spectr.draft_length"]
     cell = {"spectr.num_drafts": "2", "data.limit": "4", "spectr.draft_length": "3"}
     assert cell_output_dir("/o/", cell, swept) == "/o/spectr.num_drafts=2,spectr.draft_length=3"
-    assert cell_output_dir("s3://b/o", {"model.target": "/m/big"}, ["model.target"]) == "s3://b/o/model.target=_m_big"
+    assert (
+        cell_output_dir("s3://b/o", {"model.target": "/m/big"}, ["model.target"])
+        == "s3://b/o/model.target=_m_big"
+    )
     sweep = SweepRun(MlflowConfig(enabled=False), tmp_path / "sweep")
     sweep.start(values, swept)
-    assert read_sweep(tmp_path / "sweep").swept_keys == swept and read_sweep(tmp_path / "sweep").run_id is None
+    assert (
+        read_sweep(tmp_path / "sweep").swept_keys == swept and read_sweep(tmp_path / "sweep").run_id is None
+    )
     for number, code in enumerate((0, 2, 1)):
         sweep.cell_ended(number, f"cell {number}", code)
     assert sweep.finish() == 2 and "3 cell(s), 2 failed" in sweep.report()
@@ -190,7 +206,10 @@ def test_mlflow_run_experiment_kind_reopen_and_dataset(tmp_path):
     again = MlflowRun(MlflowConfig(tracking_uri=uri, experiment="old"))
     again.reopen(run_id, {"a": {"b": 2}, "c": 3}, {"t": "y"})
     got = client.get_run(run_id)
-    assert got.info.status == "RUNNING" and got.data.params == {"a.b": "1", "c": "3"}  # params keep their first value
+    assert got.info.status == "RUNNING" and got.data.params == {
+        "a.b": "1",
+        "c": "3",
+    }  # params keep their first value
     assert got.data.tags["t"] == "y"
     (dataset_input,) = got.inputs.dataset_inputs
     assert dataset_input.dataset.digest == ("ab" * 40)[:36]
