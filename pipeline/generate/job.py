@@ -183,10 +183,11 @@ def _run_shards(
 
     def on_partial(rows_in_flight: int) -> None:
         bar.show(rows_in_flight)
-        live.tick()  # a live MLflow point when mlflow.log_every_s has passed
+        live.tick()  # a live MLflow point when no shard arrived for 30 s (heartbeat)
 
     try:
-        pool.run(plan.todo, on_result, hooks, on_partial=on_partial)
+        watching = config.progress or bool(hooks and hooks.on_progress) or config.mlflow.enabled
+        pool.run(plan.todo, on_result, hooks, on_partial=on_partial if watching else None)
     finally:
         bar.close()
         live.stop()
