@@ -36,3 +36,13 @@ lint: setup
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# The prepared GPU check (scripts/gpu_check.py): exactness, greedy-vs-HF and speed on the accelerator,
+# results under benchmarks/results/gpu/<date>-<device>. Needs only torch and transformers, so it runs with
+# the machine's own python3 when there is no $(VENV). `ARGS=--smoke` runs the CPU smoke mode.
+.PHONY: gpu-check
+GPU_CHECK_PY = $(if $(wildcard $(PY)),$(PY),python3)
+GPU_NAME = $(or $(shell nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1 | tr -c 'A-Za-z0-9\n' '-'),cpu)
+GPU_CHECK_OUT ?= benchmarks/results/gpu/$(shell date +%Y-%m-%d)-$(GPU_NAME)
+gpu-check:
+	PYTHONUNBUFFERED=1 $(GPU_CHECK_PY) scripts/gpu_check.py --out $(GPU_CHECK_OUT) $(ARGS)

@@ -28,7 +28,7 @@ DATA_FORMATS = ("auto", "parquet", "jsonl", "csv", "hf_disk")
 class ModelConfig:
     target: str
     draft: str
-    dtype: str = "float32"
+    dtype: str = "auto"  # bfloat16 on CUDA (when supported), float32 on CPU
     allow_pickle: bool = False  # load .bin/.pt weights (pickle can run code); off by default
     trust_remote_code: bool = False
 

@@ -144,14 +144,35 @@ def eos_token_id_of(model: Any, tokenizer: Any) -> int | None:
     return None if eos is None else int(eos)
 
 
+def eos_token_ids_of(model: Any, tokenizer: Any) -> list[int]:
+    """Every EOS id generation stops at: all of the model's generation config, else the tokenizer's."""
+    generation_config = getattr(model, "generation_config", None)
+    eos = getattr(generation_config, "eos_token_id", None) if generation_config is not None else None
+    ids = list(eos) if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos])
+    if not ids and tokenizer.eos_token_id is not None:
+        ids = [tokenizer.eos_token_id]
+    return list(dict.fromkeys(int(i) for i in ids))
+
+
+def resolve_dtype(name: str, device: str, bf16_supported: bool | None = None) -> Any:
+    """The torch dtype of `model.dtype`: `auto` is bfloat16 on CUDA (when supported), float32 elsewhere."""
+    import torch
+
+    if name != "auto":
+        return getattr(torch, name)
+    if str(device).startswith("cuda"):
+        supported = torch.cuda.is_bf16_supported() if bf16_supported is None else bf16_supported
+        return torch.bfloat16 if supported else torch.float16
+    return torch.float32
+
+
 def load_model(model_dir: str, model: ModelConfig, device: str) -> Any:
     """One causal LM, in eval mode, on `device`. Safetensors only unless `model.allow_pickle`."""
-    import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one bar per weight file per actor is noise in the job's output
-    dtype = "auto" if model.dtype == "auto" else getattr(torch, model.dtype)
+    dtype = resolve_dtype(model.dtype, device)
     loaded = AutoModelForCausalLM.from_pretrained(
         model_dir,
         dtype=dtype,

@@ -8,6 +8,20 @@ Measures (printed as a table, and as JSON with --json):
 4. block efficiency over a K x L grid (method spectr, B = 16);
 5. peak resident memory of a fresh process running B = 16, K = 4, L = 4 (and CUDA peak on GPU).
 
+Engine comparison (`--compare ROOT[=LABEL] ...`, only this section runs): the same generation in
+fresh subprocesses, each importing `spectr` from another checkout (e.g. a worktree of the code
+before a change), interleaved round-robin over --repeats rounds. Per run it reports tokens/s
+(median over rounds, and the median of each round's ratio to the first checkout), block
+efficiency, engine host syncs per iteration (reads of device values outside the models'
+forwards, counted by `spectr.diagnostics.HostSyncCounter` in a separate, untimed run), and the
+target's input width per verify call (tokens per row, padding included). `--compact-fractions`
+adds runs of the last checkout with other compaction settings (checkouts whose Generation
+takes `compact_fraction`).
+
+Block verification against token verification (`--block-vs-speculative`, only this section
+runs): block efficiency (with its standard error over target calls), acceptance rate and
+tokens/s of `block` and `speculative` for each --lengths, same prompts and seeds, in one run.
+
 Models: --target/--draft directories (from_pretrained), or by default random Llama models of
 about the embedded pair's size (target ~30M params: hidden 512, 8 layers, vocab 8192; draft
 ~2.5M: hidden 128, 2 layers). With random weights acceptance says nothing about real speed-ups;
@@ -18,6 +32,10 @@ is reported. This is a benchmark script, not a test; nothing here asserts a spee
 
     .venv/bin/python scripts/bench_engine.py --threads 1   # full run (~10 min on a loaded 2-core VM)
     .venv/bin/python scripts/bench_engine.py --quick       # smoke run
+    .venv/bin/python scripts/bench_engine.py --threads 1 --target assets/models/target --draft assets/models/draft \
+        --prompts assets/prompts.jsonl --compare /tmp/wt-before=before --compare .=after --repeats 5
+    .venv/bin/python scripts/bench_engine.py --threads 1 --target assets/models/target --draft assets/models/draft \
+        --prompts assets/prompts.jsonl --block-vs-speculative --batch 256 --new-tokens 128 --eos
 """
 
 from __future__ import annotations
@@ -34,7 +52,10 @@ import time
 import torch
 import transformers
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# An engine worker imports spectr from the checkout it is given (see --compare).
+_SPECTR_ROOT = sys.argv[sys.argv.index("--spectr-root") + 1] if "--spectr-root" in sys.argv else REPO_ROOT
+sys.path.insert(0, os.path.abspath(_SPECTR_ROOT))
 import spectr  # noqa: E402
 
 
@@ -148,6 +169,205 @@ def memory_probe(args) -> dict:
     return out
 
 
+# ---------------------------------------------------------------------------------------
+# engine comparison: one checkout per subprocess, interleaved
+# ---------------------------------------------------------------------------------------
+
+
+def engine_prompts(args, tokenizer_dir: str, count: int | None = None) -> list[list[int]]:
+    """The first `count` (default --batch) prompts of --prompts (JSONL, column 'prompt'), tokenized;
+    random ones without --prompts."""
+    count = args.batch if count is None else count
+    if not args.prompts:
+        return prompts_for(count, args.prompt_length, 8192, 16)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    with open(args.prompts) as f:
+        rows = [json.loads(line) for line, _ in zip(f, range(count))]
+    return [tokenizer(row["prompt"])["input_ids"] for row in rows]
+
+
+def _engine_syncs_and_widths(target, draft, prompts, kwargs) -> dict:
+    """One untimed run: engine host reads per iteration (model forwards excluded), verify widths."""
+    from spectr.diagnostics import HostSyncCounter
+
+    class EngineSyncs(HostSyncCounter):
+        inside_models = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if self.inside_models:
+                return func(*args, **(kwargs or {}))
+            return super().__torch_function__(func, types, args, kwargs)
+
+    syncs, widths, handles = EngineSyncs(), [], []
+    for model in (target, draft):
+        if model is None:
+            continue
+        handles.append(model.register_forward_pre_hook(lambda *_: setattr(syncs, "inside_models", 1)))
+        handles.append(model.register_forward_hook(lambda *_: setattr(syncs, "inside_models", 0)))
+
+    def record_width(module, args, kw):
+        if "logits_to_keep" not in kw:  # the prefill asks for the last position only
+            widths.append(kw["input_ids"].shape[1])
+
+    handles.append(target.register_forward_pre_hook(record_width, with_kwargs=True))
+    try:
+        with syncs:
+            out = spectr.generate(target, draft, prompts, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    iterations = getattr(out.stats, "iterations", 0) or max(out.stats.target_calls)
+    return dict(syncs_per_iteration=syncs.total / iterations, sync_kinds=dict(syncs.by_kind),
+                verify_width=statistics.mean(widths), iterations=iterations)
+
+
+def engine_worker(args) -> None:
+    """Subprocess side of --compare: load the pair, warm up, time --groups consecutive batches of
+    --batch prompts (one spectr.generate call each), count syncs on the first; print JSON."""
+    target, draft, _ = build_models(args)
+    every_prompt = engine_prompts(args, args.target or REPO_ROOT, args.batch * args.groups)
+    groups = [every_prompt[i : i + args.batch] for i in range(0, len(every_prompt), args.batch)]
+    prompts = groups[0]
+    kwargs = dict(method=args.method, num_drafts=args.num_drafts, draft_length=args.draft_length,
+                  max_new_tokens=args.new_tokens, seed=list(range(len(prompts))),
+                  eos_token_id=target.generation_config.eos_token_id if args.eos else None)
+    if args.compact_fraction is not None:
+        from spectr.generate import Generation
+
+        original = Generation.__init__
+        Generation.__init__ = lambda self, *a, **kw: original(self, *a, **(kw | {"compact_fraction": args.compact_fraction}))
+    spectr.generate(target, draft, prompts, **(kwargs | {"max_new_tokens": 8}))  # warm-up
+    wall = cpu = tokens = calls = compactions = 0
+    nodes = []
+    for index, group in enumerate(groups):
+        start, cpu_start = time.perf_counter(), time.process_time()
+        out = spectr.generate(target, draft, group, **(kwargs | {"seed": list(range(index * args.batch,
+                                                                                  index * args.batch + len(group)))}))
+        wall, cpu = wall + time.perf_counter() - start, cpu + time.process_time() - cpu_start
+        tokens, calls = tokens + out.stats.total_generated_tokens, calls + out.stats.total_target_calls
+        compactions += getattr(out.stats, "compactions", 0)
+        nodes.append(getattr(out.stats, "tree_nodes", None))
+    result = dict(spectr=spectr.__file__, wall_s=wall, cpu_s=cpu, tokens=tokens, tokens_per_s=tokens / wall,
+                  tokens_per_cpu_s=tokens / cpu, block_efficiency=tokens / calls, target_calls=calls,
+                  cpu_ms_per_target_call=1000 * cpu / calls,
+                  compactions=compactions if hasattr(out.stats, "compactions") else None,
+                  mean_tree_nodes=sum(nodes) / calls if None not in nodes else None)
+    if args.count:
+        result.update(_engine_syncs_and_widths(target, draft, prompts, kwargs))
+    print("RESULT " + json.dumps(result))
+
+
+def compare_engines(args) -> None:
+    """Round-robin subprocess runs of each checkout (and compaction setting); prints the table."""
+    configs = []
+    for spec in args.compare:
+        root, _, label = spec.partition("=")
+        configs.append((label or root, os.path.abspath(root), None))
+    last_label, last_root, _ = configs[-1]
+    for fraction in args.compact_fractions:
+        configs.append((f"{last_label} compact_fraction={fraction:g}", last_root, fraction))
+    common = [sys.executable, os.path.abspath(__file__), "--engine-worker", "--device", args.device, "--dtype",
+              args.dtype, "--new-tokens", str(args.new_tokens), "--batch", str(args.batch), "--groups", str(args.groups),
+              "--method", args.method,
+              "--num-drafts", str(args.num_drafts), "--draft-length", str(args.draft_length),
+              "--threads", str(torch.get_num_threads())]
+    for name in ("target", "draft", "prompts"):
+        if getattr(args, name):
+            common += [f"--{name}", os.path.abspath(getattr(args, name))]
+    common += ["--eos"] if args.eos else []
+    print(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
+    print(f"machine: {platform.node()}, {os.cpu_count()} cpus, torch threads {torch.get_num_threads()}, "
+          f"load average {os.getloadavg()}, torch {torch.__version__}, transformers {transformers.__version__}")
+    print(f"{args.method} K={args.num_drafts} L={args.draft_length} B={args.batch} new tokens {args.new_tokens} "
+          f"eos {'on' if args.eos else 'off'}, {args.groups} consecutive batches per run, "
+          f"{args.repeats} interleaved rounds\n")
+    runs: dict[str, list[dict]] = {label: [] for label, _, _ in configs}
+    for round_index in range(args.repeats):
+        # alternate the order (ABC, CBA, ...) so that a drifting load hits every checkout alike
+        for label, root, fraction in configs if round_index % 2 == 0 else configs[::-1]:
+            command = common + ["--spectr-root", root] + (["--count"] if round_index < 2 else [])
+            command += ["--compact-fraction", str(fraction)] if fraction is not None else []
+            done = subprocess.run(command, check=True, capture_output=True, text=True)
+            line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")][-1]
+            runs[label].append(json.loads(line[len("RESULT "):]))
+            last = runs[label][-1]
+            print(f"round {round_index + 1} {label:<36} {last['tokens_per_s']:8.1f} tok/s "
+                  f"{last['tokens_per_cpu_s']:8.1f} tok/cpu-s", flush=True)
+    _print_engine_table(configs, runs)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(args=vars(args), runs=runs), f, indent=2)
+
+
+def _print_engine_table(configs, runs) -> None:
+    baseline = configs[0][0]
+    print(f"\n{'checkout':<38}{'tok/s':>8}{'ratio':>7}{'tok/cpu-s':>10}{'ratio':>7}{'cpu ms/call':>12}{'BE':>6}"
+          f"{'syncs/it':>9}{'width':>7}{'nodes':>7}{'compact':>8}")
+    for label, _, _ in configs:
+        rows = runs[label]
+        ratios = [statistics.median(r[key] / b[key] for r, b in zip(rows, runs[baseline]))
+                  for key in ("tokens_per_s", "tokens_per_cpu_s")]
+        first, nodes = rows[0], rows[0]["mean_tree_nodes"]
+        compactions = "-" if first["compactions"] is None else first["compactions"]
+        print(f"{label:<38}{statistics.median(r['tokens_per_s'] for r in rows):>8.1f}{ratios[0]:>7.3f}"
+              f"{statistics.median(r['tokens_per_cpu_s'] for r in rows):>10.1f}{ratios[1]:>7.3f}"
+              f"{statistics.median(r['cpu_ms_per_target_call'] for r in rows):>12.2f}"
+              f"{first['block_efficiency']:>6.2f}{first['syncs_per_iteration']:>9.2f}{first['verify_width']:>7.2f}"
+              f"{'-' if nodes is None else format(nodes, '.2f'):>7}{compactions:>8}")
+    print("ratio: median over rounds of the per-round ratio to the first checkout; tok/cpu-s: tokens per second of "
+          "process CPU time (less sensitive to other load on a shared machine); width: target input tokens per "
+          "row per verify call (padding included); nodes: tree nodes per row per call (the checkout's own stats); "
+          "cpu ms/call: process CPU time per (row, target call), which does not depend on the sampled block "
+          "efficiency; syncs and width: first group of the first round; nodes and compact(ions): all groups")
+    print(f"load average at end {os.getloadavg()}")
+
+
+# ---------------------------------------------------------------------------------------
+# block verification against token verification
+# ---------------------------------------------------------------------------------------
+
+
+def _tokens_per_call_stderr(histogram: list[int]) -> float:
+    calls = sum(histogram)
+    mean = sum(n * c for n, c in enumerate(histogram)) / calls
+    variance = sum(c * (n - mean) ** 2 for n, c in enumerate(histogram)) / max(calls - 1, 1)
+    return (variance / calls) ** 0.5
+
+
+def block_vs_speculative(args) -> None:
+    """Block efficiency of `block` and `speculative` for each L, same prompts and seeds, one process."""
+    target, draft, source = build_models(args)
+    prompts = engine_prompts(args, args.target or REPO_ROOT)
+    eos = target.generation_config.eos_token_id if args.eos else None
+    print(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
+    print(f"models: {source}; {len(prompts)} prompts, max_new_tokens {args.new_tokens}, temperature 1, "
+          f"eos {eos}, rows in flight {args.rows_in_flight}, torch threads {torch.get_num_threads()}\n")
+    print(f"{'L':>3} {'method':<12}{'BE':>8}{'+-':>7}{'accept':>8}{'calls':>8}{'tok/s':>8}{'BE ratio':>10}")
+    results = []
+    for length in args.lengths:
+        speculative_be = None
+        for method in ("speculative", "block"):
+            start = time.perf_counter()
+            out = spectr.generate(target, draft, prompts, method=method, draft_length=length,
+                                  max_new_tokens=args.new_tokens, eos_token_id=eos, seed=list(range(len(prompts))),
+                                  batch_size=args.rows_in_flight)
+            wall = time.perf_counter() - start
+            s = out.stats
+            stderr = _tokens_per_call_stderr(s.tokens_per_call_histogram)
+            speculative_be = speculative_be or s.block_efficiency
+            ratio = s.block_efficiency / speculative_be
+            print(f"{length:>3} {method:<12}{s.block_efficiency:>8.3f}{stderr:>7.3f}{s.acceptance_rate:>8.3f}"
+                  f"{s.total_target_calls:>8}{s.total_generated_tokens / wall:>8.1f}{ratio:>10.3f}", flush=True)
+            results.append(dict(draft_length=length, method=method, block_efficiency=s.block_efficiency,
+                                stderr=stderr, acceptance_rate=s.acceptance_rate, target_calls=s.total_target_calls,
+                                tokens=s.total_generated_tokens, wall_s=wall, ratio_to_speculative=ratio))
+    print("(BE: generated tokens per target call; +-: its standard error over target calls; BE ratio: block / "
+          "speculative at the same L)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(args=vars(args), results=results), f, indent=2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=None)
@@ -163,6 +383,27 @@ def main() -> None:
                         help="torch CPU threads (on a shared, loaded machine 1 avoids thread-contention stalls)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     parser.add_argument("--memory-probe", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--compare", action="append", default=[], metavar="ROOT[=LABEL]",
+                        help="engine comparison: a checkout whose spectr/ to run (repeat the flag; the first is the "
+                             "baseline of the ratios)")
+    parser.add_argument("--compact-fractions", type=float, nargs="*", default=[],
+                        help="engine comparison: extra runs of the last checkout with these compact_fraction values")
+    parser.add_argument("--prompts", default=None, help="engine comparison: JSONL prompts (column 'prompt')")
+    parser.add_argument("--batch", type=int, default=16, help="engine comparison: batch size")
+    parser.add_argument("--method", default="spectr", help="engine comparison: method")
+    parser.add_argument("--num-drafts", type=int, default=4, help="engine comparison: K")
+    parser.add_argument("--eos", action="store_true", help="engine comparison: stop at the target's EOS ids")
+    parser.add_argument("--groups", type=int, default=1,
+                        help="engine comparison: consecutive batches of --batch prompts per run (more tokens, less "
+                             "sampling noise in the block efficiency)")
+    parser.add_argument("--engine-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--spectr-root", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--compact-fraction", type=float, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--count", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--block-vs-speculative", action="store_true",
+                        help="block efficiency of block and speculative for each --lengths (only this section runs)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4, 8], help="block comparison: draft lengths")
+    parser.add_argument("--rows-in-flight", type=int, default=32, help="block comparison: spectr.generate batch_size")
     args = parser.parse_args()
     if args.quick:
         args.new_tokens, args.repeats = 16, 1
@@ -170,6 +411,15 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if args.memory_probe:
         print(json.dumps(memory_probe(args)))
+        return
+    if args.engine_worker:
+        engine_worker(args)
+        return
+    if args.compare:
+        compare_engines(args)
+        return
+    if args.block_vs_speculative:
+        block_vs_speculative(args)
         return
 
     target, draft, source = build_models(args)

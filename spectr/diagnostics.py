@@ -8,6 +8,11 @@ the stream until the device catches up, so the count is what matters for acceler
 measured on any machine. On CUDA, `torch.cuda.set_sync_debug_mode` is the device's own count
 (`scripts/gpu_check.py` reports both).
 
+`inside_module` attributes reads to a model instead: while that module's forward runs, reads
+are counted in `model_by_kind`, not `by_kind`, so the engine's own reads can be told from the
+model's. (On a CPU run a model's `.to(x.device)` is counted as "cpu" since it cannot be told
+from a host copy; on CUDA it is a host-to-device copy or a no-op.)
+
 Not here: timing (see `spectr.stats.PhaseTimer`), anything that changes what the engine computes.
 """
 
@@ -65,11 +70,32 @@ class HostSyncCounter(TorchFunctionMode):
     def __init__(self):
         super().__init__()
         self.by_kind: Counter[str] = Counter()
+        self.model_by_kind: Counter[str] = Counter()
         self._depth = 0
+        self._in_model = 0
+        self._hooks: list = []
 
     @property
     def total(self) -> int:
         return sum(self.by_kind.values())
+
+    def inside_module(self, module: torch.nn.Module) -> HostSyncCounter:
+        """Count reads made during `module`'s forward in `model_by_kind` (hooks removed on exit)."""
+
+        def enter(*_):
+            self._in_model += 1
+
+        def leave(*_):
+            self._in_model -= 1
+
+        self._hooks += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+        return self
+
+    def __exit__(self, *exc):
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -84,7 +110,7 @@ class HostSyncCounter(TorchFunctionMode):
             elif kind is None and func is torch.Tensor.to and _to_host(args, kwargs):
                 kind = "cpu"
             if kind is not None:
-                self.by_kind[kind] += 1
+                (self.model_by_kind if self._in_model else self.by_kind)[kind] += 1
         self._depth += 1
         try:
             return func(*args, **kwargs)

@@ -8,6 +8,14 @@ the target's tree verification: the caller decides the positions and the mask, t
 just runs. The boolean pattern is turned into the additive 4D mask `[B, 1, T, S]` that HF
 returns as-is from `create_causal_mask` (custom 4D masks bypass HF's own mask building).
 
+Grouped-query attention: under "sdpa" with a mask, transformers repeats K/V to every query
+head in every layer. The engine's forwards instead run `grouped_query_attention`
+(registered with transformers' `AttentionInterface` as "spectr_sdpa" and switched on only
+for the duration of each `forward` of a model loaded with "sdpa"): the query heads that share
+a KV head are folded into the query axis, `[B, Hkv * G, T, D] -> [B, Hkv, G * T, D]`, with the
+mask repeated G times along T, so each K/V head is read once and never copied. Models loaded
+with "eager" run their own eager attention.
+
 The adapter checks what it relies on and raises ValueError naming the model type otherwise:
 a decoder-only model whose forward takes `position_ids`, a 4D `attention_mask` and a cache
 object (`cache=` in transformers >= 5.x, `past_key_values=` before), with attention
@@ -23,11 +31,49 @@ import inspect
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.modeling_utils import AttentionInterface
 
 from spectr.kv_cache import RowKVCache
 
 MASKABLE_ATTENTION = ("sdpa", "eager")
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+GROUPED_ATTENTION = "spectr_sdpa"
+
+
+def grouped_query_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """SDPA for grouped-query attention without repeating K/V (HF attention-interface signature).
+
+    query [B, Hq, T, D], key/value [B, Hkv, S, D], attention_mask [B, 1, T, S] additive (or None);
+    returns (output [B, T, Hq, D], None), like `sdpa_attention_forward`. Falls back to it when
+    there is nothing to fold (Hq == Hkv) or a feature it does not cover is asked for.
+    """
+    groups = query.shape[1] // key.shape[1]
+    per_head_mask = attention_mask is not None and attention_mask.shape[1] != 1
+    unsupported = any(kwargs.get(name) is not None for name in ("softcap", "position_bias", "s_aux", "sinks"))
+    if groups == 1 or per_head_mask or unsupported or kwargs.get("output_attentions", False):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    batch, query_heads, new, head_dim = query.shape
+    kv_heads = key.shape[1]
+    # Query head h * G + g uses KV head h (HF's repeat_kv order): fold g into the query axis.
+    folded = query.reshape(batch, kv_heads, groups * new, head_dim)  # [B, Hkv, G*T, D]
+    mask = None
+    if attention_mask is not None:
+        mask_batch, _, _, slots = attention_mask.shape
+        mask = attention_mask[:, :, None].expand(mask_batch, 1, groups, new, slots).reshape(
+            mask_batch, 1, groups * new, slots
+        )  # [B, 1, G*T, S]
+    output = torch.nn.functional.scaled_dot_product_attention(
+        folded, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling
+    )  # [B, Hkv, G*T, Dv]
+    output = output.reshape(batch, query_heads, new, value.shape[-1])  # [B, Hq, T, Dv]
+    return output.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(GROUPED_ATTENTION, grouped_query_attention)
 
 
 class _RowSlotLayer(CacheLayerMixin):
@@ -96,6 +142,15 @@ class HFCausalLM:
         parameters = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in parameters else "past_key_values"
         self._takes_logits_to_keep = "logits_to_keep" in parameters
+        self.name = getattr(config, "_name_or_path", "") or type(model).__name__
+        # The configs whose attention implementation the engine's forwards switch to the grouped one.
+        self._attention_configs = [c for c in {id(config): config, id(text_config): text_config}.values()
+                                   if getattr(c, "_attn_implementation", None) == "sdpa"]
+
+    @property
+    def description(self) -> str:
+        """'<role> model <name> (<model type>)', for error messages."""
+        return f"{self.role} model {self.name} ({self.model_type})"
 
     def _check_supported(self, model: torch.nn.Module, text_config) -> None:
         what = f"{self.role} model type '{self.model_type}'"
@@ -159,13 +214,20 @@ class HFCausalLM:
         kwargs = {self._cache_kwarg: cache}
         if last_only and self._takes_logits_to_keep:
             kwargs["logits_to_keep"] = 1
-        output = self.model(
-            input_ids=input_ids,
-            attention_mask=self.additive_mask(allowed),
-            position_ids=position_ids,
-            use_cache=True,
-            **kwargs,
-        )
+        saved = [c._attn_implementation_internal for c in self._attention_configs]
+        try:
+            for c in self._attention_configs:
+                c._attn_implementation_internal = GROUPED_ATTENTION
+            output = self.model(
+                input_ids=input_ids,
+                attention_mask=self.additive_mask(allowed),
+                position_ids=position_ids,
+                use_cache=True,
+                **kwargs,
+            )
+        finally:
+            for c, implementation in zip(self._attention_configs, saved):
+                c._attn_implementation_internal = implementation
         logits = output.logits
         if last_only:
             logits = logits[:, -1:]

@@ -7,6 +7,10 @@ decides the test of draft j and uniform K the correction token; a sequence uses 
 [L + 1, K + 1] block at position i and row L for the bonus token. Under the same generators
 the batched code must return the same tensors.
 
+Block verification (`spectr.block`, K = 1) has its sampler `reference_block_sequence` (same
+uniforms as the batched rule: eta_i is uniforms[i - 1][0], the last token uses uniforms[L][1])
+and its exact law `block_output_distribution`; `block_weights_and_stops` gives w_i and h_i.
+
 Two kinds of functions:
 
 - samplers (`reference_select_token`, `reference_select_sequence`,
@@ -280,4 +284,78 @@ def sequence_output_distribution(
                 outcomes[key] = outcomes.get(key, 0.0) + probability * mass
 
     walk(0, [True] * num_drafts, (), 1.0)
+    return outcomes
+
+
+# ---------------------------------------------------------------------------------------
+# Block verification (K = 1)
+# ---------------------------------------------------------------------------------------
+
+StopRule = Callable[[Sequence[float], Sequence[float]], list[float]]
+
+
+def block_stops(weights: Sequence[float], excess: Sequence[float]) -> list[float]:
+    """h_i = S_i / (S_i + 1 - w_i) for i < L (1 where the denominator is 0), h_L = w_L."""
+    stops = []
+    for w, s in zip(weights[:-1], excess):
+        denominator = s + 1.0 - w
+        stops.append(s / denominator if denominator > 0 else 1.0)
+    return stops + [weights[-1]]
+
+
+def block_weights_and_stops(
+    draft: Sequence[int], p: Sequence[Probs], q: Sequence[Probs], stop_rule: StopRule = block_stops
+) -> tuple[list[float], list[float]]:
+    """w_0..w_L (w_0 = 1) and h_1..h_L of one draft; p [L][V] = p_1..p_L, q [L + 1][V] = q_1..q_{L+1}."""
+    weights = [1.0]
+    for i, x in enumerate(draft):
+        ratio = q[i][x] / p[i][x] if p[i][x] > 0 else float("inf")
+        weights.append(min(1.0, weights[-1] * ratio) if weights[-1] > 0 else 0.0)
+    length = len(draft)
+    excess = [sum(max(weights[i] * qx - px, 0.0) for px, qx in zip(p[i], q[i])) for i in range(1, length)]
+    return weights, stop_rule(weights[1:], excess)
+
+
+def _block_last_weights(weights, p, q, tau: int, length: int) -> list[float]:
+    """What the token after X_<=tau is drawn from: q_{L+1} at tau = L, else the block residual (q if empty)."""
+    if tau == length:
+        return list(q[length])
+    residual = [max(weights[tau] * qx - px, 0.0) for px, qx in zip(p[tau], q[tau])]
+    return residual if sum(residual) > 0 else list(q[tau])
+
+
+def reference_block_sequence(
+    draft: Sequence[int], p: Sequence[Probs], q: Sequence[Probs], uniforms: Sequence[Sequence[float]],
+    stop_rule: StopRule = block_stops,
+) -> tuple[list[int], int]:
+    """One row of block verification: (produced tokens, tau). uniforms: [L + 1][2]."""
+    length = len(draft)
+    weights, stops = block_weights_and_stops(draft, p, q, stop_rule)
+    tau = 0
+    for i in range(1, length + 1):
+        if uniforms[i - 1][0] <= stops[i - 1]:
+            tau = i
+    last = reference_sample(_block_last_weights(weights, p, q, tau, length), uniforms[length][1])
+    return list(draft[:tau]) + [last], tau
+
+
+def block_output_distribution(
+    draft: Sequence[int], p: Sequence[Probs], q: Sequence[Probs], stop_rule: StopRule = block_stops
+) -> dict[tuple[int, ...], float]:
+    """Exact law of the tokens one call produces for this draft: P(tau = t) = h_t * prod_{i > t} (1 - h_i)."""
+    length = len(draft)
+    weights, stops = block_weights_and_stops(draft, p, q, stop_rule)
+    outcomes: dict[tuple[int, ...], float] = {}
+    for tau in range(length + 1):
+        chance = stops[tau - 1] if tau > 0 else 1.0
+        for h in stops[tau:]:
+            chance *= 1.0 - h
+        if chance <= 0:
+            continue
+        last = _block_last_weights(weights, p, q, tau, length)
+        total = sum(last)
+        for token, mass in enumerate(last):
+            if mass > 0:
+                key = (*draft[:tau], token)
+                outcomes[key] = outcomes.get(key, 0.0) + chance * mass / total
     return outcomes

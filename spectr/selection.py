@@ -28,6 +28,11 @@ drafts died), column K drives the inverse-CDF draw of the correction token. A dr
 with p = 0 is accepted exactly when q > 0 (the ratio q/p is infinite) and never yields NaN.
 A node with no alive draft samples straight from q.
 
+The selectors read no device value on the host: every node runs the same fixed sequence of
+tensor ops (rho* by a fixed number of bisection steps, the correction computed for every
+node and kept where no draft passed), so they never stall an accelerator. Probabilities may
+be float32 or float64; the tests against them are done in float64.
+
 This module also holds the analysis functions of the contract: `kseq_rho`,
 `kseq_acceptance`, `optimal_acceptance`. It is not the sequence-level loop over draft
 positions (see `spectr.sequence`) and it does not draw drafts.
@@ -35,6 +40,7 @@ positions (see `spectr.sequence`) and it does not draw drafts.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -42,8 +48,7 @@ import torch
 from spectr.rng import draw_uniforms, sample_categorical
 from spectr.validation import check_probabilities, check_shape, check_token_ids, check_uniforms
 
-# Bisection for rho* halves [1, k] until its ends are as close as the input dtype can tell
-# apart (relative 2 * eps), at most this many times (float64 reaches adjacent floats first).
+# Upper bound on the bisection steps for rho* (float64 inputs reach adjacent floats first).
 _BISECTION_STEPS = 64
 
 TokenSelector = Callable[
@@ -74,54 +79,57 @@ def _kseq_gap(beta: torch.Tensor, rho: torch.Tensor, num_drafts: torch.Tensor) -
     return 1.0 - (1.0 - beta).clamp(min=0.0).pow(num_drafts) - rho * beta
 
 
+def bisection_steps(max_drafts: int, dtype: torch.dtype) -> int:
+    """Fixed number of bisection halvings of [1, k] for rho*, from host ints only (no device read).
+
+    The bracket starts k - 1 wide and must end as narrow as the input dtype resolves beta
+    (relative 2 * eps, with hi >= 1): ceil(log2((k - 1) / (2 * eps))) steps.
+    """
+    if max_drafts <= 1:
+        return 0
+    resolution = 2.0 * torch.finfo(dtype).eps
+    return min(_BISECTION_STEPS, math.ceil(math.log2((max_drafts - 1) / resolution)))
+
+
 def _kseq_rho(
-    draft_probs: torch.Tensor, target_probs: torch.Tensor, num_drafts: torch.Tensor
+    draft_probs: torch.Tensor, target_probs: torch.Tensor, num_drafts: torch.Tensor, max_drafts: int
 ) -> torch.Tensor:
-    """rho* per node. draft_probs, target_probs [N, V]; num_drafts [N] int -> [N] float64.
+    """rho* per node. draft_probs, target_probs [N, V]; num_drafts [N] int (<= max_drafts) -> [N] float64.
 
     Bisection on [1, k] keeping the upper end, where 1 - (1 - beta)^k <= rho * beta: there
-    the accepted mass of every token stays below q, so the residual is a distribution.
-    Nodes with k <= 1 get rho* = 1 (K-SEQ is speculative sampling there).
+    the accepted mass of every token stays below q, so the residual is a distribution. A fixed
+    number of steps (`bisection_steps`), so no step reads a device value. Nodes with k <= 1 get
+    rho* = 1 (K-SEQ is speculative sampling there).
     """
     k = num_drafts.to(torch.float64)  # [N]
-    rho = torch.ones_like(k)  # [N]
-    several = num_drafts > 1  # [N]
-    if not bool(several.any()):
-        return rho
-    if bool(several.all()):
-        rows, p, q, k_rows = None, draft_probs, target_probs, k
-    else:
-        rows = several.nonzero().squeeze(-1)  # [M]
-        p = draft_probs.index_select(0, rows)  # [M, V]
-        q = target_probs.index_select(0, rows)  # [M, V]
-        k_rows = k.index_select(0, rows)  # [M]
-    # Stop once the bracket is as narrow as the input dtype resolves (float64: adjacent
-    # floats; float32: beta itself is only known to about this relative precision).
-    resolution = 2.0 * torch.finfo(draft_probs.dtype).eps
-    lo = torch.ones_like(k_rows)  # [M] f(lo) >= 0
-    hi = k_rows.clone()  # [M] f(hi) <= 0: the valid side
-    # beta(mid) as in `_beta`, with one [M, V] buffer reused by every step.
-    excess = torch.empty_like(q)  # [M, V]
-    target_mass = q.sum(-1).to(torch.float64)  # [M]
-    for _ in range(_BISECTION_STEPS):
-        mid = 0.5 * (lo + hi)  # [M]
-        torch.addcmul(q, p, mid.to(p.dtype).unsqueeze(-1), value=-1.0, out=excess).clamp_(min=0)
-        beta = (target_mass - excess.sum(-1).to(torch.float64)) / mid  # [M]
-        above = _kseq_gap(beta, mid, k_rows) > 0  # [M]
+    steps = bisection_steps(max_drafts, draft_probs.dtype)
+    lo = torch.ones_like(k)  # [N] f(lo) >= 0
+    hi = k.clamp(min=1.0)  # [N] f(hi) <= 0: the valid side
+    if steps == 0:
+        return torch.ones_like(k)
+    # beta(mid) as in `_beta`, with one [N, V] buffer reused by every step.
+    excess = torch.empty_like(target_probs)  # [N, V]
+    target_mass = target_probs.sum(-1).to(torch.float64)  # [N]
+    for _ in range(steps):
+        mid = 0.5 * (lo + hi)  # [N]
+        torch.addcmul(target_probs, draft_probs, mid.to(draft_probs.dtype).unsqueeze(-1), value=-1.0,
+                      out=excess).clamp_(min=0)
+        beta = (target_mass - excess.sum(-1).to(torch.float64)) / mid  # [N]
+        above = _kseq_gap(beta, mid, k) > 0  # [N]
         lo = torch.where(above, mid, lo)
         hi = torch.where(above, hi, mid)
-        if bool((hi - lo <= resolution * hi).all()):
-            break
-    if rows is None:
-        return hi
-    rho[rows] = hi
-    return rho
+    return torch.where(num_drafts > 1, hi, 1.0)
+
+
+def _max_count(num_drafts: torch.Tensor) -> int:
+    """Largest draft count, read on the host (analysis functions only; the selectors know K)."""
+    return int(num_drafts.max()) if num_drafts.numel() else 1
 
 
 def _kseq_acceptance(
     draft_probs: torch.Tensor, target_probs: torch.Tensor, num_drafts: torch.Tensor
 ) -> torch.Tensor:
-    rho = _kseq_rho(draft_probs, target_probs, num_drafts)  # [N]
+    rho = _kseq_rho(draft_probs, target_probs, num_drafts, _max_count(num_drafts))  # [N]
     beta = _beta(draft_probs, target_probs, rho)  # [N]
     return 1.0 - (1.0 - beta).clamp(min=0.0).pow(num_drafts.to(torch.float64))
 
@@ -153,14 +161,14 @@ def _sample_residual(
     draft_scale: torch.Tensor,  # [N] float64: rho (0 for nodes with no alive draft)
     uniforms: torch.Tensor,  # [N] float64
 ) -> torch.Tensor:
-    """Correction token from norm(max(0, q - scale * p)); from q where that mass is zero."""
+    """Correction token from norm(max(0, q - scale * p)); from q where that mass is zero.
+
+    (Zero residual mass has probability 0 when drafts really come from p, e.g. p == q.)
+    """
     scale = draft_scale.to(target_probs.dtype).unsqueeze(-1)  # [N, 1]
-    residual = (target_probs - scale * draft_probs).clamp_(min=0)  # [N, V]
-    empty = residual.sum(-1) <= 0  # [N]
-    if bool(empty.any()):
-        # Only reachable with probability 0 when drafts really come from p (e.g. p == q).
-        residual[empty] = target_probs[empty]
-    return sample_categorical(residual, uniforms)
+    residual = torch.addcmul(target_probs, draft_probs, scale, value=-1.0).clamp_(min=0)  # [N, V]
+    empty = residual.sum(-1, keepdim=True) <= 0  # [N, 1]
+    return sample_categorical(torch.where(empty, target_probs, residual), uniforms)
 
 
 def _test_in_order_then_correct(
@@ -178,19 +186,9 @@ def _test_in_order_then_correct(
     passes = alive & (uniforms[:, :num_drafts] * rho.unsqueeze(1) * draft_p < draft_q)  # [N, K]
     accepted = passes.any(1)  # [N]
     first = passes.to(torch.int8).argmax(1, keepdim=True)  # [N, 1] first passing draft
-    token = draft_tokens.gather(1, first).squeeze(1)  # [N]
-    rejected_rows = (~accepted).nonzero().squeeze(-1)  # [M]
-    if rejected_rows.numel() > 0:
-        has_drafts = alive.index_select(0, rejected_rows).any(1)  # [M]
-        scale = torch.where(has_drafts, rho.index_select(0, rejected_rows), 0.0)  # [M] 0 -> sample q
-        correction = _sample_residual(
-            draft_probs.index_select(0, rejected_rows),
-            target_probs.index_select(0, rejected_rows),
-            scale,
-            uniforms[:, num_drafts].index_select(0, rejected_rows),
-        )
-        token = token.index_copy(0, rejected_rows, correction)
-    return token, accepted
+    scale = torch.where(alive.any(1), rho, 0.0)  # [N] no alive draft: sample q itself
+    correction = _sample_residual(draft_probs, target_probs, scale, uniforms[:, num_drafts])  # [N]
+    return torch.where(accepted, draft_tokens.gather(1, first).squeeze(1), correction), accepted
 
 
 def select_speculative(draft_tokens, alive, draft_probs, target_probs, uniforms):
@@ -205,45 +203,39 @@ def select_speculative(draft_tokens, alive, draft_probs, target_probs, uniforms)
 
 def select_kseq(draft_tokens, alive, draft_probs, target_probs, uniforms):
     """K-SEQ: rho* per node for its alive count k (duplicates counted), drafts in sampling order."""
-    rho = _kseq_rho(draft_probs, target_probs, alive.sum(1))  # [N]
+    rho = _kseq_rho(draft_probs, target_probs, alive.sum(1), draft_tokens.shape[1])  # [N]
     return _test_in_order_then_correct(draft_tokens, alive, draft_probs, target_probs, uniforms, rho)
 
 
+def _specinfer_update(residual: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, r - p)) per node [N, V]; r itself where that is zero (r == p: a rejection of probability 0)."""
+    leftover = (residual - draft_probs).clamp_(min=0)  # [N, V]
+    mass = leftover.sum(-1, keepdim=True)  # [N, 1]
+    return torch.where(mass > 0, leftover / mass.clamp(min=torch.finfo(mass.dtype).tiny), residual)
+
+
 def select_specinfer(draft_tokens, alive, draft_probs, target_probs, uniforms):
-    """SpecInfer recursive rejection sampling with replacement, drafts in sampling order."""
+    """SpecInfer recursive rejection sampling with replacement, drafts in sampling order.
+
+    Every round updates every node's residual, kept only where that node's draft was tested
+    and rejected, so the rounds run the same ops whatever the outcomes.
+    """
     num_nodes, num_drafts = draft_tokens.shape
     residual = target_probs  # [N, V] current target of the next round (replaced, never written)
-    p = draft_probs  # [N, V]
     accepted = torch.zeros(num_nodes, dtype=torch.bool, device=draft_tokens.device)  # [N]
     token = torch.zeros(num_nodes, dtype=torch.int64, device=draft_tokens.device)  # [N]
     for j in range(num_drafts):
         candidate = draft_tokens[:, j : j + 1]  # [N, 1]
         tested = alive[:, j] & ~accepted  # [N]
-        passes = tested & (
-            uniforms[:, j] * p.gather(1, candidate).squeeze(1) < residual.gather(1, candidate).squeeze(1)
-        )
+        draft_mass = draft_probs.gather(1, candidate).squeeze(1).to(torch.float64)  # [N]
+        residual_mass = residual.gather(1, candidate).squeeze(1).to(torch.float64)  # [N]
+        passes = tested & (uniforms[:, j] * draft_mass < residual_mass)  # [N]
         token = torch.where(passes, candidate.squeeze(1), token)
         accepted = accepted | passes
-        rejected_rows = (tested & ~passes).nonzero().squeeze(-1)  # [M]
-        if rejected_rows.numel() > 0:
-            leftover = (residual.index_select(0, rejected_rows) - p.index_select(0, rejected_rows)).clamp_(
-                min=0
-            )  # [M, V]
-            mass = leftover.sum(-1, keepdim=True)  # [M, 1]
-            # Zero leftover means r == p: a rejection then has probability 0; keep r as is.
-            updated = torch.where(
-                mass > 0,
-                leftover / mass.clamp(min=torch.finfo(mass.dtype).tiny),
-                residual.index_select(0, rejected_rows),
-            )
-            residual = residual.index_copy(0, rejected_rows, updated)
-    rejected_rows = (~accepted).nonzero().squeeze(-1)  # [M]
-    if rejected_rows.numel() > 0:
-        correction = sample_categorical(
-            residual.index_select(0, rejected_rows), uniforms[:, num_drafts].index_select(0, rejected_rows)
-        )
-        token = token.index_copy(0, rejected_rows, correction)
-    return token, accepted
+        rejected = (tested & ~passes).unsqueeze(1)  # [N, 1]
+        residual = torch.where(rejected, _specinfer_update(residual, draft_probs), residual)
+    correction = sample_categorical(residual, uniforms[:, num_drafts])  # [N]
+    return torch.where(accepted, token, correction), accepted
 
 
 TOKEN_SELECTORS: dict[str, TokenSelector] = {
@@ -367,7 +359,7 @@ def _flatten_analysis_inputs(draft_probs, target_probs, num_drafts):
 def kseq_rho(draft_probs: torch.Tensor, target_probs: torch.Tensor, num_drafts) -> torch.Tensor:
     """rho* of K-SEQ for [..., V] distributions and K drafts (int or tensor) -> [...] float64."""
     p, q, k, batch_shape = _flatten_analysis_inputs(draft_probs, target_probs, num_drafts)
-    return _kseq_rho(p, q, k).reshape(batch_shape)
+    return _kseq_rho(p, q, k, _max_count(k)).reshape(batch_shape)
 
 
 def kseq_acceptance(draft_probs: torch.Tensor, target_probs: torch.Tensor, num_drafts) -> torch.Tensor:

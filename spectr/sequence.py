@@ -1,21 +1,31 @@
 """Sequence-level draft selection: walk a draft set position by position (SpecTr).
 
-Given K drafts of L tokens per prompt, each with the draft distribution it was sampled from
-and the target distribution after each of its prefixes, produce the tokens that one target
-call yields for that prompt:
+Given K drafts of L tokens per prompt, the draft distribution each token was sampled from
+and the target distribution after each prefix, produce the tokens that one target call
+yields for that prompt:
 
 1) start with all K drafts alive;
 2) at position i, run the token-level rule (`spectr.selection`) on the i-th tokens of the
-   alive drafts. Alive drafts share their prefix, so the node's p and q are read from the
-   first alive draft; the alive count k counts duplicates and rho* is recomputed per node;
+   alive drafts. Alive drafts share their prefix, so they are at one node of the draft tree;
+   the node's p and q are read at the first alive draft (for drafts from the engine's tree,
+   that draft is the node's leader: the row its children were sampled from, see
+   `spectr.tree`). The alive count k counts duplicates and rho* is recomputed per node;
 3) keep alive only the drafts whose i-th token equals the output (a correction token that
    happens to equal a rejected draft's token keeps that draft alive: the drafts' later
    tokens are still i.i.d. from p given the new prefix);
 4) stop at the first position where no draft is alive: its output is the correction token.
    After L positions with drafts alive, add a bonus token drawn from q at position L.
 
-Each row consumes exactly (L + 1) * (K + 1) float64 uniforms from its own generator per
-call, whatever it accepts, so a row's randomness never depends on the other rows.
+Every row walks all L positions with masks (a row that stopped keeps running the same ops
+on no alive drafts, and its results are discarded), so the walk reads no device value on
+the host. Each row uses exactly its own [L + 1, K + 1] block of uniforms per call, whatever
+it accepts, so a row's randomness never depends on the other rows.
+
+Block verification (`spectr.block`, method "block", K = 1) is a sequence-level rule of its
+own, registered in `SEQUENCE_RULES`; `select_tree` and `select_sequences` dispatch to it by name.
+
+Target distributions come either per draft (`[B, K, L + 1, V]`, `select_sequences`) or per
+tree node (`[B, M, V]` with a node map `[B, K, L + 1]`, `select_tree`); the walk is the same.
 
 This module does not draft, run models, or touch KV caches; it returns what the engine
 needs to commit: the tokens, their count, and a draft consistent with the accepted prefix.
@@ -24,36 +34,32 @@ needs to commit: the tokens, their count, and a draft consistent with the accept
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
+from spectr.block import block_rule, block_stop_probabilities
+from spectr.outcome import PAD_TOKEN, SequenceSelection
 from spectr.rng import draw_uniforms, sample_categorical
-from spectr.selection import get_token_selector
+from spectr.selection import TOKEN_SELECTORS, get_token_selector
 from spectr.validation import check_probabilities, check_shape, check_token_ids, check_uniforms
 
-PAD_TOKEN = -1
+__all__ = ["PAD_TOKEN", "SEQUENCE_RULES", "SequenceSelection", "select_sequences", "select_sequences_with_uniforms",
+           "select_tree", "sequence_methods", "uniforms_shape"]
+
+# Sequence-level rules that are not a walk of a token-level rule; same signature as the walk
+# (draft_tokens, draft_probs, node_target_probs, node_of, uniforms) -> SequenceSelection.
+SEQUENCE_RULES = {"block": block_rule(block_stop_probabilities)}
+SINGLE_DRAFT_METHODS = ("speculative", "block")
 
 
-@dataclass
-class SequenceSelection:
-    """What one target call yields per prompt.
+def sequence_methods() -> list[str]:
+    """Every selection method by name: the walked token-level rules and the sequence-level ones."""
+    return sorted({*TOKEN_SELECTORS, *SEQUENCE_RULES})
 
-    tokens: [B, L + 1] int64, accepted draft tokens then one correction or bonus token;
-        positions >= num_tokens hold PAD_TOKEN (-1).
-    num_tokens: [B] int64 in 1..L+1.
-    num_accepted: [B] int64 = num_tokens - 1, the accepted draft tokens.
-    draft_index: [B] int64, a draft whose first num_accepted tokens equal the accepted ones
-        (its KV cache can be committed).
-    accepted_per_position: [L] int64, how many rows accepted a draft token at position i.
-    """
 
-    tokens: torch.Tensor
-    num_tokens: torch.Tensor
-    num_accepted: torch.Tensor
-    draft_index: torch.Tensor
-    accepted_per_position: torch.Tensor
-
+def _check_method(method: str) -> None:
+    if method not in SEQUENCE_RULES:
+        get_token_selector(method)
 
 def uniforms_shape(num_drafts: int, draft_length: int) -> tuple[int, int]:
     """Per-row uniforms of one call: row i (< L) decides position i, row L the bonus token."""
@@ -71,7 +77,7 @@ def select_sequences(
 ) -> SequenceSelection:
     """Sequence-level selection for a batch of draft sets; see the module docstring."""
     if validate:
-        get_token_selector(method)
+        _check_method(method)
         _check_sequence_inputs(draft_tokens, draft_probs, target_probs, method)
     if len(generators) != draft_tokens.shape[0]:
         raise ValueError(
@@ -94,8 +100,8 @@ def select_sequences_with_uniforms(
     validate: bool = True,
 ) -> SequenceSelection:
     """`select_sequences` with the uniforms given instead of drawn (for tests and replays)."""
-    selector = get_token_selector(method)
     if validate:
+        _check_method(method)
         _check_sequence_inputs(draft_tokens, draft_probs, target_probs, method)
         batch_size, num_drafts, draft_length = draft_tokens.shape
         check_shape(
@@ -103,45 +109,64 @@ def select_sequences_with_uniforms(
         )
         check_uniforms("uniforms", uniforms)
     batch_size, num_drafts, draft_length = draft_tokens.shape
+    # Each draft's own rows as "nodes": draft k's prefix of length i is node k * (L + 1) + i.
+    per_draft = torch.arange(num_drafts * (draft_length + 1), device=draft_tokens.device)
+    node_of = per_draft.view(1, num_drafts, draft_length + 1).expand(batch_size, -1, -1)  # [B, K, L + 1]
+    node_probs = target_probs.reshape(batch_size, num_drafts * (draft_length + 1), -1)  # [B, K * (L + 1), V]
+    return select_tree(draft_tokens, draft_probs, node_probs, node_of, uniforms, method=method)
+
+
+def select_tree(
+    draft_tokens: torch.Tensor,  # [B, K, L] int64, drafts in sampling order
+    draft_probs: torch.Tensor,  # [B, K, L, V]: p of draft k's prefix of length i is draft_probs[:, k, i]
+    node_target_probs: torch.Tensor,  # [B, M, V] q per tree node
+    node_of: torch.Tensor,  # [B, K, L + 1] int64: node of draft k's prefix of length i (< M)
+    uniforms: torch.Tensor,  # [B, L + 1, K + 1] float64
+    *,
+    method: str = "spectr",
+) -> SequenceSelection:
+    """One call's selection on a tree (unchecked: the engine's hot path): a sequence-level rule
+    (`SEQUENCE_RULES`, e.g. block verification) or the masked walk of a token-level rule."""
+    if method in SEQUENCE_RULES:
+        return SEQUENCE_RULES[method](draft_tokens, draft_probs, node_target_probs, node_of, uniforms)
+    selector = get_token_selector(method)
+    batch_size, num_drafts, draft_length = draft_tokens.shape
     device = draft_tokens.device
-    tokens = torch.full(
-        (batch_size, draft_length + 1), PAD_TOKEN, dtype=torch.int64, device=device
-    )  # [B, L + 1]
+    rows = torch.arange(batch_size, device=device)  # [B]
+    tokens = torch.full((batch_size, draft_length + 1), PAD_TOKEN, dtype=torch.int64, device=device)  # [B, L + 1]
     alive = torch.ones(batch_size, num_drafts, dtype=torch.bool, device=device)  # [B, K]
+    walking = torch.ones(batch_size, dtype=torch.bool, device=device)  # [B] reached this position
     draft_index = torch.zeros(batch_size, dtype=torch.int64, device=device)  # [B]
-    num_accepted = torch.zeros(batch_size, dtype=torch.int64, device=device)  # [B]
-    accepted_per_position = torch.zeros(draft_length, dtype=torch.int64, device=device)  # [L]
-    # Rows still walking; every row with a draft alive at position i is in `active`.
-    active = torch.arange(batch_size, device=device)  # [A]
+    accepted_at = []
     for position in range(draft_length):
-        alive_here = alive.index_select(0, active)  # [A, K]
-        first_alive = alive_here.to(torch.int8).argmax(1)  # [A] any alive draft carries the node's prefix
-        node_p = draft_probs[active, first_alive, position]  # [A, V]
-        node_q = target_probs[active, first_alive, position]  # [A, V]
-        node_drafts = draft_tokens[active, :, position]  # [A, K]
-        token, _ = selector(node_drafts, alive_here, node_p, node_q, uniforms[active, position])  # [A]
-        tokens[active, position] = token
-        still_alive = alive_here & (node_drafts == token.unsqueeze(1))  # [A, K]
-        alive[active] = still_alive
-        continues = still_alive.any(1)  # [A]
+        # Invariant: a walking row's alive drafts all carry the accepted prefix (one tree node);
+        # a row that stopped has no alive draft and its outputs below are masked out.
+        first_alive = alive.to(torch.int8).argmax(1)  # [B]
+        node_p = draft_probs[rows, first_alive, position]  # [B, V]
+        node_q = node_target_probs[rows, node_of[rows, first_alive, position]]  # [B, V]
+        node_drafts = draft_tokens[:, :, position]  # [B, K]
+        token, _ = selector(node_drafts, alive, node_p, node_q, uniforms[:, position])  # [B]
+        tokens[:, position] = torch.where(walking, token, PAD_TOKEN)
+        still_alive = alive & (node_drafts == token.unsqueeze(1))  # [B, K]
+        continues = still_alive.any(1)  # [B]
         # A draft consistent with the prefix so far: the first one still alive.
-        draft_index[active] = torch.where(continues, still_alive.to(torch.int8).argmax(1), first_alive)
-        num_accepted[active] += continues.to(torch.int64)
-        accepted_per_position[position] = continues.sum()
-        active = active[continues]
-        if active.numel() == 0:
-            break
-    if active.numel() > 0:
-        # All L positions accepted: the bonus token comes from q after the full draft.
-        bonus_q = target_probs[active, draft_index[active], draft_length]  # [A, V]
-        tokens[active, draft_length] = sample_categorical(bonus_q, uniforms[active, draft_length, num_drafts])
-    num_tokens = num_accepted + 1  # [B]
+        stopped_here = walking & ~continues  # [B]
+        draft_index = torch.where(continues, still_alive.to(torch.int8).argmax(1),
+                                  torch.where(stopped_here, first_alive, draft_index))
+        accepted_at.append(continues)
+        alive, walking = still_alive, continues
+    # Rows still walking accepted all L positions: the bonus token comes from q after the full draft.
+    bonus_q = node_target_probs[rows, node_of[rows, draft_index, draft_length]]  # [B, V]
+    bonus = sample_categorical(bonus_q, uniforms[:, draft_length, num_drafts])  # [B]
+    tokens[:, draft_length] = torch.where(walking, bonus, PAD_TOKEN)
+    accepted = torch.stack(accepted_at, 1) if accepted_at else alive.new_zeros(batch_size, 0)  # [B, L]
+    num_accepted = accepted.sum(1)  # [B]
     return SequenceSelection(
         tokens=tokens,
-        num_tokens=num_tokens,
+        num_tokens=num_accepted + 1,
         num_accepted=num_accepted,
         draft_index=draft_index,
-        accepted_per_position=accepted_per_position,
+        accepted_per_position=accepted.sum(0),
     )
 
 
@@ -155,8 +180,8 @@ def _check_sequence_inputs(draft_tokens, draft_probs, target_probs, method) -> N
         raise ValueError(f"draft_tokens must hold K >= 1 drafts per row, got K = {num_drafts}")
     if draft_length < 1:
         raise ValueError(f"draft_tokens must hold drafts of length L >= 1, got L = {draft_length}")
-    if method == "speculative" and num_drafts != 1:
-        raise ValueError(f"method 'speculative' needs K = 1 draft per row, got K = {num_drafts}")
+    if method in SINGLE_DRAFT_METHODS and num_drafts != 1:
+        raise ValueError(f"method {method!r} needs K = 1 draft per row, got K = {num_drafts}")
     if not isinstance(draft_probs, torch.Tensor) or draft_probs.dim() != 4:
         raise ValueError(
             f"draft_probs must be a [B, K, L, V] tensor, got {getattr(draft_probs, 'shape', type(draft_probs))}"

@@ -12,7 +12,16 @@ Definitions:
   positions the selection examined (accepted ones plus the first rejected one), so
   acceptance_rate = accepted_tokens / tested_positions.
 - tokens_per_call_histogram[n]: how many (row, target call) pairs emitted n tokens, after
-  truncation; length L+2 so it can be indexed by n = 1..L+1 directly (entry 0 stays 0).
+  truncation; length L+2 so it can be indexed by n = 1..L+1 directly (entry 0 counts the
+  calls of rows that stopped with an error there).
+- finish_reason[i]: "eos", "length" or "error"; errors[i]: None, or a message naming the row
+  and the model whose logits were not finite (the row keeps the tokens generated before).
+- iterations: batched target calls (one per engine iteration, prefill excluded);
+  verify_tokens: sum over iterations of the target's input width per row (the widest tree of
+  the batch, padding included; 1 per call for autoregressive); tree_nodes: sum over (row,
+  target call) of the row's own tree nodes (root included), so tree_nodes / total_target_calls
+  is the mean tree size (1 + K*L when no drafts share a prefix, L + 1 when all coincide);
+  compactions: how often finished rows were dropped from the batch (one cache copy each).
 - seconds: wall time split into draft forwards, target forwards, selection (warps, sampling,
   draft selection) and everything else. On CUDA the phases are timed with CUDA events, so the
   loop needs no extra host syncs; on CPU with perf_counter.
@@ -43,6 +52,12 @@ class GenerationStats:
     accepted_per_position: list[int] = field(default_factory=list)
     tested_positions: int = 0
     tokens_per_call_histogram: list[int] = field(default_factory=list)
+    errors: list[str | None] = field(default_factory=list)
+    iterations: int = 0
+    verify_tokens: int = 0
+    tree_nodes: int = 0
+    compactions: int = 0
+    plan: str = ""  # method="auto": what the planner chose and predicted
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
     selection_seconds: float = 0.0
@@ -75,6 +90,17 @@ class GenerationStats:
         return self.accepted_tokens / self.tested_positions if self.tested_positions else 0.0
 
     @property
+    def mean_verify_width(self) -> float:
+        """Target input tokens per row per verify call (padding included)."""
+        return self.verify_tokens / self.iterations if self.iterations else 0.0
+
+    @property
+    def mean_tree_nodes(self) -> float:
+        """Tree nodes per row per target call (0 for autoregressive)."""
+        calls = self.total_target_calls
+        return self.tree_nodes / calls if calls else 0.0
+
+    @property
     def forward_seconds(self) -> float:
         return self.draft_seconds + self.target_seconds
 
@@ -88,8 +114,20 @@ class GenerationStats:
             acceptance_rate=self.acceptance_rate,
             total_generated_tokens=self.total_generated_tokens,
             total_target_calls=self.total_target_calls,
+            mean_verify_width=self.mean_verify_width,
+            mean_tree_nodes=self.mean_tree_nodes,
         )
         return out
+
+    def extend(self, other: GenerationStats) -> None:
+        """Append another call's rows (same method and settings) and add its totals (batch_size chunks)."""
+        for name in ("generated_tokens", "target_calls", "finish_reason", "errors"):
+            getattr(self, name).extend(getattr(other, name))
+        for name in ("accepted_per_position", "tokens_per_call_histogram"):
+            setattr(self, name, [a + b for a, b in zip(getattr(self, name), getattr(other, name))])
+        for name in ("tested_positions", "iterations", "verify_tokens", "tree_nodes", "compactions",
+                     "draft_seconds", "target_seconds", "selection_seconds", "other_seconds", "wall_seconds"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
 class PhaseTimer:

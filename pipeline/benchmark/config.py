@@ -29,8 +29,10 @@ from pipeline.errors import JobInputError
 
 HF_GENERATE = "hf_generate"
 HF_ASSISTED = "hf_assisted"
-OUR_METHODS = ("autoregressive", "speculative", "spectr", "specinfer")
-METHODS = (HF_GENERATE, HF_ASSISTED, *OUR_METHODS)
+AUTO = "auto"  # the planner's choice at each batch size (pipeline.benchmark.auto)
+OUR_METHODS = ("autoregressive", "speculative", "block", "spectr", "specinfer")
+METHODS = (HF_GENERATE, HF_ASSISTED, *OUR_METHODS)  # the default grid
+KNOWN_METHODS = (*METHODS, AUTO)
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,7 @@ class BenchCase:
 
     @property
     def label(self) -> str:
-        if self.method in ("speculative", "spectr", "specinfer"):
+        if self.method in ("speculative", "block", "spectr", "specinfer"):
             return f"{self.method} K={self.num_drafts} L={self.draft_length} B={self.batch_size}"
         if self.method == HF_ASSISTED:
             return f"{self.method} L={self.draft_length} B={self.batch_size}"
@@ -136,8 +138,8 @@ def _grid(raw: dict[str, Any]) -> GridConfig:
     """Keys and types by the dataclass annotations (`pipeline.config.build_section`), then the ranges here."""
     grid = build_section(GridConfig, raw, "bench", {"optimality": OptimalityConfig, "cost_model": CostModelConfig})
     for i, method in enumerate(grid.methods):
-        if method not in METHODS:
-            raise JobInputError(f"config: bench.methods[{i}] = {method!r} is not one of {', '.join(METHODS)}")
+        if method not in KNOWN_METHODS:
+            raise JobInputError(f"config: bench.methods[{i}] = {method!r} is not one of {', '.join(KNOWN_METHODS)}")
     grid = dataclasses.replace(
         grid,
         methods=tuple(dict.fromkeys(grid.methods)),
@@ -211,9 +213,13 @@ def expand_grid(g: GridConfig) -> list[BenchCase]:
             cases.append(BenchCase(HF_ASSISTED, batch, 1, g.assisted_tokens))
         if "autoregressive" in g.methods:
             cases.append(BenchCase("autoregressive", batch))
+        if AUTO in g.methods:
+            cases.append(BenchCase(AUTO, batch))
         for length in g.draft_lengths:
             if want_speculative:
                 cases.append(BenchCase("speculative", batch, 1, length))
+            if "block" in g.methods:
+                cases.append(BenchCase("block", batch, 1, length))
             for drafts in g.num_drafts:
                 if drafts == 1:
                     continue

@@ -8,7 +8,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from pipeline.benchmark.config import HF_ASSISTED, HF_GENERATE
+from pipeline.benchmark.config import AUTO, HF_ASSISTED, HF_GENERATE
 from pipeline.benchmark.tables import SPECULATIVE
 
 GOAL_BLOCK_EFFICIENCY_RATIO = 1.1
@@ -41,14 +41,105 @@ def pooled_block_efficiency(results, method: str, drafts: int, length: int) -> t
     return sum(r.generated_tokens for r in chosen) / calls, calls
 
 
+GOAL_AUTO_VS_BEST = 0.95  # auto's tokens/s against the best fixed configuration of the grid
+GOAL_AUTO_PREDICTION_ERROR = 0.20
+GOAL_AUTO_CALIBRATION_SECONDS = 5.0
+
+
 def evaluate_goals(report) -> list[Goal]:
-    """The benchmark's four goals, each PASS / MISS from the measurements, or N/A when not in the grid."""
-    return [
+    """The benchmark's goals, each PASS / MISS from the measurements, or N/A when not in the grid.
+
+    The planner's three goals are listed only when the grid has `auto`."""
+    goals = [
         block_efficiency_goal(report),
         optimality_goal(report),
         speculation_pays_goal(report),
         cost_model_goal(report),
     ]
+    if any(r.case.method == "block" for r in report.results):
+        goals.append(block_verification_goal(report))
+    if any(r.case.method == AUTO for r in report.results):
+        goals += [auto_speed_goal(report), auto_prediction_goal(report), auto_calibration_goal(report)]
+    return goals
+
+
+GOAL_BLOCK_VS_TOKEN = 1.05  # block verification's block efficiency over token verification's, same L
+
+
+def block_verification_goal(report) -> Goal:
+    """Block verification >= 1.05x the block efficiency of speculative sampling at L = 4 and L = 8."""
+    g = report.config.bench
+    name = (f"block efficiency of block >= {GOAL_BLOCK_VS_TOKEN:g}x speculative at L=4 and L=8, "
+            f"temperature {g.temperature:g}")
+    parts, ok, found = [], True, False
+    for length in (4, 8):
+        block = pooled_block_efficiency(report.results, "block", 1, length)
+        token = pooled_block_efficiency(report.results, "speculative", 1, length)
+        if not (block and token):
+            continue
+        found = True
+        ratio = block[0] / token[0]
+        ok = ok and ratio >= GOAL_BLOCK_VS_TOKEN
+        parts.append(f"L={length}: {block[0]:.3f} vs {token[0]:.3f} = {ratio:.3f}x ({block[1]} and {token[1]} calls)")
+    if not found:
+        return Goal(name, "N/A", "block and speculative at L=4 or L=8 not both in this grid")
+    return Goal(name, "PASS" if ok else "MISS", "; ".join(parts))
+
+
+def _auto_results(report) -> list:
+    return [r for r in report.results if r.ok and r.case.method == AUTO and r.auto is not None]
+
+
+def auto_speed_goal(report) -> Goal:
+    """5) at each batch size: auto >= 0.95x the best fixed configuration of ours, and >= autoregressive."""
+    name = (f"auto >= {GOAL_AUTO_VS_BEST:g}x the best fixed configuration of the grid and >= autoregressive, "
+            "at every batch size")
+    autos = _auto_results(report)
+    if not autos:
+        return Goal(name, "N/A", "auto did not run")
+    parts, ok = [], True
+    for r in autos:
+        fixed = [f for f in report.results if f.ok and f.case.batch_size == r.case.batch_size
+                 and f.case.method in ("autoregressive", "speculative", "block", "spectr", "specinfer")]
+        if not fixed:
+            continue
+        best = max(fixed, key=lambda f: f.tokens_per_second)
+        ratio = r.tokens_per_second / best.tokens_per_second
+        vs_ar = r.speedup_vs_autoregressive
+        ok = ok and ratio >= GOAL_AUTO_VS_BEST and (vs_ar is None or vs_ar >= 1.0 - 1e-9)
+        ar_text = f", {vs_ar:.2f}x autoregressive" if vs_ar is not None else ""
+        parts.append(f"B={r.case.batch_size}: auto chose {r.auto.candidate.label}, {r.tokens_per_second:.1f} tok/s "
+                     f"= {ratio:.2f}x the best fixed ({best.case.label}, {best.tokens_per_second:.1f}){ar_text}")
+    if not parts:
+        return Goal(name, "N/A", "no fixed configuration of ours at auto's batch sizes")
+    return Goal(name, "PASS" if ok else "MISS", "; ".join(parts))
+
+
+def auto_prediction_goal(report) -> Goal:
+    """6) the planner's predicted tokens/s of its choice within 20% of the measured."""
+    name = f"auto's predicted tokens/s within {GOAL_AUTO_PREDICTION_ERROR:.0%} of measured"
+    autos = [r for r in _auto_results(report) if r.prediction_error is not None]
+    if not autos:
+        return Goal(name, "N/A", "auto did not run")
+    worst = max(autos, key=lambda r: abs(r.prediction_error))
+    status = "PASS" if abs(worst.prediction_error) <= GOAL_AUTO_PREDICTION_ERROR else "MISS"
+    detail = "; ".join(
+        f"B={r.case.batch_size}: predicted {r.auto.predicted_tokens_per_second:.1f}, measured "
+        f"{r.tokens_per_second:.1f} ({100 * r.prediction_error:+.1f}%)" for r in autos
+    )
+    return Goal(name, status, detail)
+
+
+def auto_calibration_goal(report) -> Goal:
+    """7) calibrating the planner (latencies + acceptance) takes at most 5 s per batch size."""
+    name = f"auto's calibration <= {GOAL_AUTO_CALIBRATION_SECONDS:g} s"
+    autos = _auto_results(report)
+    if not autos:
+        return Goal(name, "N/A", "auto did not run")
+    longest = max(r.auto.calibration_seconds for r in autos)
+    status = "PASS" if longest <= GOAL_AUTO_CALIBRATION_SECONDS else "MISS"
+    detail = ", ".join(f"B={r.case.batch_size}: {r.auto.calibration_seconds:.1f} s" for r in autos)
+    return Goal(name, status, detail)
 
 
 def block_efficiency_goal(report) -> Goal:

@@ -35,7 +35,8 @@ import torch
 
 from pipeline import models
 from pipeline import prompts as io
-from pipeline.benchmark.config import HF_ASSISTED, HF_GENERATE, BenchCase, BenchConfig, expand_grid
+from pipeline.benchmark.auto import AutoChoice, plan_auto
+from pipeline.benchmark.config import AUTO, HF_ASSISTED, HF_GENERATE, BenchCase, BenchConfig, expand_grid
 from pipeline.benchmark.methods import CaseRun, PeakMemory, SamplingSettings, run_case
 from pipeline.benchmark.optimality import OptimalityResult, run_optimality
 from pipeline.errors import JobInputError
@@ -64,6 +65,7 @@ class Pair:
     eos_token_id: int | None
     pad_token_id: int
     device: torch.device
+    auto_choices: dict[int, AutoChoice] = field(default_factory=dict)  # batch size -> the planner's choice
 
 
 @dataclass
@@ -75,6 +77,7 @@ class CaseResult:
     error: str | None = None
     predictions: list[Prediction] = field(default_factory=list)
     context: int | None = None  # the cached context of its forwards in the cost model (case_context)
+    auto: AutoChoice | None = None  # method auto: what the planner chose and predicted
     speedup_vs_autoregressive: float | None = None
     speedup_vs_hf_generate: float | None = None
 
@@ -159,6 +162,8 @@ class CaseResult:
 
     @property
     def predicted_tokens_per_second(self) -> float | None:
+        if self.auto is not None:
+            return self.auto.predicted_tokens_per_second
         if not self.predictions:
             return None
         return statistics.median(
@@ -169,6 +174,10 @@ class CaseResult:
     def prediction_error(self) -> float | None:
         """Median over repeats of (predicted - measured) / measured tokens/s, each repeat's prediction
         made from that repeat's own target calls and acceptance (so the two are paired)."""
+        if self.auto is not None:  # the planner's steady-state prediction against each repeat
+            predicted = self.auto.predicted_tokens_per_second
+            errors = [predicted / r.tokens_per_second - 1.0 for r in self.runs if r.tokens_per_second]
+            return statistics.median(errors) if errors else None
         errors = [
             p.tokens_per_second(r.generated_tokens) / r.tokens_per_second - 1.0
             for p, r in zip(self.predictions, self.runs)
@@ -329,7 +338,7 @@ def measure_cases(
             def timed(r=r, repeat=repeat):
                 batches = batches_of(r.case)
                 run = run_case(pair, r.case, batches, settings, g.seed + SEED_STRIDE * repeat)
-                if calibrator is not None and r.case.method not in (HF_GENERATE, HF_ASSISTED):
+                if calibrator is not None and r.case.method not in (HF_GENERATE, HF_ASSISTED, AUTO):
                     run.calibration = calibrator.measure(r.case, case_context(config, batches))
                 r.runs.append(run)
 
@@ -361,7 +370,7 @@ def attach_predictions(
 ) -> LatencyTable:
     """Measure the latencies the cost model needs, then predict every timed run of our methods."""
     g = config.bench
-    ours = [r for r in results if r.ok and r.case.method not in (HF_GENERATE, HF_ASSISTED)]
+    ours = [r for r in results if r.ok and r.case.method not in (HF_GENERATE, HF_ASSISTED, AUTO)]
     target_lm, draft_lm = HFCausalLM(pair.target, role="target"), HFCausalLM(pair.draft, role="draft")
     batch_sizes = sorted(
         {b for b in g.cost_model.latency_batch_sizes if b <= max(g.batch_sizes)} | set(g.batch_sizes)
@@ -524,13 +533,17 @@ def _run_grid(config: BenchConfig, pair: Pair, bench_prompts: list[list[int]]) -
         bar.set_postfix_str(case.label)
         bar.update(1)
 
+    def batches_of(case: BenchCase):
+        return batches_for(bench_prompts, case.batch_size, g.num_prompts)
+
+    pair.auto_choices = plan_auto(config, pair, cases, batches_of)
     try:
-        return measure_cases(
-            config, pair, cases, lambda case: batches_for(bench_prompts, case.batch_size, g.num_prompts),
-            calibrator, on_run,
-        )
+        results = measure_cases(config, pair, cases, batches_of, calibrator, on_run)
     finally:
         bar.close()
+    for r in results:
+        r.auto = pair.auto_choices.get(r.case.batch_size) if r.case.method == AUTO else None
+    return results
 
 
 def _run_analyses(config: BenchConfig, pair: Pair, results: list[CaseResult], bench_prompts, optimality_prompts):
@@ -548,7 +561,7 @@ def _run_analyses(config: BenchConfig, pair: Pair, results: list[CaseResult], be
         except (RuntimeError, ValueError) as err:
             phase_errors.append(f"optimality analysis failed: {type(err).__name__}: {err}")
     latencies = None
-    if g.cost_model.enabled and any(r.ok and r.case.method not in (HF_GENERATE, HF_ASSISTED) for r in results):
+    if g.cost_model.enabled and any(r.ok and r.case.method not in (HF_GENERATE, HF_ASSISTED, AUTO) for r in results):
         try:
             latencies = attach_predictions(config, pair, results, bench_prompts)
         except (RuntimeError, ValueError, KeyError) as err:

@@ -4,7 +4,8 @@
 method and returns a `CaseRun`: wall time, generated tokens, target calls per row, accepted tokens per
 draft position, the time split and the peak memory. The three kinds of runner share that result:
 
-- ours (`autoregressive`, `speculative`, `spectr`, `specinfer`): `spectr.generate`, whose stats give
+- ours (`autoregressive`, `speculative`, `spectr`, `specinfer`, and `auto` with the planner's choice):
+  `spectr.generate`, whose stats give
   the time split (draft / target / selection; other = wall - the three) and the acceptance counts;
 - `hf_generate`: `target.generate(do_sample=True, top_k=0, ...)` on the left-padded batch;
 - `hf_assisted`: `target.generate(assistant_model=draft, ...)` with a constant schedule of
@@ -33,7 +34,7 @@ from typing import Any
 import torch
 
 import spectr
-from pipeline.benchmark.config import HF_ASSISTED, HF_GENERATE, BenchCase
+from pipeline.benchmark.config import AUTO, HF_ASSISTED, HF_GENERATE, BenchCase
 
 
 @dataclass(frozen=True)
@@ -161,13 +162,17 @@ def run_case(
 def _ours_batch(
     pair, case: BenchCase, prompts, settings: SamplingSettings, seeds: list[int], run: CaseRun
 ) -> None:
+    method, num_drafts, draft_length = case.method, case.num_drafts, case.draft_length
+    if method == AUTO:  # the planner chose before the timed runs (pipeline.benchmark.auto)
+        choice = pair.auto_choices[case.batch_size].candidate
+        method, num_drafts, draft_length = choice.method, choice.num_drafts, choice.draft_length
     output = spectr.generate(
         pair.target,
-        None if case.method == "autoregressive" else pair.draft,
+        None if method == "autoregressive" else pair.draft,
         prompts,
-        method=case.method,
-        num_drafts=max(case.num_drafts, 1),
-        draft_length=max(case.draft_length, 1),
+        method=method,
+        num_drafts=max(num_drafts, 1),
+        draft_length=max(draft_length, 1),
         max_new_tokens=settings.max_new_tokens,
         temperature=settings.temperature,
         top_k=settings.top_k,

@@ -125,6 +125,7 @@ def report_text(report, rows, goals, best) -> str:
     )
     text = [header, "", text_table(rows), ""]
     text += ["Best configuration per batch size:"] + [f"  {line}" for line in best] + [""]
+    text += _auto_lines(report, "  ")
     if report.optimality:
         text += [
             f"Token-level acceptance on {report.optimality.num_prompts} held-out prompts, "
@@ -161,7 +162,21 @@ def report_markdown(report, rows, goals, best) -> list[str]:
     md += [f"- {line}" for line in notes(report)]
     md += ["", "![block efficiency vs K](block_efficiency_vs_k.png)", "", "![speedup vs K](speedup_vs_k.png)", ""]
     md += ["## Best configuration per batch size", ""] + [f"- {line}" for line in best] + [""]
+    auto = _auto_lines(report, "- ")
+    if auto:
+        md += ["## Planner", ""] + auto[1:]
     return md + _analysis_markdown(report)
+
+
+def _auto_lines(report, bullet: str) -> list[str]:
+    """What `auto` chose at each batch size, its prediction and its calibration time (empty without auto)."""
+    lines = [
+        f"{bullet}B={r.case.batch_size}: {r.auto.description}; measured {r.tokens_per_second:.1f} tok/s; "
+        f"calibration {r.auto.calibration_seconds:.1f} s"
+        for r in report.results
+        if r.ok and r.auto is not None
+    ]
+    return ["Planner (auto):", *lines, ""] if lines else []
 
 
 def _analysis_markdown(report) -> list[str]:

@@ -13,7 +13,7 @@ from typing import Any
 from pipeline.benchmark.config import HF_ASSISTED, HF_GENERATE
 
 MULTI_DRAFT = ("spectr", "specinfer")
-SPECULATIVE = ("speculative", "spectr", "specinfer")
+SPECULATIVE = ("speculative", "block", "spectr", "specinfer")
 # ---------------------------------------------------------------------------------------
 # rows
 # ---------------------------------------------------------------------------------------
@@ -43,11 +43,13 @@ COLUMNS = [
 def result_row(r) -> dict[str, Any]:
     """One configuration as a flat dict (the CSV row; the tables format a subset of it)."""
     c = r.case
+    chosen = r.auto.candidate if getattr(r, "auto", None) is not None else None
+    method = chosen.method if chosen else c.method  # what generated the rows
     row: dict[str, Any] = {
         "method": c.method,
         "batch_size": c.batch_size,
-        "num_drafts": c.num_drafts,
-        "draft_length": c.draft_length,
+        "num_drafts": chosen.num_drafts if chosen else c.num_drafts,
+        "draft_length": chosen.draft_length if chosen else c.draft_length,
         "repeats": len(r.runs),
         "error": r.error or "",
     }
@@ -63,9 +65,9 @@ def result_row(r) -> dict[str, Any]:
         speedup_vs_autoregressive=r.speedup_vs_autoregressive,
         speedup_vs_hf_generate=r.speedup_vs_hf_generate,
         block_efficiency=r.block_efficiency,
-        acceptance_rate=r.acceptance_rate if c.method in SPECULATIVE else None,
+        acceptance_rate=r.acceptance_rate if method in SPECULATIVE else None,
         acceptance_per_position=" ".join(f"{a:.2f}" for a in r.acceptance_per_position)
-        if c.method in SPECULATIVE
+        if method in SPECULATIVE
         else "",
         draft_pct=100 * split["draft"] if has_split else None,
         target_pct=100 * split["target"] if has_split else None,
@@ -84,6 +86,8 @@ def result_row(r) -> dict[str, Any]:
         row.update({f"predicted_{k}_pct": 100 * v for k, v in predicted.items()})
     if c.method == HF_ASSISTED:
         row["draft_calls"] = sum(run.draft_calls for run in r.runs)
+    if chosen:
+        row.update(auto_choice=chosen.label, calibration_s=r.auto.calibration_seconds)
     return row
 
 
@@ -180,7 +184,7 @@ def summary_rows(results, batch_sizes) -> list[dict[str, Any]]:
     rows = []
     for batch in batch_sizes:
         here = [r for r in results if r.ok and r.case.batch_size == batch]
-        for method in (HF_GENERATE, HF_ASSISTED, "autoregressive", "speculative", "spectr", "specinfer"):
+        for method in (HF_GENERATE, HF_ASSISTED, "autoregressive", "speculative", "block", "spectr", "specinfer"):
             chosen = [r for r in here if r.case.method == method]
             if chosen:
                 rows.append(result_row(max(chosen, key=lambda r: r.tokens_per_second)))

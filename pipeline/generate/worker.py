@@ -64,7 +64,7 @@ class ShardGenerator:
         )
         self.target = models.load_model(model.target, model, device)
         self.draft = models.load_model(model.draft, model, device)
-        self.eos_token_id = models.eos_token_id_of(self.target, self.tokenizer)
+        self.eos_token_id = models.eos_token_ids_of(self.target, self.tokenizer)  # every EOS id
 
     def ready(self) -> dict[str, Any]:
         """Where this generator runs (called once so that load errors surface before any shard)."""

@@ -182,3 +182,33 @@ def test_single_draft_grid_gets_a_cost_model(tiny_pair, prompts_jsonl, tmp_path)
     assert report.exit_code == 0, report.phase_errors
     assert not report.phase_errors
     assert all(r.predicted_tokens_per_second for r in report.results)
+
+
+def test_auto_is_timed_with_the_planners_choice_next_to_the_fixed_grid(tiny_pair, prompts_jsonl, tmp_path):
+    out = tmp_path / "out"
+    cfg = composed(tiny_pair, prompts_jsonl, f"output_dir={out}", "mlflow.enabled=false",
+                   "bench.methods=[autoregressive,speculative,spectr,auto]", "bench.num_drafts=[1,2]",
+                   "bench.draft_lengths=[2]", "bench.optimality.enabled=false", "bench.cost_model.enabled=false")
+    config = bench_config_from_omegaconf(cfg)
+    report = benchmark(cfg)
+    assert report.exit_code == 0, [r.error for r in report.results if r.error]
+    g = config.bench
+    autos = [r for r in report.results if r.case.method == "auto"]
+    assert [r.case.batch_size for r in autos] == list(g.batch_sizes)
+    for r in autos:
+        chosen = r.auto.candidate
+        assert chosen.num_drafts <= 2 and chosen.draft_length <= 2  # the grid's bounds
+        prompts = sum(len(b) for b in _batches(config, r.case.batch_size))
+        assert r.generated_tokens == g.repeats * prompts * g.max_new_tokens
+        if chosen.method == "autoregressive":
+            assert r.block_efficiency == 1.0
+        else:
+            assert 1.0 <= r.block_efficiency <= chosen.draft_length + 1
+        assert r.auto.calibration_seconds > 0 and r.predicted_tokens_per_second > 0
+        assert r.prediction_error is not None
+    goal_names = [goal.name for goal in report.goals]
+    assert any(name.startswith("auto >=") for name in goal_names)
+    assert any("auto's calibration" in name for name in goal_names)
+    with open(out / "results.csv") as f:
+        rows = [row for row in csv.DictReader(f) if row["method"] == "auto"]
+    assert len(rows) == len(autos) and all(row["auto_choice"] for row in rows)

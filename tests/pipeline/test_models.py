@@ -68,3 +68,25 @@ def test_chat_template_rendering(tiny_pair, tmp_path):
         models.render_prompts(plain, chat, None, [[{"role": "user", "content": "x"}]])
     ids = models.tokenize(tokenizer, texts, add_special_tokens=False)
     assert tokenizer.decode(ids[0]) == texts[0]
+
+
+def test_every_eos_id_of_the_generation_config_is_passed_on():
+    from types import SimpleNamespace
+
+    tokenizer = SimpleNamespace(eos_token_id=7)
+    with_list = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[2, 5, 2]))
+    assert models.eos_token_ids_of(with_list, tokenizer) == [2, 5]
+    single = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=3))
+    assert models.eos_token_ids_of(single, tokenizer) == [3]
+    none = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=None))
+    assert models.eos_token_ids_of(none, tokenizer) == [7]
+    assert models.eos_token_ids_of(none, SimpleNamespace(eos_token_id=None)) == []
+
+
+def test_dtype_auto_is_bfloat16_on_cuda_and_float32_on_cpu():
+    import torch
+
+    assert models.resolve_dtype("auto", "cpu") is torch.float32
+    assert models.resolve_dtype("auto", "cuda", bf16_supported=True) is torch.bfloat16
+    assert models.resolve_dtype("auto", "cuda:1", bf16_supported=False) is torch.float16
+    assert models.resolve_dtype("bfloat16", "cpu") is torch.bfloat16

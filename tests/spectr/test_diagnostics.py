@@ -32,3 +32,18 @@ def test_each_host_read_counts_once():
         "item": 1, "tolist": 1, "bool": 1, "bool_index": 1, "nonzero": 2, "cpu": 2, "int": 1,
     }
     assert syncs.total == 9
+
+
+def test_reads_inside_a_module_are_counted_apart_and_the_hooks_go_away():
+    class Reads(torch.nn.Module):
+        def forward(self, x):
+            x.sum().item()  # a model's own host read
+            return x * 2
+
+    model = Reads()
+    x = torch.rand(3)
+    with HostSyncCounter().inside_module(model) as syncs:
+        y = model(x)
+        y.tolist()  # the caller's read
+    assert syncs.by_kind == {"tolist": 1} and syncs.model_by_kind == {"item": 1}
+    assert not model._forward_hooks and not model._forward_pre_hooks

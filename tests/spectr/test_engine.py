@@ -8,7 +8,7 @@ from hf_tiny import hf_greedy, noisy_copy, tiny_model
 
 import spectr
 
-METHODS = ["autoregressive", "speculative", "spectr", "specinfer"]
+METHODS = ["autoregressive", "speculative", "spectr", "specinfer", "block"]
 PROMPTS = [[3, 17, 42, 8, 1], [9], [5, 6, 7, 8, 9, 10, 11, 12, 13], [60, 2]]
 
 
@@ -153,7 +153,7 @@ def test_statistics_are_consistent(pair, method):
         # a later position can only be accepted after the earlier ones
         assert all(a >= b for a, b in zip(stats.accepted_per_position, stats.accepted_per_position[1:]))
         assert stats.accepted_tokens <= stats.tested_positions
-        assert stats.num_drafts == (1 if method == "speculative" else 3)
+        assert stats.num_drafts == (1 if method in ("speculative", "block") else 3)
         assert stats.draft_seconds > 0
     assert set(stats.to_dict()) >= {"block_efficiency", "accepted_per_position", "tokens_per_call_histogram",
                                     "generated_tokens", "target_calls", "finish_reason", "acceptance_rate"}

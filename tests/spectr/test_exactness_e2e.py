@@ -6,16 +6,25 @@ tokens for thousands of copies of the same prompt in ONE batched call (row i has
 and a chi-square test compares the joint counts with the exact law. Cells with an expected
 count below 5 are pooled; a sample in a cell of exact probability 0 fails outright.
 
+The same test runs on bfloat16 copies of the models, against the bf16 target's own law
+(enumerated with bf16 full forwards): the engine's selection math stays in float32/float64
+and every draft token is drawn from the row the selection reads (spectr.tree), so the
+output is the bf16 model's law; the skip-residual control is rejected there too.
+
 Negative controls, which the same test must reject:
 - a selection rule that skips the residual (a rejected draft is replaced by a fresh sample
   from q instead of norm(max(0, q - p))), injected through the method registry;
-- a commit that forgets to gather the accepted path in the KV caches (keep_path no-op).
+- a commit that forgets to gather the accepted path in the KV caches (keep_path no-op);
+- block verification with h_i = w_i at every i (token verification's stopping with block
+  residuals), registered as a sequence-level rule.
 
 The default suite runs a representative subset; the full grid (every method, K in {1, 3},
 L in {1, 2, 4}, with and without temperature/top-k/top-p) is marked slow.
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -24,8 +33,10 @@ from scipy.stats import chi2
 
 import spectr
 import spectr.selection as selection
+from spectr.block import block_rule
 from spectr.kv_cache import RowKVCache
 from spectr.rng import sample_categorical
+from spectr.sequence import SEQUENCE_RULES
 from spectr.warps import SamplingWarp
 
 VOCAB = 8
@@ -46,6 +57,17 @@ def pair():
         vocab_size=VOCAB, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, init_std=0.5, seed=2
     )
     return target, draft
+
+
+@pytest.fixture(scope="module")
+def pair_bf16(pair):
+    return tuple(copy.deepcopy(m).to(torch.bfloat16) for m in pair)
+
+
+@pytest.fixture(scope="module")
+def exact_law_bf16(pair_bf16):
+    """The bf16 target's own law of the first 3 tokens (bf16 full forwards, warps in float32)."""
+    return exact_joint_distribution(pair_bf16[0], PROMPT, LENGTH, SamplingWarp(*WARPS["warped"])).reshape(-1)
 
 
 @pytest.fixture(scope="module")
@@ -103,10 +125,11 @@ DEFAULT_CASES = [
     ("spectr", 3, 1, "plain"),
     ("spectr", 3, 4, "warped"),
     ("specinfer", 3, 2, "warped"),
+    ("block", 1, 3, "warped"),
 ]
 FULL_GRID = [
     (method, k, length, warp)
-    for method, ks in (("speculative", (1,)), ("spectr", (1, 3)), ("specinfer", (1, 3)))
+    for method, ks in (("speculative", (1,)), ("spectr", (1, 3)), ("specinfer", (1, 3)), ("block", (1,)))
     for k in ks
     for length in (1, 2, 4)
     for warp in WARPS
@@ -144,8 +167,27 @@ def test_negative_control_skipping_the_residual_is_rejected(pair, exact_laws, mo
     assert chi_square_pvalue(out.tokens, exact_laws[warp]) < REJECT_P
 
 
+@pytest.mark.parametrize("warp", ["plain", "warped"])
+def test_negative_control_block_with_token_stops_is_rejected(pair, exact_laws, monkeypatch, warp):
+    monkeypatch.setitem(SEQUENCE_RULES, "block_token_stops", block_rule(lambda weights, excess: weights))
+    out = run(pair, "block_token_stops", 1, 3, warp, 6000)
+    assert chi_square_pvalue(out.tokens, exact_laws[warp]) < REJECT_P
+
+
 def test_negative_control_a_commit_without_path_gather_is_rejected(pair, exact_laws, monkeypatch):
     # Without keep_path the caches keep draft 0's entries even when another draft was accepted.
     monkeypatch.setattr(RowKVCache, "keep_path", lambda self, source, dest: None)
     out = run(pair, "spectr", 3, 1, "plain", 6000)
     assert chi_square_pvalue(out.tokens, exact_laws["plain"]) < REJECT_P
+
+
+def test_bfloat16_models_follow_their_own_law(pair_bf16, exact_law_bf16):
+    out = run(pair_bf16, "spectr", 3, 4, "warped", 6000)
+    assert 0.05 < out.stats.acceptance_rate < 0.95
+    assert chi_square_pvalue(out.tokens, exact_law_bf16) > ACCEPT_P
+
+
+def test_bfloat16_negative_control_skipping_the_residual_is_rejected(pair_bf16, exact_law_bf16, monkeypatch):
+    monkeypatch.setitem(selection.TOKEN_SELECTORS, "skip_residual", _skip_residual)
+    out = run(pair_bf16, "skip_residual", 1, 2, "warped", 6000)
+    assert chi_square_pvalue(out.tokens, exact_law_bf16) < REJECT_P

@@ -12,7 +12,7 @@ from spectr.hf import HFCausalLM
 from spectr.kv_cache import tree_attention
 
 PROMPTS = [[3, 17, 42, 8, 1], [9], [5, 6, 7, 8, 9, 10, 11, 12, 13]]
-METHODS = ["autoregressive", "speculative", "spectr", "specinfer"]
+METHODS = ["autoregressive", "speculative", "spectr", "specinfer", "block"]
 
 
 @pytest.fixture(scope="module", params=ARCHITECTURES)
@@ -130,7 +130,7 @@ def test_half_precision_models_run_every_method_and_keep_consistent_caches(metho
         allowed = tree_attention(lengths, torch.ones(1, 1, dtype=torch.bool), int(lengths.max()) + 1)
         cached = generation.target.forward(generation.pending[:, None], slots, allowed,
                                            generation.target_cache, slots)[:, 0]
-    sequences = [PROMPTS[i] + generation.outputs[i] for i in generation.rows]
+    sequences = generation.row_sequences()
     assert cached.dtype == dtype
     full = full_last_logits(target, sequences)
     # bf16 keeps ~3 significant digits (fp16 ~4): compare at that precision
@@ -139,3 +139,79 @@ def test_half_precision_models_run_every_method_and_keep_consistent_caches(metho
                           max_new_tokens=10, seed=[7, 8, 9])
     assert [len(t) for t in out.tokens] == [10, 10, 10]
     assert all(0 <= t < 64 for row in out.tokens for t in row)
+
+
+# --- grouped-query attention without repeating K/V ----------------------------------------------
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self, groups):
+        super().__init__()
+        self.num_key_value_groups = groups
+        self.is_causal = True
+
+
+@pytest.mark.parametrize("groups,new", [(1, 5), (2, 1), (4, 7), (3, 6)])
+def test_grouped_attention_equals_the_stock_sdpa_path(groups, new):
+    """Folding query groups into the query axis equals transformers' repeat-K/V sdpa to float tolerance."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from spectr.hf import grouped_query_attention
+
+    g = torch.Generator().manual_seed(groups * 10 + new)
+    batch, kv_heads, slots, dim = 3, 2, 11, 8
+    query = torch.randn(batch, kv_heads * groups, new, dim, generator=g)
+    key = torch.randn(batch, kv_heads, slots, dim, generator=g)
+    value = torch.randn(batch, kv_heads, slots, dim, generator=g)
+    allowed = torch.rand(batch, new, slots, generator=g) < 0.6
+    allowed[..., 0] = True  # every query sees something
+    mask = torch.zeros(batch, 1, new, slots).masked_fill(~allowed[:, None], torch.finfo(torch.float32).min)
+    module = _Attention(groups)
+    ours, _ = grouped_query_attention(module, query, key, value, mask, scaling=0.3)
+    stock, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+    assert ours.shape == stock.shape == (batch, new, kv_heads * groups, dim)
+    torch.testing.assert_close(ours, stock, atol=1e-6, rtol=1e-5)
+    # a wrong fold (query heads of different KV heads interleaved) is not close: the check can fail
+    interleaved = query.view(batch, groups, kv_heads, new, dim).transpose(1, 2).reshape(query.shape)
+    wrong, _ = grouped_query_attention(module, interleaved, key, value, mask, scaling=0.3)
+    if groups > 1:
+        assert not torch.allclose(wrong, stock, atol=1e-3)
+
+
+@torch.inference_mode()
+def test_engine_forwards_use_the_grouped_attention_and_match_eager():
+    """A GQA model's tree forward through HFCausalLM runs spectr_sdpa, equals the eager model, and
+    leaves the model's own attention setting as it was."""
+    from spectr.generate import prefill
+    from spectr.hf import GROUPED_ATTENTION
+
+    sdpa = tiny_model("llama", num_heads=4, num_kv_heads=1, init_std=0.2, seed=3)
+    eager = tiny_model("llama", num_heads=4, num_kv_heads=1, init_std=0.2, seed=3, attn_implementation="eager")
+    calls = []
+    import spectr.hf as hf
+
+    original = hf.grouped_query_attention
+    from transformers.modeling_utils import AttentionInterface
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    AttentionInterface.register(GROUPED_ATTENTION, counting)
+    try:
+        outputs = []
+        for model in (sdpa, eager):
+            lm = HFCausalLM(model)
+            cache = lm.new_cache(2, 16)
+            prefill(lm, cache, [[3, 4, 5, 6], [7, 8]], torch.device("cpu"))
+            lengths = cache.rows.lengths
+            visible = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+            slots = lengths[:, None] + torch.arange(3)
+            allowed = tree_attention(lengths, visible, int(lengths.max()) + 3)
+            outputs.append(lm.forward(torch.tensor([[6, 1, 2], [8, 9, 9]]), lengths[:, None] + torch.tensor([0, 1, 1]),
+                                      allowed, cache, slots))
+    finally:
+        AttentionInterface.register(GROUPED_ATTENTION, original)
+    assert len(calls) == 2 * 2  # prefill + tree forward, 2 layers each, sdpa model only
+    torch.testing.assert_close(outputs[0], outputs[1], atol=1e-5, rtol=1e-5)
+    assert sdpa.config._attn_implementation == "sdpa" and eager.config._attn_implementation == "eager"

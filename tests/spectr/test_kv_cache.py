@@ -85,20 +85,23 @@ def next_logits_through_cache(model, cache, pending: torch.Tensor, num_pending: 
     return logits[torch.arange(len(pending)), num_pending - 1]  # [B, V]
 
 
-@pytest.mark.parametrize("method", ["autoregressive", "speculative", "spectr", "specinfer"])
+@pytest.mark.parametrize("method", ["autoregressive", "speculative", "spectr", "specinfer", "block"])
 def test_caches_equal_fresh_full_forward_after_iterations(pair, method):
     target, draft = pair
     generation = Generation(target, draft, PROMPTS, method=method, num_drafts=3, draft_length=3,
                             max_new_tokens=40, seed=[4, 5, 6, 7])
     with torch.inference_mode():
         generation.start()
-        for _ in range(4):
+        for _ in range(10):  # until rows sit at different lengths (or 10 iterations)
             generation.step()
-    assert len(generation.rows) == len(PROMPTS)  # nobody finished: every row is checked
-    sequences = [PROMPTS[i] + generation.outputs[i] for i in generation.rows]
+            generated = {len(s) - len(p) for s, p in zip(generation.row_sequences(), PROMPTS)}
+            if len(generated) > 1 and generation.stats.iterations >= 3:
+                break
+    assert bool(generation.running.all())  # nobody finished: every row is checked
+    sequences = generation.row_sequences()
     if method != "autoregressive":
         # rows accepted different numbers of tokens, so they sit at different cache lengths
-        assert len({len(out) for out in generation.outputs}) > 1
+        assert len({len(s) - len(p) for s, p in zip(sequences, PROMPTS)}) > 1
 
     # target: the cache holds every committed token but the last, which is pending
     lengths = generation.target_cache.rows.lengths.tolist()
@@ -123,15 +126,51 @@ def test_caches_equal_fresh_full_forward_after_iterations(pair, method):
         torch.testing.assert_close(cached, full_last_logits(draft, sequences), atol=1e-4, rtol=0)
 
 
-def test_finished_rows_leave_the_batch_and_the_rest_stay_consistent(pair):
+@pytest.mark.parametrize("compact_fraction", [0.0, 1.0], ids=["compact at once", "masked in place"])
+def test_finished_rows_leave_the_batch_or_stay_masked_and_the_rest_stay_consistent(pair, compact_fraction):
     target, draft = pair
-    max_new = [6, 40]
-    generation = Generation(target, draft, PROMPTS[:2], method="spectr", num_drafts=2, draft_length=3,
-                            max_new_tokens=6, seed=[1, 2])
+    budgets = [6, 9, 40, 40]
+    generation = Generation(target, draft, PROMPTS, method="spectr", num_drafts=2, draft_length=3,
+                            max_new_tokens=budgets, seed=[1, 2, 3, 4], compact_fraction=compact_fraction)
+    batch_sizes = []
     with torch.inference_mode():
         generation.start()
-        while not generation.done:
-            assert generation.target_cache.rows.batch_size == len(generation.rows)
+        while generation.stats.iterations < 8:
             generation.step()
-    assert all(len(out) == max_new[0] for out in generation.outputs)
-    assert generation.stats.finish_reason == ["length", "length"]
+            batch_sizes.append(generation.target_cache.rows.batch_size)
+        # the rows still running: caches equal fresh forwards of their committed tokens
+        running = generation.running.tolist()
+        sequences = [s for s, r in zip(generation.row_sequences(), running) if r]
+        rows = torch.tensor([i for i, r in enumerate(running) if r])
+        lengths = generation.target_cache.rows.lengths[rows]
+        assert lengths.tolist() == [len(s) - 1 for s in sequences]
+        cache = generation.target_cache
+        slots = cache.rows.lengths[:, None]
+        allowed = tree_attention(cache.rows.lengths, torch.ones(1, 1, dtype=torch.bool),
+                                 int(cache.rows.lengths.max()) + 1)
+        cached = generation.target.forward(generation.pending[:, None], slots, allowed, cache, slots)[rows, 0]
+        torch.testing.assert_close(cached, full_last_logits(target, sequences), atol=1e-4, rtol=0)
+        while not generation.done:
+            generation.step()
+        generation.finish()
+    assert [len(t) for t in generation.tokens] == budgets
+    assert generation.stats.finish_reason == ["length"] * 4
+    if compact_fraction == 0.0:  # the first two rows left as soon as they finished
+        assert batch_sizes[0] == 4 and batch_sizes[-1] == 2 and generation.stats.compactions >= 2
+    else:
+        assert batch_sizes == [4] * 8 and generation.stats.compactions == 0
+
+
+def test_compaction_does_not_change_the_output(pair):
+    target, draft = pair
+    outputs = []
+    for compact_fraction in (0.0, 0.5, 1.0):
+        generation = Generation(target, draft, PROMPTS, method="spectr", num_drafts=2, draft_length=3,
+                                max_new_tokens=[6, 9, 40, 25], seed=[1, 2, 3, 4], compact_fraction=compact_fraction)
+        with torch.inference_mode():
+            generation.start()
+            while not generation.done:
+                generation.step()
+            generation.finish()
+        outputs.append(generation.tokens)
+    assert outputs[0] == outputs[1] == outputs[2]

@@ -13,7 +13,8 @@ import math
 import pytest
 import torch
 
-from pipeline.benchmark.optimality import acceptance_table, specinfer_acceptance, specinfer_acceptance_curve
+from pipeline.benchmark.optimality import acceptance_table
+from spectr.planner.acceptance import specinfer_acceptance, specinfer_acceptance_curve
 from spectr.rng import sample_categorical
 from spectr.selection import kseq_acceptance, optimal_acceptance, select_tokens
 
@@ -97,7 +98,7 @@ def test_acceptance_table_means():
 
 def test_float32_rows_are_renormalised_for_the_strict_checks():
     """Regression: float32 warped probabilities over 8192 tokens sum to 1 only within ~1e-6."""
-    from pipeline.benchmark.optimality import as_float64_distribution
+    from spectr.planner.acceptance import as_float64_distribution
 
     off = torch.full((1, 8192), (1 - 3e-6) / 8192, dtype=torch.float32)  # sums to 1 - 3e-6
     with pytest.raises(ValueError, match="sums to"):
@@ -113,7 +114,8 @@ def test_run_optimality_on_models_with_a_large_vocabulary():
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "spectr"))
     from hf_tiny import tiny_model
 
-    from pipeline.benchmark.optimality import collect_distributions, run_optimality
+    from pipeline.benchmark.optimality import run_optimality
+    from spectr.planner.acceptance import collect_distributions
     from spectr.warps import SamplingWarp
 
     target = tiny_model(vocab_size=8192, hidden_size=16, num_layers=1, init_std=0.5, seed=1)

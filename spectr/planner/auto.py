@@ -1,0 +1,96 @@
+"""`method="auto"`: calibrate a `Planner` for one draft/target pair on its device, then follow its choice.
+
+    planner = auto_planner(target, draft, prompts, batch_size=8, warp=SamplingWarp(1.0, 0, 1.0))
+    choice = planner.choice                      # a Candidate: method, K, L
+    # or, in one call: spectr.generate(target, draft, prompts, method="auto", ...)
+    ... spectr.generate(..., method=choice.method, num_drafts=choice.num_drafts, draft_length=choice.draft_length)
+    planner.observe(choice, stats.accepted_per_position, stats.total_target_calls, mean_active_rows)
+
+Calibration measures the forwards and the cheap steps at the batch size and the prompts' context
+(`spectr.planner.calibrate.measure_cost_model`) and the pair's acceptance along short target-sampled
+continuations of a few of the prompts (`measure_acceptance`). Every candidate is exact, so the choice
+only changes the speed. With temperature 0 (greedy) multiple drafts add nothing, so only autoregressive
+and single-draft candidates are considered.
+
+Not here: the loop (`spectr.generate`), what the job logs about the choice (`pipeline.generate`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from spectr.hf import HFCausalLM
+from spectr.planner.calibrate import measure_acceptance, measure_cost_model
+from spectr.planner.choose import Planner, bounded, default_candidates
+from spectr.warps import SamplingWarp
+
+PROBE_PROMPTS = 4  # prompts whose continuations measure the acceptance
+PROBE_TOKENS = 16  # tokens per continuation
+# The probe's random streams are the seeds' streams shifted far away, so that the choice never shares
+# uniforms with the rows it is chosen for (it must not depend on the randomness of the outputs).
+PROBE_SEED_OFFSET = 2**61
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """How long the planner's measurements took, for the job's report."""
+
+    cost_seconds: float
+    acceptance_seconds: float
+
+    @property
+    def seconds(self) -> float:
+        return self.cost_seconds + self.acceptance_seconds
+
+
+def auto_planner(
+    target,
+    draft,
+    prompts: Sequence[Sequence[int]],
+    *,
+    batch_size: int,
+    warp: SamplingWarp,
+    seed: int = 0,
+    max_num_drafts: int | None = None,
+    max_draft_length: int | None = None,
+) -> tuple[Planner, Calibration]:
+    """A planner calibrated on this pair, device, batch size and these prompts' context."""
+    if not prompts:
+        raise ValueError("auto_planner needs at least one prompt to measure the pair's acceptance")
+    greedy = warp.temperature == 0
+    candidates = default_candidates(methods=("speculative",) if greedy else ("speculative", "block", "spectr", "specinfer"))
+    candidates = bounded(candidates, max_num_drafts, max_draft_length)
+    target_lm, draft_lm = HFCausalLM(target, role="target"), HFCausalLM(draft, role="draft")
+    context = max(len(p) for p in prompts)
+    started = time.perf_counter()
+    cost = measure_cost_model(target_lm, draft_lm, candidates, batch_size, context, warp)
+    measured = time.perf_counter()
+    probe = [list(p) for p in prompts[:PROBE_PROMPTS]]
+    ks = sorted({c.num_drafts for c in candidates if c.num_drafts > 1}) or [2]
+    acceptance = measure_acceptance(target, draft, probe, PROBE_TOKENS, warp, seed + PROBE_SEED_OFFSET, ks)
+    calibration = Calibration(measured - started, time.perf_counter() - measured)
+    return Planner(candidates, acceptance, cost, batch_size), calibration
+
+
+def generate_auto(target, draft, prompts: Sequence[Sequence[int]], *, num_drafts: int, draft_length: int,
+                  temperature: float, top_k: int, top_p: float, seed, batch_size: int | None = None,
+                  planner: Planner | None = None, **arguments):
+    """`spectr.generate(method="auto")`: calibrate (unless a planner is given), then generate with its choice."""
+    from spectr.generate import generate
+
+    warp = SamplingWarp(float(temperature), int(top_k), float(top_p))
+    if planner is None:
+        rows = min(batch_size or len(prompts), len(prompts))
+        first_seed = seed if isinstance(seed, int) else int(seed[0])
+        planner, _ = auto_planner(target, draft, prompts, batch_size=max(rows, 1), warp=warp, seed=first_seed,
+                                  max_num_drafts=num_drafts, max_draft_length=draft_length)
+    choice = planner.choice
+    output = generate(
+        target, None if choice.method == "autoregressive" else draft, prompts, method=choice.method,
+        num_drafts=max(choice.num_drafts, 1), draft_length=max(choice.draft_length, 1), temperature=temperature,
+        top_k=top_k, top_p=top_p, seed=seed, batch_size=batch_size, **arguments,
+    )
+    output.stats.plan = planner.plan.describe()
+    return output

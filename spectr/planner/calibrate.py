@@ -1,0 +1,119 @@
+"""Calibrating the planner on the worker's own device, in a few seconds: a cost model and an acceptance model.
+
+`measure_cost_model` times, through the engine's own pieces (`spectr.planner.latency`), what one
+iteration of any candidate costs at the job's batch size and context: target forwards at a few token
+counts between 1 and the widest candidate tree (interpolated in between), draft forwards at 1, 2 and K
+tokens, the draft's sampling, the selection walk of each method at its smallest and largest tree
+(mean of the all-reject and all-accept extremes), and the commit. Forwards are also timed at one row, so
+that a plan for a lower occupancy interpolates between measured batch sizes.
+
+`measure_acceptance` samples short continuations of the job's first prompts from the target and reads
+p and q along them (`spectr.planner.acceptance.collect_distributions`).
+
+Not here: the choice (`spectr.planner.choose`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from spectr.hf import HFCausalLM
+from spectr.planner.acceptance import AcceptanceModel, collect_distributions
+from spectr.planner.choose import SELECTION, Candidate, CostModel
+from spectr.planner.latency import (
+    ForwardTimer,
+    autoregressive_selection_latency,
+    commit_latency,
+    draft_sampling_latency,
+    selection_latency,
+)
+from spectr.planner.table import ACCEPT_ALL, COMMIT, DRAFT, DRAFT_SAMPLE, REJECT_ALL, TARGET, LatencyTable
+from spectr.warps import SamplingWarp
+
+
+def forward_widths(widest: int) -> list[int]:
+    """1, 2, 3, 5, 9, 17, ... up to and including `widest`: enough points to interpolate a forward's cost."""
+    widths, w = [1, 2], 3
+    while w < widest:
+        widths.append(w)
+        w = 2 * w - 1
+    return sorted({x for x in widths if x <= widest} | {widest})
+
+
+@torch.inference_mode()
+def measure_cost_model(
+    target: HFCausalLM,
+    draft: HFCausalLM,
+    candidates: Sequence[Candidate],
+    batch: int,
+    context: int,
+    warp: SamplingWarp,
+    repeats: int = 1,
+) -> CostModel:
+    """Every latency `CostModel.iteration_seconds` reads for `candidates` at `batch` rows and `context`."""
+    speculative = [c for c in candidates if c.method != "autoregressive"]
+    widest = max([c.tree_tokens for c in candidates] + [2])
+    max_k = max([c.num_drafts for c in speculative] + [1])
+    max_l = max([c.draft_length for c in speculative] + [1])
+    table = LatencyTable()
+    for rows in sorted({1, batch}):
+        timers = _time_forwards(table, target, draft, rows, context, (widest, max_k, max_l), repeats, bool(speculative))
+        if rows != batch:
+            continue
+        _time_steps(table, timers, rows, target.vocab_size, warp, max_k, max_l, repeats, target.device)
+        _time_selection(table, speculative, rows, target.vocab_size, warp, repeats, target.device)
+    return CostModel(table, context=None)
+
+
+def _time_forwards(table, target, draft, rows, context, sizes, repeats, speculative) -> dict:
+    widest, max_k, max_l = sizes
+    # slots after the context: the widest forward, and the commit's L + 1 slots (timed on these caches)
+    timers = {TARGET: ForwardTimer(target, rows, context, max(widest, max_l + 2))}
+    for w in forward_widths(widest):
+        table.add(TARGET, rows, (w,), timers[TARGET].seconds(w, repeats))
+    timers[DRAFT] = None
+    if speculative:
+        timers[DRAFT] = ForwardTimer(draft, rows, context, max(2, max_k, max_l + 2))
+        for w in sorted({1, 2, max_k} | ({max_k // 2} if max_k > 2 else set())):
+            table.add(DRAFT, rows, (w,), timers[DRAFT].seconds(w, repeats))
+    return timers
+
+
+def _time_steps(table, timers, rows, vocab_size, warp, max_k, max_l, repeats, device) -> None:
+    """The draft's sampling at K = 1 and the widest K, and the commit at L = 0 and the longest L."""
+    for k in sorted({1, max_k}):
+        table.add(DRAFT_SAMPLE, rows, (k,), draft_sampling_latency(rows, k, vocab_size, warp, False, repeats, device))
+    table.add(COMMIT, rows, (0,), commit_latency(timers[TARGET], None, 0, repeats))
+    if timers[DRAFT] is not None:
+        table.add(COMMIT, rows, (max_l,), commit_latency(timers[TARGET], timers[DRAFT], max_l, repeats))
+    table.add(f"{SELECTION}_autoregressive", rows, (0,),
+              autoregressive_selection_latency(rows, vocab_size, warp, repeats, device))
+
+
+def _time_selection(table, speculative: Sequence[Candidate], rows, vocab_size, warp, repeats, device) -> None:
+    """Each method's selection at its smallest and largest tree, as the mean of the two extremes."""
+    for method in sorted({c.method for c in speculative}):
+        mine = [c for c in speculative if c.method == method]
+        for c in {min(mine, key=lambda c: c.num_drafts * c.draft_length), max(mine, key=lambda c: c.num_drafts * c.draft_length)}:
+            seconds = [
+                selection_latency(method, rows, c.num_drafts, c.draft_length, vocab_size, extreme, warp, repeats, device)
+                for extreme in (REJECT_ALL, ACCEPT_ALL)
+            ]
+            table.add(f"{SELECTION}_{method}", rows, (c.num_drafts * c.draft_length,), sum(seconds) / 2)
+
+
+def measure_acceptance(
+    target,
+    draft,
+    prompts: Sequence[Sequence[int]],
+    continuation_tokens: int,
+    warp: SamplingWarp,
+    seed: int,
+    num_drafts: Sequence[int] = (2, 4, 8),
+) -> AcceptanceModel:
+    """The acceptance model of this pair on these prompts, from one short target-sampled continuation each."""
+    draft_probs, target_probs = collect_distributions(target, draft, prompts, continuation_tokens, warp, seed)
+    segments = [continuation_tokens] * len(prompts)
+    return AcceptanceModel.from_distributions(draft_probs, target_probs, segments, num_drafts)
