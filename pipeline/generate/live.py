@@ -63,10 +63,12 @@ class LiveMetrics:
         checkpoint: Callable[[float], None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
         heartbeat_s: float = HEARTBEAT_S,
+        on_plan: Callable[[str], None] | None = None,
     ):
         """log_metrics: takes a list of `mlflow.entities.Metric` (run on the background thread);
         started: the `clock()` time generation started; checkpoint(generation seconds so far): called
-        after each shard (the run file's record of time spent)."""
+        after each shard (the run file's record of time spent); on_plan(plan): a new choice of the planner
+        (method="auto"), called on the background thread."""
         self._log_metrics = log_metrics
         self.total = total_stats(earlier_stats)
         self.this_run = total_stats([])
@@ -83,10 +85,15 @@ class LiveMetrics:
         self.pending_usage: dict[int, dict[str, float]] = {}
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlflow-live")
         self._warned = False
+        self.on_plan = on_plan
+        self.plan = ""
 
     def shard_written(self, stats: dict[str, Any], worker: dict[str, Any] | None = None) -> None:
         merge_stats(self.total, stats)
         merge_stats(self.this_run, stats)
+        if self.on_plan is not None and stats.get("plan") and stats["plan"] != self.plan:
+            self.plan = stats["plan"]
+            self._background.submit(self._call, self.on_plan, self.plan)
         if worker is not None and stats.get("resources"):
             number = self.workers.setdefault(worker_key(worker), len(self.workers))
             self.pending_usage[number] = merge_usage(self.pending_usage.get(number, {}), stats["resources"])
@@ -138,8 +145,11 @@ class LiveMetrics:
         return metrics
 
     def _send(self, metrics: list) -> None:
+        self._call(self._log_metrics, metrics)
+
+    def _call(self, function: Callable[[Any], None], argument: Any) -> None:
         try:
-            self._log_metrics(metrics)
+            function(argument)
         except Exception as err:  # noqa: BLE001 - live metrics are best effort; the job goes on
             if not self._warned:
                 log.warning("live MLflow metrics failed (%s: %s); the job goes on", type(err).__name__, err)

@@ -1,6 +1,7 @@
 """Shard statistics as plain, summable dicts: what a worker returns and the driver adds up.
 
-`empty_stats()` is the zero; `merge_stats(total, part)` adds in place (lists element-wise);
+`empty_stats()` is the zero; `merge_stats(total, part)` adds in place (lists element-wise; `plan`, the
+planner's choice under method="auto", is the latest one);
 `stats_of(generation_stats)` takes the summable part of one `spectr.generate` call.
 `ResourceMeter` measures what one shard cost its worker (CPU time, peak RSS; on CUDA the accelerator's
 peak memory and utilisation); the worker puts it in the stats under `"resources"`, which
@@ -53,6 +54,8 @@ def merge_stats(total: dict[str, Any], part: dict[str, Any]) -> dict[str, Any]:
         a += [0] * (width - len(a))
         b += [0] * (width - len(b))
         total[name] = [x + y for x, y in zip(a, b)]
+    if part.get("plan"):
+        total["plan"] = part["plan"]  # the planner's latest choice (method="auto")
     return total
 
 
@@ -65,6 +68,8 @@ def stats_of(generation_stats: Any) -> dict[str, Any]:
         stats[name] = [int(x) for x in getattr(generation_stats, name)]
     stats["generated_tokens"] = int(sum(generation_stats.generated_tokens))
     stats["target_calls"] = int(sum(generation_stats.target_calls))
+    if getattr(generation_stats, "plan", ""):  # method="auto": what the planner chose
+        stats["plan"] = str(generation_stats.plan)
     return stats
 
 

@@ -6,7 +6,8 @@ the job's runs have spent so far, so that a resumed job's throughput covers all 
 continues that run; one still RUNNING there belonged to a job that died, and is marked KILLED when this
 is detected, then reopened.
 
-Logged: params = the flattened resolved config, plus `num_actors`; tags = method, K, L, target and draft
+Logged: params = the flattened resolved config, plus `num_actors` (and `planner_choice` under
+method="auto", also a tag that follows the planner's latest choice); tags = method, K, L, target and draft
 names, device kind, number of workers, git commit, output directory, config hash; the prompts as a dataset
 input; MLflow's system metrics on the driver; live metrics while the job runs (`pipeline.generate.live`);
 the final metrics (`pipeline.generate.summary.JobSummary.metrics`, the MLflow contract names) at
@@ -195,7 +196,14 @@ class MlflowTracker(MlflowRun):
             every_s=self.config.log_every_s,
             started=started,
             checkpoint=self.save_record,
+            on_plan=self.planner_chose,
         )
+
+    def planner_chose(self, plan: str) -> None:
+        """method="auto": the planner's choice as a tag (its latest) and a param (its first)."""
+        self.set_tags({"planner_choice": plan})
+        if "planner_choice" not in self.client.get_run(self.run_id).data.params:
+            self.log_params({"planner_choice": plan})
 
     def finish(self, summary: JobSummary, resolved_config: dict[str, Any], status: str) -> None:
         """The final metrics at step = prompts completed (the live series' last point), the files, the

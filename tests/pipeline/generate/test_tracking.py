@@ -216,3 +216,16 @@ def test_mlflow_run_experiment_kind_reopen_and_dataset(tmp_path):
     assert json.loads(dataset_input.dataset.profile) == {"num_rows": 12}
     again.terminate()
     assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def test_planner_choice_is_passed_on_when_it_changes():
+    sent: list = []
+    plans: list = []
+    clock = Clock()
+    live = LiveMetrics(sent.extend, [], 0.0, 10, 5.0, started=clock(), clock=clock, on_plan=plans.append)
+    for plan in ("speculative L=4", "speculative L=4", "spectr K=2 L=3", ""):
+        live.shard_written({**shard(1, 4, 2, [1], 2), "plan": plan}, None)
+    live.stop()
+    assert plans == ["speculative L=4", "spectr K=2 L=3"]
+    total = merge_stats(merge_stats(empty_stats(), {"plan": "a"}), {"plan": ""})
+    assert total["plan"] == "a"
