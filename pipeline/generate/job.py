@@ -70,7 +70,7 @@ def run_generate(config: GenerateConfig, hooks: RunHooks | None = None) -> JobRe
         len(plan.shards),
         f" (resuming: {done} prompts already done)" if done else "",
     )
-    tracker = make_tracker(config.mlflow)
+    tracker = make_tracker(config.mlflow, plan)
     # MLflow's start-up (import, database, run) overlaps Ray's start and the actors' model loading.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlflow") as background:
         tracker_started = background.submit(
@@ -148,6 +148,7 @@ def _generate(
         if tracker.run_id:
             log.info("mlflow run %s (%.1f s)", tracker.run_id, time.perf_counter() - started)
         _open_output(plan)
+        tracker.job_started(count, workers)  # device and worker tags; the run id into the output dir
         if hooks and hooks.on_actors_ready:
             hooks.on_actors_ready(pool.actors, workers)
         device = (
@@ -155,30 +156,41 @@ def _generate(
             f"{workers[0]['torch_threads']} torch threads each)"
         )
         run = GenerationRun(num_actors=count, device=device)
-        _run_shards(plan, pool, schema, hooks, run)
+        _run_shards(plan, pool, schema, hooks, run, tracker)
     return run
 
 
-def _run_shards(plan: JobPlan, pool: ShardActorPool, schema: Any, hooks: RunHooks | None, run: GenerationRun):
+def _run_shards(
+    plan: JobPlan, pool: ShardActorPool, schema: Any, hooks: RunHooks | None, run: GenerationRun, tracker: Any
+):
     """Every shard to do through the pool; each result is written and recorded as it arrives."""
     config = plan.config
     rows_done = plan.num_rows - sum(len(s) for s in plan.todo)
     bar = ProgressBar(plan.num_rows, rows_done, config.progress, hooks.on_progress if hooks else None)
     run.generation_started = time.perf_counter()
+    todo = {shard.index for shard in plan.todo}
+    earlier = [plan.manifest.shards[i]["stats"] for i in sorted(plan.manifest.shards) if i not in todo]
+    live = tracker.live_metrics(earlier, started=run.generation_started)
 
     def on_result(result: ShardResult) -> None:
         write_shard(plan.output_dir, result.index, result.rows, schema)
         plan.manifest.record_shard(plan.output_dir, result.index, len(result.rows), result.stats, result.worker)
         run.stats.append(result.stats)
         bar.shard_written(len(result.rows), result.stats)
+        live.shard_written(result.stats, result.worker)
         if hooks and hooks.on_shard_written:
             hooks.on_shard_written(result)
 
+    def on_partial(rows_in_flight: int) -> None:
+        bar.show(rows_in_flight)
+        live.tick()  # a live MLflow point when no shard arrived for 30 s (heartbeat)
+
     try:
-        watching = config.progress or bool(hooks and hooks.on_progress)
-        pool.run(plan.todo, on_result, hooks, on_partial=bar.show if watching else None)
+        watching = config.progress or bool(hooks and hooks.on_progress) or config.mlflow.enabled
+        pool.run(plan.todo, on_result, hooks, on_partial=on_partial if watching else None)
     finally:
         bar.close()
+        live.stop()
     run.generation_s = time.perf_counter() - run.generation_started
 
 
@@ -198,6 +210,8 @@ def _finish(plan: JobPlan, tracker: Any, run: GenerationRun, started: float, sta
         actor_device=run.device,
         output_dir=str(output_dir),
         num_shards=manifest.num_shards,
+        earlier_generation_s=tracker.earlier_generation_s,
+        earlier_wall_s=tracker.earlier_wall_s,
     )
     failed_too_many = summary.failed_fraction > config.max_failed_fraction
     logging_started = time.perf_counter()

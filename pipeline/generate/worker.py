@@ -21,7 +21,7 @@ from typing import Any
 from pipeline.config import ModelConfig
 from pipeline.generate.config import SpectrConfig
 from pipeline.generate.shards import Shard
-from pipeline.generate.stats import empty_stats, merge_stats, stats_of
+from pipeline.generate.stats import ResourceMeter, device_kind, empty_stats, merge_stats, stats_of
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,7 @@ class ShardGenerator:
             "node_id": node_id,
             "pid": os.getpid(),
             "device": self.device,
+            "device_kind": device_kind(self.device),
             "torch_threads": torch.get_num_threads(),
         }
 
@@ -88,6 +89,7 @@ class ShardGenerator:
 
     def __call__(self, shard: Shard) -> ShardResult:
         started = time.perf_counter()
+        meter = ResourceMeter(self.device)
         rows: list[dict[str, Any]] = []
         stats = empty_stats()
         batch_size = self.spectr.batch_size
@@ -98,6 +100,7 @@ class ShardGenerator:
         stats["prompts_failed"] = sum(row["finish_reason"] == "error" for row in rows)
         stats["prompts_completed"] = len(rows) - stats["prompts_failed"]
         stats["shard_seconds"] = time.perf_counter() - started
+        stats["resources"] = meter.usage()  # per worker, not summed (merge_stats leaves it alone)
         return ShardResult(index=shard.index, rows=rows, stats=stats, worker=self.ready())
 
     def _report_batch(self, shard_index: int, rows: int) -> None:

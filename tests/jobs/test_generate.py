@@ -73,7 +73,7 @@ def test_one_row_per_prompt_with_contract_types(finished_run, prompts_jsonl):
     ]  # fmt: skip
     assert set(table.column("finish_reason").to_pylist()) <= {"eos", "length"}
     assert table.column("error").null_count == 40
-    assert sorted(p.name for p in out.iterdir()) == ["_SUCCESS", "_manifest.json"] + [
+    assert sorted(p.name for p in out.iterdir()) == ["_SUCCESS", "_manifest.json", "_mlflow_run.json"] + [
         f"part-{i:05d}.parquet" for i in range(5)
     ]
     manifest = json.loads((out / "_manifest.json").read_text())
