@@ -1,9 +1,9 @@
 """The generation job end to end on a real local Ray, with the tiny random pair.
 
-Covers: one row per prompt with contract types, manifest and _SUCCESS; MLflow in a local SQLite file;
-resume (only missing shards, finished ones untouched); a different config refused; every bad input
-refused before any actor starts with nothing written; per-row failures and max_failed_fraction;
-actors killed mid-shard; the CLI's one-line error.
+Covers: one row per prompt with contract types, manifest, commit log and _SUCCESS; MLflow in a local
+SQLite file; resume (only missing shards, finished ones untouched, a torn commit line cut off); a different
+config refused; every bad input refused before any actor starts with nothing written; per-row failures and
+max_failed_fraction (no _SUCCESS); actors killed mid-shard; the CLI's one-line error.
 """
 
 from __future__ import annotations
@@ -43,6 +43,10 @@ def prompt_ids(path: Path) -> list[str]:
     return [json.loads(line)["id"] for line in path.read_text().splitlines()]
 
 
+def commit_records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "_commits.jsonl").read_text().splitlines()]
+
+
 @pytest.fixture(scope="module")
 def finished_run(tiny_pair, prompts_jsonl, tmp_path_factory, ray_local):
     """One complete job: 40 prompts, 5 shards of 8, 2 actors, MLflow in a SQLite file."""
@@ -73,12 +77,15 @@ def test_one_row_per_prompt_with_contract_types(finished_run, prompts_jsonl):
     ]  # fmt: skip
     assert set(table.column("finish_reason").to_pylist()) <= {"eos", "length"}
     assert table.column("error").null_count == 40
-    assert sorted(p.name for p in out.iterdir()) == ["_SUCCESS", "_manifest.json"] + [
-        f"part-{i:05d}.parquet" for i in range(5)
+    assert sorted(p.name for p in out.iterdir()) == ["_SUCCESS", "_commits.jsonl", "_manifest.json"] + [
+        f"part-{i:06d}.parquet" for i in range(5)
     ]
     manifest = json.loads((out / "_manifest.json").read_text())
-    assert manifest["num_rows"] == 40 and [s["rows"] for s in manifest["shards"].values()] == [8] * 5
-    settings = read_settings(out / "part-00000.parquet")
+    commits = commit_records(out)
+    assert manifest["num_rows"] == 40 and [c["rows"] for c in commits] == [8] * 5
+    assert sorted(c["shard"] for c in commits) == list(range(5))
+    assert all(c["bytes"] == (out / c["file"]).stat().st_size for c in commits)
+    settings = read_settings(out / "part-000000.parquet")
     assert settings["spectr"]["num_drafts"] == 2 and settings["spectr"]["draft_length"] == 3
     assert settings["model"]["target"] == finished_run["raw"]["model"]["target"]
     assert settings["config_hash"] == manifest["config_hash"]
@@ -119,15 +126,14 @@ def test_mlflow_sqlite_run_has_contract_metrics_params_and_artifacts(finished_ru
 def test_resume_does_only_missing_shards(finished_run, tmp_path, ray_local):
     out = tmp_path / "out"
     shutil.copytree(finished_run["out"], out)
-    # as if the driver died after shard 3's file was renamed but before the manifest listed it,
-    # with shard 4 never finished and a temporary file left behind
-    manifest = json.loads((out / "_manifest.json").read_text())
-    del manifest["shards"]["00003"], manifest["shards"]["00004"]
-    (out / "_manifest.json").write_text(json.dumps(manifest))
-    (out / "part-00004.parquet").unlink()
+    # as if the driver died after shard 3's file was renamed but before the commit log listed it (in the
+    # middle of appending its line), with shard 4 never finished and a temporary file left behind
+    kept = [line for line in (out / "_commits.jsonl").read_text().splitlines() if json.loads(line)["shard"] < 3]
+    (out / "_commits.jsonl").write_text("\n".join(kept) + '\n{"shard": 3, "fi')
+    (out / "part-000004.parquet").unlink()
     (out / "_SUCCESS").unlink()
-    (out / ".part-00004.parquet.tmp-99").write_bytes(b"half a file")
-    before = {i: digest(out / f"part-{i:05d}.parquet") for i in range(3)}
+    (out / ".part-000004.parquet.tmp-99-ab12cd34").write_bytes(b"half a file")
+    before = {i: digest(out / f"part-{i:06d}.parquet") for i in range(3)}
 
     dispatched = []
     raw = dict(finished_run["raw"], output_dir=str(out), mlflow={"enabled": False}, ray={"num_actors": 1})
@@ -135,8 +141,9 @@ def test_resume_does_only_missing_shards(finished_run, tmp_path, ray_local):
         from_dict(raw), RunHooks(on_dispatch=lambda actor, shard: dispatched.append(shard.index))
     )
     assert sorted(dispatched) == [3, 4] and report.summary.prompts_this_run == 16
-    assert {i: digest(out / f"part-{i:05d}.parquet") for i in range(3)} == before
-    assert (out / "_SUCCESS").exists() and not list(out.glob(".*tmp*"))
+    assert {i: digest(out / f"part-{i:06d}.parquet") for i in range(3)} == before
+    assert (out / "_SUCCESS").exists() and not list(out.glob(".*tmp*")) and not (out / "_lease.json").exists()
+    assert sorted(c["shard"] for c in commit_records(out)) == list(range(5))  # the torn line was cut off
     assert (
         read_output(out).column("id").to_pylist() == read_output(finished_run["out"]).column("id").to_pylist()
     )
@@ -258,7 +265,7 @@ def test_failing_rows_are_written_and_fail_the_job(tiny_pair, tmp_path, ray_loca
     assert table.column("error").null_count == 5
     assert report.exit_code == 1 and "1 of 6 prompts failed" in report.messages[0]
     assert report.summary.prompts_failed == 1 and report.summary.prompts_completed == 5
-    assert (tmp_path / "out" / "_SUCCESS").exists()  # every prompt has a row
+    assert not (tmp_path / "out" / "_SUCCESS").exists()  # every prompt has a row, but the job failed
 
     from mlflow.tracking import MlflowClient
 
@@ -340,18 +347,21 @@ def test_parquet_rows_read_back_with_pyarrow_dataset(finished_run):
 
     dataset = ds.dataset(str(finished_run["out"]), format="parquet", exclude_invalid_files=True)
     assert dataset.count_rows() == 40
-    assert pq.read_metadata(finished_run["out"] / "part-00000.parquet").num_rows == 8
+    assert pq.read_metadata(finished_run["out"] / "part-000000.parquet").num_rows == 8
 
 
 def test_chat_mode_renders_messages_with_the_target_template(tiny_pair, tmp_path):
     rows = [{"id": 7, "messages": [{"role": "user", "content": "def x"}]}]
     data = _write(tmp_path / "chat.jsonl", rows)
-    plan = prepare(from_dict(job_config(tiny_pair, data, tmp_path / "out", **{"data.chat": True})))
-    (shard,) = plan.shards
-    assert shard.prompts == ["user : def x assistant :"] and shard.ids == [7]
+    config = from_dict(job_config(tiny_pair, data, tmp_path / "out", **{"data.chat": True}))
+    plan = prepare(config)
+    assert plan.num_shards == 1
+    from pipeline.generate.shards import load_shard
     from pipeline.models import load_tokenizer
 
     tokenizer = load_tokenizer(tiny_pair["target"], "model.target", False)
+    shard = load_shard(plan.shard(0), plan.source, tokenizer, config.data, config.spectr.seed)  # as a worker does
+    assert shard.prompts == ["user : def x assistant :"] and shard.ids == [7]
     assert shard.prompt_token_ids == [
         tokenizer("user : def x assistant :", add_special_tokens=False)["input_ids"]
     ]
