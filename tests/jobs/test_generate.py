@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -186,6 +189,9 @@ BAD_INPUTS = {
     "missing model": ({"model.target": "{tmp}/no_model"}, "model.target: no such model directory"),
     "pickle weights": ({"model.draft": "{tmp}/pickled"}, "pickle-format weights"),
     "other config in output dir": ({"output_dir": "{tmp}/taken"}, "holds results of a different config"),
+    "unknown input scheme": ({"data.path": "nosuch://bucket/p.jsonl"}, "cannot open the URI scheme 'nosuch://'"),
+    "unknown output scheme": ({"output_dir": "nosuch://bucket/out"}, "output_dir: cannot open the URI scheme"),
+    "output dir held by a live job": ({"output_dir": "{tmp}/held"}, r"held is being written by another job \(host"),
 }
 
 
@@ -205,6 +211,10 @@ def bad_input_files(tiny_pair, tmp_path_factory):
     shutil.copytree(tiny_pair["draft"], tmp / "pickled")
     torch.save(load_file(str(tmp / "pickled" / "model.safetensors")), tmp / "pickled" / "pytorch_model.bin")
     (tmp / "pickled" / "model.safetensors").unlink()
+    (tmp / "held").mkdir()
+    from pipeline.generate.lease import this_holder
+
+    (tmp / "held" / "_lease.json").write_bytes(this_holder("live-job", time.time()).encode())  # this process
     (tmp / "taken").mkdir()
     (tmp / "taken" / "_manifest.json").write_text(
         json.dumps(
@@ -237,6 +247,8 @@ def test_bad_input_is_refused_before_any_actor_starts(
     assert not out.exists() and not db.exists()  # nothing written: no output, no MLflow run
     if case == "other config in output dir":
         assert sorted(p.name for p in (bad_input_files / "taken").iterdir()) == ["_manifest.json"]
+    if case == "output dir held by a live job":
+        assert sorted(p.name for p in (bad_input_files / "held").iterdir()) == ["_lease.json"]
 
 
 def _flat(raw: dict, prefix: str = "") -> dict:
@@ -272,6 +284,42 @@ def test_failing_rows_are_written_and_fail_the_job(tiny_pair, tmp_path, ray_loca
     run = MlflowClient(tracking_uri=report.tracking_uri).get_run(report.run_id)
     assert run.data.metrics["prompts_failed"] == 1 and run.info.status == "FAILED"
     # (a tolerant max_failed_fraction is exercised by the MLflow server test)
+
+    # a re-run regenerates the shard with the error row (retry_failed=true), and only that one
+    dispatched = []
+    raw["mlflow"] = {"enabled": False}
+    again = run_generate(from_dict(raw), RunHooks(on_dispatch=lambda actor, shard: dispatched.append(shard.index)))
+    assert dispatched == [1] and again.exit_code == 1 and again.summary.prompts_failed == 1
+    assert read_output(tmp_path / "out").column("id").to_pylist() == list(range(6))  # still once each
+    assert not (tmp_path / "out" / "_SUCCESS").exists()
+    kept = run_generate(from_dict({**raw, "retry_failed": False, "max_failed_fraction": 0.2}))
+    assert kept.exit_code == 0 and (tmp_path / "out" / "_SUCCESS").exists()  # nothing regenerated: no Ray
+
+
+def test_a_changed_input_or_model_is_refused_on_resume(tiny_pair, tmp_path):
+    data = _write(tmp_path / "p.jsonl", [{"id": i, "prompt": "def x"} for i in range(4)])
+    shutil.copytree(tiny_pair["target"], tmp_path / "target")
+    raw = job_config(tiny_pair, data, tmp_path / "out", **{"model.target": str(tmp_path / "target")})
+    plan = prepare(from_dict(raw))
+    (tmp_path / "out").mkdir()
+    plan.manifest.save(plan.output)  # as a first run does once it starts
+    assert prepare(from_dict(raw)).manifest_on_disk  # same input, same models: resumes
+    with open(data, "a") as f:
+        f.write(json.dumps({"id": 9, "prompt": "def y"}) + "\n")
+    with pytest.raises(JobInputError, match=r"^data.path: the input changed since .*out was started \(.*p.jsonl: size"):
+        prepare(from_dict(raw))
+    data.write_text("".join(json.dumps({"id": i, "prompt": "def x"}) + "\n" for i in range(4)))
+    with pytest.raises(JobInputError, match="data.path: the input changed"):  # same size, rewritten: mtime
+        prepare(from_dict(raw))
+    plan = prepare(from_dict({**raw, "output_dir": str(tmp_path / "out2")}))
+    (tmp_path / "out2").mkdir()
+    plan.manifest.save(plan.output)
+    from tiny_pair_support import build_llama
+
+    vocab = json.loads((tmp_path / "target" / "config.json").read_text())["vocab_size"]
+    build_llama(tmp_path / "target", vocab, hidden=32, layers=2, seed=7)  # retrained: same shapes, new weights
+    with pytest.raises(JobInputError, match=r"^model.target: the model at .*target changed since .*model.safetensors"):
+        prepare(from_dict({**raw, "output_dir": str(tmp_path / "out2")}))
 
 
 def test_actors_killed_mid_shard_lose_and_duplicate_nothing(tiny_pair, prompts_jsonl, tmp_path, ray_local):
@@ -309,6 +357,42 @@ def test_actors_killed_mid_shard_lose_and_duplicate_nothing(tiny_pair, prompts_j
     table = read_output(tmp_path / "out")
     assert table.column("id").to_pylist() == prompt_ids(prompts_jsonl)
     assert report.exit_code == 0 and report.summary.prompts_completed == 40
+
+
+def test_an_actor_that_stops_answering_is_given_up_and_its_shards_redone(tiny_pair, prompts_jsonl, tmp_path, ray_local):
+    """SIGSTOP one actor as it gets its first shard: it answers no ping, so after heartbeat_timeout_s the
+    driver gives it up and the other actor generates its queued shards; every row comes out once."""
+    raw = job_config(
+        tiny_pair, prompts_jsonl, tmp_path / "out", shard_size=5,
+        **{"spectr.max_new_tokens": 16, "spectr.batch_size": 2, "ray.max_restarts": 0, "ray.heartbeat_s": 0.5,
+           "ray.heartbeat_timeout_s": 4},
+    )  # fmt: skip
+    pids: dict = {}
+    stopped: list[int] = []
+    written: dict[int, int] = {}
+
+    def on_ready(actors, workers):
+        pids.update({actor: worker["pid"] for actor, worker in zip(actors, workers)})
+
+    def on_dispatch(actor, shard):
+        if shard.index == 1 and not stopped:
+            stopped.append(pids[actor])
+            os.kill(pids[actor], signal.SIGSTOP)
+
+    started = time.monotonic()
+    try:
+        report = run_generate(
+            from_dict(raw), RunHooks(on_ready, on_dispatch, lambda r: written.__setitem__(r.index, r.worker["pid"]))
+        )
+    finally:
+        for pid in stopped:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert report.exit_code == 0 and stopped and time.monotonic() - started < 240
+    assert written[1] != stopped[0] and stopped[0] not in written.values()
+    assert read_output(tmp_path / "out").column("id").to_pylist() == prompt_ids(prompts_jsonl)
 
 
 def test_progress_moves_batch_by_batch_inside_a_shard(tiny_pair, prompts_jsonl, tmp_path, ray_local):
