@@ -91,7 +91,9 @@ class _Slot:
 class ShardActorPool:
     """The job's actors and the shard queue; see the module docstring."""
 
-    def __init__(self, config: GenerateConfig, count: int, cpus_each: float, gpus_each: float, job: WorkerJob):
+    def __init__(
+        self, config: GenerateConfig, count: int, cpus_each: float, gpus_each: float, job: WorkerJob
+    ):
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -112,12 +114,11 @@ class ShardActorPool:
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
         self.progress = ray.remote(ShardProgress).options(num_cpus=0, scheduling_strategy=here).remote()
         reporter = BatchReporter(self.progress)
-        # one copy in the object store for every actor, fetched by each when it starts (or restarts); nested
-        # in a list so that Ray does not pin it as a constructor argument
+        # one copy in the object store for every actor; each shard task carries a reference to it (nested in
+        # a list, so that Ray passes the reference), which the actor fetches once
         self._job_ref = ray.put(job)
         self.actors = [
-            remote_class.remote(config.model, config.spectr, threads, device, reporter, [self._job_ref])
-            for _ in range(count)
+            remote_class.remote(config.model, config.spectr, threads, device, reporter) for _ in range(count)
         ]
         self._slots: list[_Slot] = []
         self._failures: dict[int, int] = {}
@@ -192,7 +193,7 @@ class ShardActorPool:
                 task = queue.pop()
                 if not slot.in_flight:
                     slot.head_since = slot.last_answer = time.monotonic()
-                slot.in_flight.append((slot.actor.generate_shard.remote(task), task))
+                slot.in_flight.append((slot.actor.generate_shard.remote(task, [self._job_ref]), task))
                 if hooks and hooks.on_dispatch:
                     hooks.on_dispatch(slot.actor, task)
 
@@ -290,7 +291,9 @@ class ShardActorPool:
                 self._give_up(slot, queue, f"no answer for {now - slot.last_answer:.0f} s")
             elif slot.state == "suspect" and now - slot.suspect_since > r.actor_start_timeout_s:
                 self._give_up(slot, queue, f"unavailable for {now - slot.suspect_since:.0f} s")
-            elif r.shard_timeout_s is not None and slot.in_flight and now - slot.head_since > r.shard_timeout_s:
+            elif (
+                r.shard_timeout_s is not None and slot.in_flight and now - slot.head_since > r.shard_timeout_s
+            ):
                 self._give_up(slot, queue, f"shard {slot.in_flight[0][1].index} ran past ray.shard_timeout_s")
 
     def _report_partial(self, on_partial: Callable[[int], None]) -> None:

@@ -65,11 +65,11 @@ class ShardGenerator:
         num_threads: int | None = None,
         device: str | None = None,
         on_batch: Any = None,
-        job: WorkerJob | list[Any] | None = None,
+        job: WorkerJob | None = None,
     ):
         """on_batch(shard_index, rows): called after each batch of a shard (the driver's progress bar);
         an exception in it is logged and ignored: progress must never fail generation.
-        job: what `generate_shard` needs, or a one-element list holding a Ray ObjectRef of it (the pool)."""
+        job: what `generate_shard` needs (the pool sends it with each shard instead, by reference)."""
         import torch
 
         from pipeline import models
@@ -82,11 +82,8 @@ class ShardGenerator:
         self.device = device
         self.spectr = spectr
         self.on_batch = on_batch
-        if isinstance(job, list):
-            import ray
-
-            job = ray.get(job[0])
         self.job = job
+        self._job_ref: Any = None
         self.cache = ReadCache()
         self.tokenizer = models.load_tokenizer(
             models.check_model_dir(model.target, "model.target", model.allow_pickle),
@@ -117,14 +114,23 @@ class ShardGenerator:
         """The heartbeat the driver polls (in its own concurrency group, so it answers mid-shard)."""
         return time.time()
 
-    def generate_shard(self, task: ShardTask) -> ShardResult:
-        """Read, generate and write one shard; return its statistics and the part file's name and size."""
+    def generate_shard(self, task: ShardTask, job_ref: list[Any] | None = None) -> ShardResult:
+        """Read, generate and write one shard; return its statistics and the part file's name and size.
+
+        job_ref: [ObjectRef of the WorkerJob] (nested, so that Ray passes the reference, not the object):
+        fetched from the object store once per actor process, a restarted one included."""
         from pipeline import fs
         from pipeline.generate.output import write_shard
 
+        if job_ref is not None and job_ref[0] != self._job_ref:
+            import ray
+
+            self.job, self._job_ref = ray.get(job_ref[0]), job_ref[0]
         job = self.job
         if job is None:
-            raise RuntimeError("ShardGenerator.generate_shard needs the `job` the actor was started with")
+            raise RuntimeError(
+                "ShardGenerator.generate_shard needs a `job` (at construction or with the shard)"
+            )
         shard = load_shard(task, job.source, self.tokenizer, job.data, self.spectr.seed, self.cache)
         result = self(shard)
         output = fs.resolve(job.output_uri, "output_dir")
