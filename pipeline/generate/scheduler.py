@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,6 +50,21 @@ class RunHooks:
     on_dispatch: Callable[[Any, ShardTask], None] | None = None
     on_shard_written: Callable[[ShardResult], None] | None = None
     on_progress: Callable[[int], None] | None = None  # prompts done, shards in flight included (polled)
+
+
+class NamedReporter:
+    """The actors' on_batch callback: `BatchReporter` on the progress actor, found by name when first used."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._reporter: BatchReporter | None = None
+
+    def __call__(self, shard_index: int, rows: int) -> None:
+        if self._reporter is None:
+            import ray
+
+            self._reporter = BatchReporter(ray.get_actor(self.name))
+        self._reporter(shard_index, rows)
 
 
 class ShardQueue:
@@ -112,8 +128,9 @@ class ShardActorPool:
         threads = max(1, int(cpus_each))
         device = "cuda" if gpus_each > 0 else "cpu"  # a CPU actor stays on CPU even on a GPU node
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-        self.progress = ray.remote(ShardProgress).options(num_cpus=0, scheduling_strategy=here).remote()
-        reporter = BatchReporter(self.progress)
+        name = f"spectr-progress-{uuid.uuid4().hex[:12]}"
+        self.progress = ray.remote(ShardProgress).options(num_cpus=0, scheduling_strategy=here, name=name).remote()
+        reporter = NamedReporter(name)  # by name: an actor handle in the constructor arguments pins them
         # one copy in the object store for every actor; each shard task carries a reference to it (nested in
         # a list, so that Ray passes the reference), which the actor fetches once
         self._job_ref = ray.put(job)
