@@ -30,6 +30,7 @@ from typing import Any
 
 import yaml
 
+from pipeline import fs
 from pipeline.config import MlflowConfig
 from pipeline.generate.live import LiveMetrics, NullLive
 from pipeline.generate.summary import JobSummary, plot_tokens_per_call
@@ -52,24 +53,27 @@ class RunRecord:
     invocations: int = 0  # how many times the job was started on this output directory
 
 
-def read_run_record(output_dir: Path) -> RunRecord | None:
-    path = Path(output_dir) / RUN_FILE
+def _run_file(output: fs.Location | str | os.PathLike) -> fs.Location:
+    location = output if isinstance(output, fs.Location) else fs.resolve(str(output), "output_dir")
+    return location.child(RUN_FILE)
+
+
+def read_run_record(output: fs.Location | str | os.PathLike) -> RunRecord | None:
+    """The run record of an output directory (local path or any `pipeline.fs` location), or None."""
+    location = _run_file(output)
     try:
-        raw = json.loads(path.read_text())
+        if not fs.exists(location):
+            return None
+        raw = json.loads(fs.read_bytes(location))
         return RunRecord(**{key: raw[key] for key in RunRecord.__dataclass_fields__ if key in raw})
-    except FileNotFoundError:
-        return None
     except (ValueError, TypeError, OSError) as err:
-        log.warning("%s is unreadable (%s); the job starts a new MLflow run", path, err)
+        log.warning("%s is unreadable (%s); the job starts a new MLflow run", location.uri, err)
         return None
 
 
-def write_run_record(output_dir: Path, record: RunRecord) -> None:
-    """Atomically: a temporary file in the same directory, then a rename."""
-    path = Path(output_dir) / RUN_FILE
-    tmp = path.with_name(f".{RUN_FILE}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(asdict(record), indent=1))
-    os.replace(tmp, path)
+def write_run_record(output: fs.Location | str | os.PathLike, record: RunRecord) -> None:
+    """Atomically (temporary name + rename, or one PUT on an object store)."""
+    fs.write_bytes(_run_file(output), json.dumps(asdict(record), indent=1).encode())
 
 
 def model_name(path_or_id: str) -> str:
@@ -100,11 +104,11 @@ class MlflowTracker(MlflowRun):
     def __init__(self, config: MlflowConfig, plan: Any):
         super().__init__(config)
         self.plan = plan
-        self.output_dir = Path(plan.output_dir)
+        self.output_dir = plan.output  # a pipeline.fs location: local, NFS or an object store
         self.record = read_run_record(self.output_dir) or RunRecord()
         self.resumed_run = False
         self.started = time.perf_counter()
-        earlier_shards = len(plan.todo) < len(plan.shards)
+        earlier_shards = plan.shards_to_do < plan.num_shards
         # time is known for the earlier runs only when they left a record (an MLflow-enabled run)
         self.earlier_generation_s: float | None = (
             self.record.generation_s if self.record.invocations or not earlier_shards else None

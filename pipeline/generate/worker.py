@@ -1,13 +1,18 @@
-"""The stateful predictor each Ray actor runs: load the pair once, then map shards to output rows.
+"""The stateful predictor each Ray actor runs: load the pair once, then turn shards into part files.
 
-`ShardGenerator(model, spectr, num_threads)` loads the target, the draft and the target's tokenizer in
-`__init__`; `__call__(shard)` cuts the shard into batches of `spectr.batch_size`, calls
-`spectr.generate` on each, and returns a `ShardResult` of contract rows plus the shard's statistics.
-It is a plain class: tests call it directly; `pipeline.generate.scheduler` wraps it with `ray.remote`.
+`ShardGenerator(model, spectr, num_threads, device, on_batch, job)` loads the target, the draft and the
+target's tokenizer in `__init__`. For the job, `generate_shard(task)` does all the row work of one shard on
+the worker: it reads the shard's rows from the input (`pipeline.generate.shards.load_shard`), renders chat
+messages and tokenizes, generates, and writes the part file to the output filesystem itself; it returns
+only a `ShardResult` of statistics, the file's name, size and row count (never the rows). `__call__(shard)`
+is the in-memory core (a `Shard` in, contract rows out) that tests call directly without Ray;
+`pipeline.generate.scheduler` wraps the class with `ray.remote`.
 
 A batch that fails (e.g. one prompt too long for the model makes `spectr.generate` raise for the whole
 batch) is retried row by row, so that the good rows complete and only the bad rows are written with
-`finish_reason="error"` and the message. This class does not write files or talk to MLflow.
+`finish_reason="error"` and the message; a row the input reading already found unusable (a null prompt,
+malformed chat messages) is written the same way without being generated. This class does not talk to
+MLflow.
 """
 
 from __future__ import annotations
@@ -18,23 +23,40 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.config import ModelConfig
+from pipeline.config import DataConfig, ModelConfig
 from pipeline.generate.config import SpectrConfig
-from pipeline.generate.shards import Shard
+from pipeline.generate.shards import Shard, ShardTask, load_shard
 from pipeline.generate.stats import ResourceMeter, device_kind, empty_stats, merge_stats, stats_of
+from pipeline.source import Source
 
 log = logging.getLogger(__name__)
+
 
 @dataclass
 class ShardResult:
     index: int
-    rows: list[dict[str, Any]]
+    rows: list[dict[str, Any]] | None  # only from `__call__`; the job's results carry no rows
     stats: dict[str, Any]  # see `empty_stats`
     worker: dict[str, Any] = field(default_factory=dict)  # node, pid, device: where it ran
+    num_rows: int = 0
+    failed: int = 0  # rows with finish_reason=error
+    file: str = ""  # the part file's name in the output directory
+    bytes: int = 0  # and its size
+
+
+@dataclass(frozen=True)
+class WorkerJob:
+    """What a worker needs to read and write shards itself (sent once, when the actor starts)."""
+
+    data: DataConfig
+    source: Source
+    output_uri: str
+    part_digits: int
+    schema: Any  # pyarrow.Schema of the part files, with the run's settings in its metadata
 
 
 class ShardGenerator:
-    """Holds one draft/target pair; turns a `Shard` into output rows."""
+    """Holds one draft/target pair; turns a shard into output rows (and, for the job, a part file)."""
 
     def __init__(
         self,
@@ -43,12 +65,15 @@ class ShardGenerator:
         num_threads: int | None = None,
         device: str | None = None,
         on_batch: Any = None,
+        job: WorkerJob | None = None,
     ):
         """on_batch(shard_index, rows): called after each batch of a shard (the driver's progress bar);
-        an exception in it is logged and ignored: progress must never fail generation."""
+        an exception in it is logged and ignored: progress must never fail generation.
+        job: what `generate_shard` needs (the pool sends it with each shard instead, by reference)."""
         import torch
 
         from pipeline import models
+        from pipeline.prompts import ReadCache
 
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -57,6 +82,9 @@ class ShardGenerator:
         self.device = device
         self.spectr = spectr
         self.on_batch = on_batch
+        self.job = job
+        self._job_ref: Any = None
+        self.cache = ReadCache()
         self.tokenizer = models.load_tokenizer(
             models.check_model_dir(model.target, "model.target", model.allow_pickle),
             "model.target",
@@ -83,25 +111,62 @@ class ShardGenerator:
             "torch_threads": torch.get_num_threads(),
         }
 
-    def generate_shard(self, shard: Shard) -> ShardResult:
-        """The Ray-callable name of `__call__`."""
-        return self(shard)
+    def ping(self) -> float:
+        """The heartbeat the driver polls (in its own concurrency group, so it answers mid-shard)."""
+        return time.time()
+
+    def generate_shard(self, task: ShardTask, job_ref: list[Any] | None = None) -> ShardResult:
+        """Read, generate and write one shard; return its statistics and the part file's name and size.
+
+        job_ref: [ObjectRef of the WorkerJob] (nested, so that Ray passes the reference, not the object):
+        fetched from the object store once per actor process, a restarted one included."""
+        from pipeline import fs
+        from pipeline.generate.output import write_shard
+
+        if job_ref is not None and job_ref[0] != self._job_ref:
+            import ray
+
+            self.job, self._job_ref = ray.get(job_ref[0]), job_ref[0]
+        job = self.job
+        if job is None:
+            raise RuntimeError(
+                "ShardGenerator.generate_shard needs a `job` (at construction or with the shard)"
+            )
+        shard = load_shard(task, job.source, self.tokenizer, job.data, self.spectr.seed, self.cache)
+        result = self(shard)
+        output = fs.resolve(job.output_uri, "output_dir")
+        result.file, result.bytes = write_shard(output, task.index, result.rows, job.schema, job.part_digits)
+        result.rows = None  # the driver gets statistics only
+        return result
 
     def __call__(self, shard: Shard) -> ShardResult:
         started = time.perf_counter()
         meter = ResourceMeter(self.device)
-        rows: list[dict[str, Any]] = []
         stats = empty_stats()
+        by_position: dict[int, dict[str, Any]] = {}
+        for i in range(len(shard)):
+            if shard.problem(i):
+                by_position[i] = self._error_row(shard, i, shard.problem(i))
+        usable = [i for i in range(len(shard)) if i not in by_position]
         batch_size = self.spectr.batch_size
-        for start in range(0, len(shard), batch_size):
-            batch = range(start, min(start + batch_size, len(shard)))
-            rows.extend(self._generate_batch(shard, list(batch), stats))
+        for start in range(0, len(usable), batch_size):
+            batch = usable[start : start + batch_size]
+            for i, row in zip(batch, self._generate_batch(shard, batch, stats)):
+                by_position[i] = row
             self._report_batch(shard.index, len(batch))
+        rows = [by_position[i] for i in range(len(shard))]
         stats["prompts_failed"] = sum(row["finish_reason"] == "error" for row in rows)
         stats["prompts_completed"] = len(rows) - stats["prompts_failed"]
         stats["shard_seconds"] = time.perf_counter() - started
         stats["resources"] = meter.usage()  # per worker, not summed (merge_stats leaves it alone)
-        return ShardResult(index=shard.index, rows=rows, stats=stats, worker=self.ready())
+        return ShardResult(
+            index=shard.index,
+            rows=rows,
+            stats=stats,
+            worker=self.ready(),
+            num_rows=len(rows),
+            failed=stats["prompts_failed"],
+        )
 
     def _report_batch(self, shard_index: int, rows: int) -> None:
         if self.on_batch is None:
@@ -134,35 +199,33 @@ class ShardGenerator:
             )
         except Exception as err:  # noqa: BLE001 - isolated below: only the failing rows get an error row
             if len(positions) == 1:
-                return [self._error_row(shard, positions[0], err)]
+                return [self._error_row(shard, positions[0], f"{type(err).__name__}: {err}")]
             rows = []
             for i in positions:  # a row's output does not depend on its batch, so this loses nothing
                 rows.extend(self._generate_batch(shard, [i], stats))
             return rows
         merge_stats(stats, stats_of(output.stats))
-        per_row = output.stats
-        rows = []
-        for j, i in enumerate(positions):
-            tokens = [int(t) for t in output.tokens[j]]
-            calls = int(per_row.target_calls[j])
-            rows.append(
-                {
-                    "id": shard.ids[i],
-                    "prompt": shard.prompts[i],
-                    "completion": self.tokenizer.decode(tokens, skip_special_tokens=True),
-                    "completion_token_ids": tokens,
-                    "prompt_tokens": len(shard.prompt_token_ids[i]),
-                    "completion_tokens": len(tokens),
-                    "finish_reason": str(per_row.finish_reason[j]),
-                    "target_calls": calls,
-                    "block_efficiency": len(tokens) / calls if calls else 0.0,
-                    "seed": shard.seeds[i],
-                    "error": None,
-                }
-            )
-        return rows
+        return [self._row(shard, i, output, j) for j, i in enumerate(positions)]
 
-    def _error_row(self, shard: Shard, i: int, err: BaseException) -> dict[str, Any]:
+    def _row(self, shard: Shard, i: int, output: Any, j: int) -> dict[str, Any]:
+        per_row = output.stats
+        tokens = [int(t) for t in output.tokens[j]]
+        calls = int(per_row.target_calls[j])
+        return {
+            "id": shard.ids[i],
+            "prompt": shard.prompts[i],
+            "completion": self.tokenizer.decode(tokens, skip_special_tokens=True),
+            "completion_token_ids": tokens,
+            "prompt_tokens": len(shard.prompt_token_ids[i]),
+            "completion_tokens": len(tokens),
+            "finish_reason": str(per_row.finish_reason[j]),
+            "target_calls": calls,
+            "block_efficiency": len(tokens) / calls if calls else 0.0,
+            "seed": shard.seeds[i],
+            "error": None,
+        }
+
+    def _error_row(self, shard: Shard, i: int, message: str) -> dict[str, Any]:
         return {
             "id": shard.ids[i],
             "prompt": shard.prompts[i],
@@ -174,5 +237,5 @@ class ShardGenerator:
             "target_calls": 0,
             "block_efficiency": None,
             "seed": shard.seeds[i],
-            "error": f"{type(err).__name__}: {err}",
+            "error": message,
         }

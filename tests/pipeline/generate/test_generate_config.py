@@ -54,6 +54,14 @@ def test_overrides_and_groups():
     assert config.spectr.num_drafts == 2 and config.data.limit is None
 
 
+def test_data_path_defaults():
+    config = from_omegaconf(compose_generate([]))
+    assert config.retry_failed is True and config.lease_timeout_s == 60
+    assert (config.ray.shards_per_actor, config.ray.max_task_retries, config.ray.shard_timeout_s) == (2, 0, None)
+    assert config.ray.heartbeat_s < config.ray.heartbeat_timeout_s
+    assert from_omegaconf(compose_generate(["output_dir=s3://bucket/runs/a"])).output_dir == "s3://bucket/runs/a"
+
+
 def test_speculative_means_one_draft():
     config = from_dict(base(**{"spectr.method": "speculative", "spectr.num_drafts": 4}))
     assert config.spectr.num_drafts == 1
@@ -81,6 +89,11 @@ def test_speculative_means_one_draft():
         ("shard_size", 0, "shard_size must be >= 1"),
         ("max_failed_fraction", 2.0, "max_failed_fraction must be in [0, 1]"),
         ("mlflow.enabled", "yes", "mlflow.enabled must be bool"),
+        ("retry_failed", "no", "retry_failed must be bool"),
+        ("lease_timeout_s", 0, "lease_timeout_s must be > 0 seconds"),
+        ("ray.shards_per_actor", 0, "ray.shards_per_actor must be >= 1"),
+        ("ray.heartbeat_timeout_s", 1.0, "ray.heartbeat_timeout_s must be >= ray.heartbeat_s (5)"),
+        ("ray.shard_timeout_s", -1.0, "ray.shard_timeout_s must be > 0 seconds or null"),
     ],
 )
 def test_out_of_range_values_are_named(key, value, words):
