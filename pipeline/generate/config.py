@@ -30,20 +30,22 @@ from pipeline.config import (
     resolved_container,
 )
 
-METHODS = ("autoregressive", "speculative", "spectr", "specinfer")
+METHODS = ("auto", "autoregressive", "speculative", "block", "spectr", "specinfer")
 
 
 @dataclass(frozen=True)
 class SpectrConfig:
-    method: str = "spectr"
-    num_drafts: int = 4
-    draft_length: int = 4
+    method: str = "auto"  # the planner picks the fastest exact method for this pair and hardware
+    num_drafts: int = 4  # K of a fixed method (auto: see max_num_drafts)
+    draft_length: int = 4  # L of a fixed method (auto: see max_draft_length)
     max_new_tokens: int = 64
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     batch_size: int = 8
     seed: int = 0
+    max_num_drafts: int | None = None  # auto: the largest K the planner may choose (None: 8)
+    max_draft_length: int | None = None  # auto: the largest L the planner may choose (None: 8)
 
 
 @dataclass(frozen=True)
@@ -111,8 +113,8 @@ def from_dict(raw: dict[str, Any]) -> GenerateConfig:
     check_ray(config.ray)
     _check_top_level(config)
     check_mlflow(config.mlflow)
-    if config.spectr.method == "speculative" and config.spectr.num_drafts != 1:
-        # speculative sampling is the K = 1 method by definition; say so in the resolved config
+    if config.spectr.method in ("speculative", "block") and config.spectr.num_drafts != 1:
+        # speculative sampling and block verification are K = 1 methods by definition; say so in the config
         config = dataclasses.replace(config, spectr=dataclasses.replace(config.spectr, num_drafts=1))
     return config
 
@@ -136,6 +138,9 @@ def check_spectr(s: SpectrConfig) -> None:
         raise out_of_range("spectr.batch_size", ">= 1", s.batch_size)
     if s.seed < 0:
         raise out_of_range("spectr.seed", ">= 0", s.seed)
+    for key in ("max_num_drafts", "max_draft_length"):
+        if getattr(s, key) is not None and getattr(s, key) < 1:
+            raise out_of_range(f"spectr.{key}", ">= 1 or null (the planner's default, 8)", getattr(s, key))
 
 
 def check_ray(r: RayConfig) -> None:

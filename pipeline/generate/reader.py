@@ -49,3 +49,12 @@ def read_settings(parquet_path: str | os.PathLike[str]) -> dict[str, Any]:
     with location.filesystem.open_input_file(location.path) as f:
         metadata = pq.read_schema(f).metadata or {}
     return json.loads(metadata[SETTINGS_METADATA_KEY])
+
+
+def read_plan(parquet_path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """method=auto: the planner's choice recorded in one shard's schema metadata (None for a fixed method)."""
+    location = fs.resolve(os.fspath(parquet_path), "path")
+    with location.filesystem.open_input_file(location.path) as f:
+        metadata = pq.read_schema(f).metadata or {}
+    raw = metadata.get(b"spectr.plan")
+    return None if raw is None else json.loads(raw)

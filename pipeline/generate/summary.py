@@ -95,6 +95,7 @@ class JobSummary:
     seconds_by_phase: dict[str, float] = field(default_factory=dict)  # inside spectr.generate, all shards
     output_dir: str = ""
     num_shards: int = 0
+    plan: str = ""  # method=auto: "auto chose ..., predicted X tok/s (Y x autoregressive)"
 
     @classmethod
     def build(
@@ -145,6 +146,7 @@ class JobSummary:
             },
             output_dir=output_dir,
             num_shards=num_shards,
+            plan=str(this_run.get("plan") or total.get("plan") or ""),
         )
 
     @property
@@ -200,6 +202,8 @@ class JobSummary:
             ("actors", f"{self.num_actors} on {self.actor_device}"),
             ("output", f"{self.output_dir} ({self.num_shards} shards)"),
         ]
+        if self.plan:
+            lines.insert(0, ("method", self.plan))
         width = max(len(name) for name, _ in lines)
         return "\n".join(f"  {name.ljust(width)}  {value}" for name, value in lines)
 

@@ -31,6 +31,9 @@ from pipeline.source import Source
 
 log = logging.getLogger(__name__)
 
+AUTO_MAX_DRAFTS = 8  # method=auto: the planner's bounds when spectr.max_num_drafts / max_draft_length are null
+AUTO_MAX_LENGTH = 8
+
 
 @dataclass
 class ShardResult:
@@ -53,6 +56,18 @@ class WorkerJob:
     output_uri: str
     part_digits: int
     schema: Any  # pyarrow.Schema of the part files, with the run's settings in its metadata
+
+
+PLAN_METADATA_KEY = b"spectr.plan"
+
+
+def with_plan(schema: Any, plan: dict[str, Any] | None) -> Any:
+    """The part file's schema, with the planner's choice (method=auto) under `spectr.plan` when there is one."""
+    if plan is None:
+        return schema
+    import json
+
+    return schema.with_metadata({**(schema.metadata or {}), PLAN_METADATA_KEY: json.dumps(plan).encode()})
 
 
 class ShardGenerator:
@@ -93,6 +108,8 @@ class ShardGenerator:
         self.target = models.load_model(model.target, model, device)
         self.draft = models.load_model(model.draft, model, device)
         self.eos_token_id = models.eos_token_ids_of(self.target, self.tokenizer)  # every EOS id
+        self.planner: Any = None  # method=auto: calibrated on the first batch (spectr.planner)
+        self.calibration_s = 0.0
 
     def ready(self) -> dict[str, Any]:
         """Where this generator runs (called once so that load errors surface before any shard)."""
@@ -135,7 +152,8 @@ class ShardGenerator:
         shard = load_shard(task, job.source, self.tokenizer, job.data, self.spectr.seed, self.cache)
         result = self(shard)
         output = fs.resolve(job.output_uri, "output_dir")
-        result.file, result.bytes = write_shard(output, task.index, result.rows, job.schema, job.part_digits)
+        schema = with_plan(job.schema, self.plan_record())  # method=auto: this shard's choice in its metadata
+        result.file, result.bytes = write_shard(output, task.index, result.rows, schema, job.part_digits)
         result.rows = None  # the driver gets statistics only
         return result
 
@@ -159,6 +177,8 @@ class ShardGenerator:
         stats["prompts_completed"] = len(rows) - stats["prompts_failed"]
         stats["shard_seconds"] = time.perf_counter() - started
         stats["resources"] = meter.usage()  # per worker, not summed (merge_stats leaves it alone)
+        if self.planner is not None:
+            stats["plan"] = self.planner.plan.describe()
         return ShardResult(
             index=shard.index,
             rows=rows,
@@ -182,21 +202,26 @@ class ShardGenerator:
         import spectr
 
         s = self.spectr
+        prompts = [shard.prompt_token_ids[i] for i in positions]
+        seeds = [shard.seeds[i] for i in positions]
         try:
-            output = spectr.generate(
-                self.target,
-                self.draft,
-                [shard.prompt_token_ids[i] for i in positions],
-                method=s.method,
-                num_drafts=s.num_drafts,
-                draft_length=s.draft_length,
-                max_new_tokens=s.max_new_tokens,
-                temperature=s.temperature,
-                top_k=s.top_k,
-                top_p=s.top_p,
-                eos_token_id=self.eos_token_id,
-                seed=[shard.seeds[i] for i in positions],
-            )
+            if s.method == "auto":
+                output = self._generate_auto(prompts, seeds)
+            else:
+                output = spectr.generate(
+                    self.target,
+                    self.draft,
+                    prompts,
+                    method=s.method,
+                    num_drafts=s.num_drafts,
+                    draft_length=s.draft_length,
+                    max_new_tokens=s.max_new_tokens,
+                    temperature=s.temperature,
+                    top_k=s.top_k,
+                    top_p=s.top_p,
+                    eos_token_id=self.eos_token_id,
+                    seed=seeds,
+                )
         except Exception as err:  # noqa: BLE001 - isolated below: only the failing rows get an error row
             if len(positions) == 1:
                 return [self._error_row(shard, positions[0], f"{type(err).__name__}: {err}")]
@@ -206,6 +231,48 @@ class ShardGenerator:
             return rows
         merge_stats(stats, stats_of(output.stats))
         return [self._row(shard, i, output, j) for j, i in enumerate(positions)]
+
+    def _generate_auto(self, prompts: list[list[int]], seeds: list[int]) -> Any:
+        """method=auto: calibrate the planner on the first batch (once per actor), generate with its choice,
+        and let it re-plan when the measured acceptance or the batch's occupancy drifts."""
+        from spectr.planner.auto import auto_planner, generate_auto
+        from spectr.warps import SamplingWarp
+
+        s = self.spectr
+        bounds = dict(num_drafts=s.max_num_drafts or AUTO_MAX_DRAFTS, draft_length=s.max_draft_length or AUTO_MAX_LENGTH)
+        if self.planner is None:
+            self.planner, calibration = auto_planner(
+                self.target, self.draft, prompts, batch_size=s.batch_size,
+                warp=SamplingWarp(s.temperature, s.top_k, s.top_p), seed=s.seed,
+                max_num_drafts=bounds["num_drafts"], max_draft_length=bounds["draft_length"],
+            )
+            self.calibration_s = calibration.seconds
+            log.info("%s (calibration %.1f s)", self.planner.plan.describe(), calibration.seconds)
+        choice = self.planner.choice
+        output = generate_auto(
+            self.target, self.draft, prompts, planner=self.planner, max_new_tokens=s.max_new_tokens,
+            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, eos_token_id=self.eos_token_id, seed=seeds,
+            **bounds,
+        )
+        stats = output.stats
+        self.planner.observe(choice, stats.accepted_per_position, stats.total_target_calls, len(prompts))
+        return output
+
+    def plan_record(self) -> dict[str, Any] | None:
+        """method=auto: the planner's current choice and prediction (None before it has run)."""
+        if self.planner is None:
+            return None
+        best = self.planner.plan.best
+        return {
+            "method": best.candidate.method,
+            "num_drafts": best.candidate.num_drafts,
+            "draft_length": best.candidate.draft_length,
+            "predicted_tokens_per_s": best.tokens_per_second,
+            "predicted_speedup_vs_autoregressive": self.planner.plan.speedup,
+            "calibration_s": self.calibration_s,
+            "replans": self.planner.replans,
+            "description": self.planner.plan.describe(),
+        }
 
     def _row(self, shard: Shard, i: int, output: Any, j: int) -> dict[str, Any]:
         per_row = output.stats

@@ -57,7 +57,8 @@ def finished_run(tiny_pair, prompts_jsonl, tmp_path_factory, ray_local):
     overrides = [
         f"model.target={tiny_pair['target']}", f"model.draft={tiny_pair['draft']}",
         f"data.path={prompts_jsonl}", "data.limit=null", f"output_dir={folder / 'out'}", "shard_size=8",
-        "spectr.num_drafts=2", "spectr.draft_length=3", "spectr.max_new_tokens=8", "spectr.batch_size=4",
+        "spectr.method=spectr", "spectr.num_drafts=2", "spectr.draft_length=3", "spectr.max_new_tokens=8",
+        "spectr.batch_size=4",
         f"mlflow.tracking_uri=sqlite:///{folder / 'mlflow.db'}", "progress=false",
     ]  # fmt: skip
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
