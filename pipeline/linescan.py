@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-BLOCK_BYTES = 8 << 20
+BLOCK_BYTES = 1 << 20  # the per-block work arrays are a few bytes per input byte: keep blocks small
 _NEWLINE, _QUOTE, _CR = 10, 34, 13
 _ASCII_WHITESPACE = np.frombuffer(b" \t\r\n\x0b\x0c", dtype=np.uint8)
 
@@ -120,7 +120,8 @@ class _ScanState:
             lengths = ends - starts
             last = np.where(lengths > 0, arr[np.maximum(ends - 1, 0)], 0)
             return (lengths == 0) | ((lengths == 1) & (last == _CR))
-        non_blank = np.concatenate([[0], np.cumsum(~np.isin(arr, _ASCII_WHITESPACE), dtype=np.int64)])
+        non_blank = np.zeros(len(arr) + 1, dtype=_count_type(arr))
+        np.cumsum(~np.isin(arr, _ASCII_WHITESPACE), dtype=non_blank.dtype, out=non_blank[1:])
         return non_blank[ends] - non_blank[starts] == 0
 
     def _take(self, buf: bytes, newlines: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> None:
@@ -149,7 +150,7 @@ def _records(
     """(starts, ends, consumed) of the whole records in `arr`: record i is arr[starts[i]:ends[i]] (its
     newline excluded). At the end of the file the last record needs no newline."""
     if quoted and len(newlines):
-        quotes = np.cumsum(arr == _QUOTE, dtype=np.int64)
+        quotes = np.cumsum(arr == _QUOTE, dtype=_count_type(arr))
         newlines = newlines[(quotes[newlines] & 1) == 0]
     ends = newlines.astype(np.int64)
     consumed = int(ends[-1]) + 1 if len(ends) else 0
@@ -160,6 +161,10 @@ def _records(
         consumed = len(arr)
     starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64) if len(ends) else ends
     return starts, ends, consumed
+
+
+def _count_type(arr: np.ndarray) -> type:
+    return np.int32 if len(arr) < 2**31 - 1 else np.int64
 
 
 def _strip_cr(record: bytes) -> bytes:
