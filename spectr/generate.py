@@ -16,11 +16,13 @@ Each iteration has four phases for every row of the batch:
 `method="autoregressive"` is the plain target-only loop with the same cache, warps and
 random streams (one target forward per token).
 
-Host syncs: one per iteration for autoregressive, two for speculative methods. The second
-(or only) one copies a few ints after the commit: how many rows still run and the longest
-cache rows, which size the next forwards. Speculative methods also copy the widest tree's
-node count before the verify forward, which sets its width. Everything per row (tokens,
-EOS and length cuts, finish reasons, statistics) stays on the device until `finish`.
+Host syncs: one per iteration for autoregressive and the single-draft methods (speculative,
+block), two for multi-draft methods (spectr, specinfer with K > 1). The last (or only) one
+copies a few ints after the commit: how many rows still run and the longest cache rows,
+which size the next forwards. With K > 1 the widest tree's node count is also copied before
+the verify forward, which sets its width (one draft is always a chain of L + 1 nodes).
+Everything per row (tokens, EOS and length cuts, finish reasons, statistics) stays on the
+device until `finish`.
 
 Finished rows stay in the batch, masked (their caches and outputs are frozen), until the
 batch is compacted: when at least `compact_fraction` of its rows have finished, the running
@@ -308,8 +310,10 @@ class Generation:
         draft_uniforms, selection_uniforms = self.slots.split(uniforms)  # [B, L, K], [B, L+1, K+1]
         with self.timer.phase("draft"):
             tree = self.drafter.propose(draft_uniforms, self.draft_extent, self.running)
-        # host sync 1 of 2: the widest tree sets the verify forward's width
-        width = int(tree.num_nodes.max().tolist())
+        if self.num_drafts == 1:
+            width = 1 + self.draft_length  # one draft is a chain: every tree has L + 1 nodes
+        else:  # host sync 1 of 2: the widest tree sets the verify forward's width
+            width = int(tree.num_nodes.max().tolist())
         with self.timer.phase("target"):
             logits = self._verify(tree, width)  # [B, W, V]
         with self.timer.phase("selection"):
@@ -356,7 +360,7 @@ class Generation:
         extent = torch.stack([self.running.sum(), self.target_cache.rows.lengths.max()])  # [2]
         if self.settings.speculative:
             extent = torch.cat([extent, self.drafter.host_extent()])  # [4]
-        host = extent.tolist()  # host sync (the only one of autoregressive iterations)
+        host = extent.tolist()  # the host sync of every iteration (the only one with a single draft)
         self.rows_running, self.target_longest = host[0], host[1]
         if self.settings.speculative:
             self.draft_extent = (host[2], host[3])

@@ -54,8 +54,8 @@ def drive_counting(target, draft, method, **kwargs):
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_at_most_one_host_sync_per_iteration_autoregressive_two_speculative(pair, method):
-    bound = 1 if method == "autoregressive" else 2
+def test_at_most_one_host_sync_per_iteration_one_draft_two_for_several(pair, method):
+    bound = 1 if method in ("autoregressive", "speculative", "block") else 2
     kwargs = dict(num_drafts=3, draft_length=3, max_new_tokens=[20, 9, 30, 14], eos_token_id=[5, 6], seed=4)
     start, per_step, finish, model_kinds, generation = drive_counting(*pair, method, **kwargs)
     assert start == 0 and finish == 1
