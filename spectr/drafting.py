@@ -23,6 +23,10 @@ Draft-cache layout during an iteration (see spectr.kv_cache for the invariant): 
 `base + i*K + k`; its depth-L-1 token is never fed. `commit` gathers the accepted path to
 `base + i` and advances the committed prefix, for the rows still running only.
 
+Rows of the pool: `reset` starts newly admitted rows (their last prompt token pending),
+`take` / `put` make a drafter of a subset of the rows (over a `RowView` of the cache) and
+write its pending tokens back.
+
 Randomness: the caller passes the uniforms ([B, L, K] per iteration: slot i*K + k of the
 row's counter-based stream, see spectr.rng). This module does not verify or select drafts.
 """
@@ -143,7 +147,7 @@ class TreeDrafter:
         dest = base[:, None] + depth  # [B, L-1]
         source = base[:, None] + depth * num_drafts + draft_index[:, None]  # [B, L-1]
         self.cache.rows.keep_path(torch.where(depth < kept[:, None], source, dest), dest)
-        self.cache.rows.lengths = torch.where(running, base + kept, lengths)
+        self.cache.rows.advance(torch.where(running, self.num_pending + kept, 0))  # to base + kept, in place
 
         all_accepted = num_accepted == draft_length  # [B]
         last_draft = tree.tokens[:, :, -1].gather(1, draft_index[:, None]).squeeze(1)  # [B]
@@ -152,8 +156,22 @@ class TreeDrafter:
         self.pending = torch.where(running[:, None], pending, self.pending)
         self.num_pending = torch.where(running, 1 + all_accepted.to(torch.int64), self.num_pending)
 
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only the given rows (device index [B'])."""
-        self.cache.rows.select_rows(rows)
-        self.pending = self.pending.index_select(0, rows)
-        self.num_pending = self.num_pending.index_select(0, rows)
+    # -- rows of the pool ------------------------------------------------------------
+    def reset(self, rows: torch.Tensor, last_tokens: torch.Tensor) -> None:
+        """Newly admitted rows `rows` ([N] int64): their last prompt tokens ([N]) become pending."""
+        self.pending.index_copy_(0, rows, torch.stack([last_tokens, torch.zeros_like(last_tokens)], 1))
+        self.num_pending.index_fill_(0, rows, 1)
+
+    def take(self, rows: torch.Tensor, cache) -> TreeDrafter:
+        """A drafter for the rows `rows` ([R] int64) only, over `cache` (a view of those rows)."""
+        part = object.__new__(TreeDrafter)
+        part.__dict__.update(self.__dict__)
+        part.cache = cache
+        part.pending = self.pending.index_select(0, rows)  # [R, 2]
+        part.num_pending = self.num_pending.index_select(0, rows)  # [R]
+        return part
+
+    def put(self, rows: torch.Tensor, part: TreeDrafter) -> None:
+        """Write back the pending tokens of a drafter made by `take(rows, ...)`."""
+        self.pending.index_copy_(0, rows, part.pending)
+        self.num_pending.index_copy_(0, rows, part.num_pending)

@@ -34,7 +34,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import AttentionInterface
 
-from spectr.kv_cache import RowKVCache
+from spectr.kv_cache import RowKVCache, RowView
 
 MASKABLE_ATTENTION = ("sdpa", "eager")
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -106,9 +106,13 @@ class _RowSlotLayer(CacheLayerMixin):
 class HFRowCache(Cache):
     """An HF `Cache` whose layers live in `self.rows` (a `RowKVCache`); see spectr.kv_cache."""
 
-    def __init__(self, rows: RowKVCache):
+    def __init__(self, rows: RowKVCache | RowView):
         super().__init__(layers=[_RowSlotLayer(rows, i) for i in range(rows.num_layers)])
         self.rows = rows
+
+    def view(self, rows: torch.Tensor) -> HFRowCache:
+        """The buffer rows `rows` ([R] int64) of this cache as an HF cache of R rows (no copy)."""
+        return HFRowCache(self.rows.view(rows))
 
 
 class HFCausalLM:

@@ -15,13 +15,20 @@ After selection, `keep_path` gathers the accepted path (a few slots per row) dow
 `lengths[b] + i` and `advance` moves the boundary; rows advance by different amounts.
 
 Storage is ONE buffer `[layers, 2 (keys, values), B, H, capacity, D]`, allocated on the first
-write, so committing the accepted path of every layer is one gather and one scatter, and
-dropping finished rows (`select_rows`) is one index_select; the engine calls the latter
-rarely (finished rows stay in place, masked, until the batch is compacted). Every attention
-layer must therefore share one (KV heads, head dim, dtype); a model whose layers differ is
-refused with a ValueError naming the layer. A forward attends a view `[..., :view_length, :]`
-with view_length = max committed length + new tokens: one host int per forward, known
-without a device sync.
+write and then reused for the cache's whole life (the engine's *cache pool*: a row of the
+buffer is a slot that prompt after prompt occupies), so committing the accepted path of every
+layer is one gather and one scatter. A finished row's slot is reset (`reset_rows`: its length
+goes to 0, and its entries are zeroed only on request), never compacted by copying the
+buffer. Every attention layer must share one (KV heads, head dim, dtype); a model whose
+layers differ is refused with a ValueError naming the layer. A forward attends a view
+`[..., :view_length, :]` with view_length = max committed length + new tokens: one host int
+per forward, known without a device sync.
+
+Row subsets: `view(rows)` is the same cache seen through a `[R]` index of its rows
+(`RowView`): forwards write into those rows only and attend a gathered copy of their slots,
+`keep_path` and `advance` touch only them. The engine uses it to prefill newly admitted rows
+alone and to run an iteration on the live rows only when few are live. `select_rows` (one
+copy of the whole buffer) is kept for the planner's latency table; the engine no longer calls it.
 
 This module knows nothing about Hugging Face: `spectr.hf` adapts it to HF's cache API.
 """
@@ -42,6 +49,7 @@ class RowKVCache:
         self.lengths = torch.zeros(batch_size, dtype=torch.int64, device=self.device)  # [B]
         self._write_slots: torch.Tensor | None = None  # [B, T]
         self._write_index: torch.Tensor | None = None  # [B, H, T, D]
+        self._write_rows: torch.Tensor | None = None  # [R] or None (all rows)
         self._view_length = 0
 
     @property
@@ -59,21 +67,29 @@ class RowKVCache:
         return [None if self.buffer is None else self.buffer[i, 1] for i in range(self.num_layers)]
 
     # --- one forward -------------------------------------------------------------------
-    def begin_forward(self, write_slots: torch.Tensor, view_length: int) -> None:
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the buffer and the lengths (their storages)."""
+        held = self.lengths.untyped_storage().nbytes()
+        return held + (0 if self.buffer is None else self.buffer.untyped_storage().nbytes())
+
+    def begin_forward(self, write_slots: torch.Tensor, view_length: int, rows: torch.Tensor | None = None) -> None:
         """Declare where the next forward's tokens go and how many slots it may attend.
 
-        write_slots: [B, T] int64, per-row slot of each new token (all >= lengths[b], distinct
+        write_slots: [R, T] int64, per-row slot of each new token (all >= lengths[b], distinct
         within a row, < view_length). view_length: host int, the attended prefix of the buffers.
+        rows: [R] int64, the buffer rows the forward's batch rows are (None: all B, in order).
         """
         if view_length > self.capacity:
             raise RuntimeError(f"KV cache capacity {self.capacity} exceeded (need {view_length} slots)")
         self._write_slots = write_slots
         self._write_index = None
+        self._write_rows = rows
         self._view_length = int(view_length)
 
     def _allocate(self, keys: torch.Tensor) -> None:
-        batch, heads, _, head_dim = keys.shape
-        shape = (self.num_layers, 2, batch, heads, self.capacity, head_dim)
+        _, heads, _, head_dim = keys.shape
+        shape = (self.num_layers, 2, self.batch_size, heads, self.capacity, head_dim)
         self.buffer = torch.zeros(shape, dtype=keys.dtype, device=keys.device)
 
     def write(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,22 +106,43 @@ class RowKVCache:
                 f"{tuple(values.shape[1::2])} (heads, head dim), but the cache holds ({heads}, {head_dim}) for "
                 "every layer; models whose attention layers differ in KV shape are not supported"
             )
+        layer = self.buffer[layer_idx]  # [2, B, H, capacity, D]
+        if self._write_rows is not None:
+            return self._write_rows_subset(layer, keys, values)
         if self._write_index is None:
             new = self._write_slots.shape[1]
             self._write_index = self._write_slots[:, None, :, None].expand(batch, heads, new, head_dim)
-        layer = self.buffer[layer_idx]  # [2, B, H, capacity, D]
         layer[0].scatter_(2, self._write_index, keys.to(layer.dtype))
         layer[1].scatter_(2, self._write_index, values.to(layer.dtype))
         return layer[0, :, :, : self._view_length], layer[1, :, :, : self._view_length]
 
+    def _write_rows_subset(self, layer: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
+        """`write` for a forward over rows `_write_rows` [R]: scatter there, return gathered views [R, H, view, D]."""
+        rows = self._write_rows
+        if self._write_index is None:
+            heads = torch.arange(keys.shape[1], device=rows.device)
+            self._write_index = (rows[:, None, None], heads[None, :, None], self._write_slots[:, None, :])  # [R, H, T]
+        layer[0].index_put_(self._write_index, keys.to(layer.dtype))
+        layer[1].index_put_(self._write_index, values.to(layer.dtype))
+        view = layer[:, :, :, : self._view_length].index_select(1, rows)  # [2, R, H, view, D], a copy
+        return view[0], view[1]
+
     # --- commit --------------------------------------------------------------------------
-    def keep_path(self, source_slots: torch.Tensor, dest_slots: torch.Tensor) -> None:
+    def keep_path(self, source_slots: torch.Tensor, dest_slots: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Copy slots `source_slots[b, i]` to `dest_slots[b, i]` in every layer: one gather, one scatter.
 
-        source_slots, dest_slots: [B, M] int64. Destinations must be distinct within a row; an
-        entry with source == dest is a no-op, which is how rows that keep fewer than M tokens pad.
+        source_slots, dest_slots: [B, M] int64 ([R, M] for the buffer rows `rows` [R]). Destinations
+        must be distinct within a row; an entry with source == dest is a no-op, which is how rows
+        that keep fewer than M tokens pad.
         """
         if source_slots.shape[1] == 0 or self.buffer is None:
+            return
+        if rows is not None:
+            layers, _, batch, heads, capacity, head_dim = self.buffer.shape
+            stacked = self.buffer.view(layers * 2, batch, heads, capacity, head_dim)  # [2N, B, H, S, D]
+            picked = rows[:, None]  # [R, 1]
+            # advanced indices on dims 1 and 3 (split by a slice): the values come out [R, M, 2N, H, D]
+            stacked[:, picked, :, dest_slots] = stacked[:, picked, :, source_slots]
             return
         layers, _, batch, heads, capacity, head_dim = self.buffer.shape
         stacked = self.buffer.view(layers * 2, batch, heads, capacity, head_dim)  # [2N, B, H, S, D]
@@ -120,6 +157,21 @@ class RowKVCache:
         """Extend each row's committed prefix by counts[b] slots ([B] int64, on the cache's device)."""
         self.lengths += counts
 
+    def reset_rows(self, rows: torch.Tensor, zero: bool = False) -> None:
+        """Empty the slots of rows `rows` ([N] int64): length 0; with `zero`, their entries are zeroed too.
+
+        Stale entries past a row's length are never attended (the mask excludes them, and finite
+        values behind a mask contribute exactly 0), so a plain reset is enough for the next
+        occupant; `zero` is for rows that may have left non-finite entries behind.
+        """
+        self.lengths.index_fill_(0, rows, 0)
+        if zero and self.buffer is not None:
+            self.buffer.index_fill_(2, rows, 0)
+
+    def view(self, rows: torch.Tensor) -> RowView:
+        """The rows `rows` ([R] int64) of this cache, as a cache of R rows (no copy)."""
+        return RowView(self, rows)
+
     def select_rows(self, row_indices: torch.Tensor) -> None:
         """Keep only rows `row_indices` ([B'] int64), in that order: one copy of the whole buffer."""
         if self.buffer is not None:
@@ -127,11 +179,55 @@ class RowKVCache:
         self.lengths = self.lengths.index_select(0, row_indices)
         self._write_slots = None
         self._write_index = None
+        self._write_rows = None
 
     def committed(self, layer_idx: int, row: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Row `row`'s committed keys and values of one layer, [H, lengths[row], D] each (for tests)."""
         length = int(self.lengths[row])
         return self.buffer[layer_idx, 0, row, :, :length], self.buffer[layer_idx, 1, row, :, :length]
+
+
+class RowView:
+    """Rows `rows` [R] of a `RowKVCache`, with the cache's interface: lengths [R], forwards, commits.
+
+    Lengths are read from and written to the underlying cache (nothing to write back);
+    forwards scatter into those rows and attend a gathered copy of their attended slots.
+    """
+
+    def __init__(self, cache: RowKVCache, rows: torch.Tensor):
+        self.cache = cache
+        self.rows = rows  # [R] int64
+        self.num_layers = cache.num_layers
+        self.capacity = cache.capacity
+        self.device = cache.device
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.rows.shape[0])
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.cache.lengths.index_select(0, self.rows)  # [R]
+
+    @lengths.setter
+    def lengths(self, value: torch.Tensor) -> None:
+        self.cache.lengths.index_copy_(0, self.rows, value)
+
+    @property
+    def _view_length(self) -> int:
+        return self.cache._view_length
+
+    def begin_forward(self, write_slots: torch.Tensor, view_length: int) -> None:
+        self.cache.begin_forward(write_slots, view_length, self.rows)
+
+    def write(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cache.write(layer_idx, keys, values)
+
+    def keep_path(self, source_slots: torch.Tensor, dest_slots: torch.Tensor) -> None:
+        self.cache.keep_path(source_slots, dest_slots, self.rows)
+
+    def advance(self, counts: torch.Tensor) -> None:
+        self.cache.lengths.index_add_(0, self.rows, counts)
 
 
 def tree_attention(prefix_lengths: torch.Tensor, visible: torch.Tensor, view_length: int) -> torch.Tensor:

@@ -1,15 +1,18 @@
-"""Per-prompt results kept on the device while the loop runs: outputs, finish reasons, statistics.
+"""Per-slot results kept on the device while rows run: outputs, finish reasons, per-row statistics.
 
-`Records.record` takes one iteration's emitted tokens for every row of the batch and, with
-tensor ops only, cuts them at the first EOS and at the row's token budget, appends them to
-the prompt's output buffer, and marks rows that finished (EOS, length, or non-finite
-logits). Nothing is read on the host until `read`, once, at the end of the generation, so
-the loop's only host copies are the few ints it needs to size the next forward.
+`Records` has one entry per slot of the batch (a row of the cache pool), reused by prompt
+after prompt: `reset` starts a newly admitted row, `record` takes one iteration's emitted
+tokens for the rows that took part and, with tensor ops only, cuts them at the first EOS and
+at the row's token budget, appends them to the slot's output buffer, and marks rows that
+finished (EOS, length, or non-finite logits); `read` copies finished slots to the host (one
+copy for all of them) so that the slots can take the next prompts.
 
-Layout: `tokens [P, max_new + E]` (E = tokens an iteration can emit), indexed by prompt, so
-dropping finished rows from the batch never moves an output. A row writes all E emitted
-tokens at `length + e`; only the first `kept` count, the rest is overwritten by the next
-iteration or lies past the final length.
+Layout: `tokens [B, max_new + E]` (E = tokens an iteration can emit), indexed by slot. A row
+writes all E emitted tokens at `length + e`; only the first `kept` count, the rest is
+overwritten by the next iteration or lies past the final length. Every statistic is kept
+per slot (target calls, accepted draft tokens per position, tested positions, tree nodes,
+tokens-per-call histogram), so a finished row carries its own numbers and any set of rows
+(a shard, a job) sums them exactly, whatever rows shared its batch.
 
 This module does not run models or select tokens.
 """
@@ -17,100 +20,130 @@ This module does not run models or select tokens.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
-
-from spectr.stats import GenerationStats
 
 RUNNING, EOS, LENGTH, ERROR = 0, 1, 2, 3
 REASONS = {EOS: "eos", LENGTH: "length", ERROR: "error"}
 TARGET_NONFINITE, DRAFT_NONFINITE = 1, 2  # bits of the per-row error flags
 
 
-class Records:
-    """Outputs and counters of `num_prompts` prompts, written by rows through their prompt index."""
+@dataclass
+class SlotResult:
+    """What `Records.read` returns for one finished slot (host values)."""
 
-    def __init__(self, num_prompts: int, max_new_tokens: Sequence[int], emit_width: int, draft_length: int,
+    slot: int
+    tokens: list[int]
+    finish_reason: str
+    error_flags: int
+    target_calls: int
+    accepted_per_position: list[int]
+    tested_positions: int
+    tree_nodes: int
+    tokens_per_call_histogram: list[int]
+
+
+class Records:
+    """Outputs and counters of `num_slots` slots, written by the rows that occupy them."""
+
+    def __init__(self, num_slots: int, max_new_tokens: int, emit_width: int, draft_length: int,
                  eos_ids: Sequence[int], device):
+        """max_new_tokens: the largest budget any row may have (sizes the output buffer)."""
         self.device = device
         self.emit_width = emit_width  # E
-        width = max(max_new_tokens, default=0) + emit_width
-        self.tokens = torch.zeros(num_prompts, width, dtype=torch.int64, device=device)  # [P, max_new + E]
-        self.lengths = torch.zeros(num_prompts, dtype=torch.int64, device=device)  # [P]
-        self.budget = torch.tensor(list(max_new_tokens), dtype=torch.int64, device=device)  # [P]
-        self.reason = torch.full((num_prompts,), LENGTH, dtype=torch.int64, device=device)  # [P]
-        self.error_flags = torch.zeros(num_prompts, dtype=torch.int64, device=device)  # [P]
-        self.target_calls = torch.zeros(num_prompts, dtype=torch.int64, device=device)  # [P]
-        self.histogram = torch.zeros(max(draft_length, 1) + 2, dtype=torch.int64, device=device)  # [L + 2]
-        self.accepted_per_position = torch.zeros(draft_length, dtype=torch.int64, device=device)  # [L]
-        self.tested_positions = torch.zeros((), dtype=torch.int64, device=device)
-        self.tree_nodes = torch.zeros((), dtype=torch.int64, device=device)
+        slots, positions = num_slots, max(draft_length, 0)
+
+        def zeros(*shape):
+            return torch.zeros(*shape, dtype=torch.int64, device=device)
+
+        self.tokens = zeros(slots, max_new_tokens + emit_width)  # [B, max_new + E]
+        self.lengths = zeros(slots)  # [B]
+        self.budget = zeros(slots)  # [B] 0 for an empty slot
+        self.reason = torch.full((slots,), LENGTH, dtype=torch.int64, device=device)  # [B]
+        self.error_flags = zeros(slots)  # [B]
+        self.target_calls = zeros(slots)  # [B]
+        self.histogram = zeros(slots, max(draft_length, 1) + 2)  # [B, L + 2]
+        self.accepted_per_position = zeros(slots, positions)  # [B, L]
+        self.tested_positions = zeros(slots)  # [B]
+        self.tree_nodes = zeros(slots)  # [B]
         self.eos_ids = torch.tensor(list(eos_ids), dtype=torch.int64, device=device)  # [n_eos]
 
-    def start(self, running: torch.Tensor) -> None:
-        """running [P] bool: those prompts' rows begin (reason "running" until they finish); the
-        others (max_new_tokens 0) are finished by length with no token."""
-        self.reason = torch.where(running, RUNNING, LENGTH)
+    def _counters(self) -> list[torch.Tensor]:
+        return [self.lengths, self.error_flags, self.target_calls, self.histogram, self.accepted_per_position,
+                self.tested_positions, self.tree_nodes]
 
-    def record(self, prompts: torch.Tensor, running: torch.Tensor, emitted: torch.Tensor, counts: torch.Tensor,
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.tokens, self.budget, self.reason, self.eos_ids, *self._counters()]
+        return sum(t.untyped_storage().nbytes() for t in tensors)
+
+    def reset(self, slots: torch.Tensor, budgets: torch.Tensor) -> None:
+        """Start new rows in `slots` ([N] int64) with token budgets `budgets` ([N] int64 >= 1)."""
+        for counter in self._counters():
+            counter.index_fill_(0, slots, 0)
+        self.budget.index_copy_(0, slots, budgets)
+        self.reason.index_fill_(0, slots, RUNNING)
+
+    def record(self, slots: torch.Tensor, running: torch.Tensor, emitted: torch.Tensor, counts: torch.Tensor,
                error_flags: torch.Tensor) -> torch.Tensor:
-        """One iteration of every row; returns [B] bool, the rows still running afterwards.
+        """One iteration of the rows in `slots`; returns [R] bool, the rows still running afterwards.
 
-        prompts [B] prompt index of each row; running [B] bool rows that took part; emitted [B, E]
-        tokens (the first counts[b] are real); error_flags [B] int (0 = fine).
+        slots [R] slot of each row; running [R] bool rows that took part; emitted [R, E] tokens (the
+        first counts[r] are real); error_flags [R] int (0 = fine).
         """
-        lengths = self.lengths[prompts]  # [B]
+        lengths = self.lengths[slots]  # [R]
         offsets = torch.arange(emitted.shape[1], device=emitted.device)  # [E]
-        first_eos = torch.full_like(counts, emitted.shape[1] + 1)  # [B] 1-based, past the end if none
+        first_eos = torch.full_like(counts, emitted.shape[1] + 1)  # [R] 1-based, past the end if none
         if self.eos_ids.numel():
-            is_eos = (emitted[:, :, None] == self.eos_ids).any(-1) & (offsets < counts[:, None])  # [B, E]
+            is_eos = (emitted[:, :, None] == self.eos_ids).any(-1) & (offsets < counts[:, None])  # [R, E]
             first_eos = torch.where(is_eos.any(1), is_eos.to(torch.int8).argmax(1) + 1, first_eos)
-        healthy = running & (error_flags == 0)  # [B]
-        room = self.budget[prompts] - lengths  # [B]
-        kept = torch.where(healthy, torch.minimum(torch.minimum(counts, first_eos), room), 0)  # [B]
-        self.tokens[prompts[:, None], lengths[:, None] + offsets] = emitted  # see the module docstring
+        healthy = running & (error_flags == 0)  # [R]
+        budget = self.budget[slots]  # [R]
+        kept = torch.where(healthy, torch.minimum(torch.minimum(counts, first_eos), budget - lengths), 0)  # [R]
+        self.tokens[slots[:, None], lengths[:, None] + offsets] = emitted  # see the module docstring
         new_lengths = lengths + kept
-        self.lengths[prompts] = new_lengths
+        self.lengths[slots] = new_lengths
         eos = healthy & (first_eos <= kept)
-        length = healthy & ~eos & (new_lengths >= self.budget[prompts])
+        length = healthy & ~eos & (new_lengths >= budget)
         error = running & (error_flags != 0)
-        finished = eos | length | error  # [B]
+        finished = eos | length | error  # [R]
         code = torch.where(eos, EOS, torch.where(length, LENGTH, ERROR))
-        self.reason[prompts] = torch.where(finished, code, self.reason[prompts])
-        self.error_flags[prompts] |= torch.where(running, error_flags, 0)
-        self.target_calls[prompts] += running.to(torch.int64)
-        self.histogram.scatter_add_(0, kept, running.to(torch.int64))
+        self.reason[slots] = torch.where(finished, code, self.reason[slots])
+        self.error_flags[slots] |= torch.where(running, error_flags, 0)
+        took_part = running.to(torch.int64)  # [R]
+        self.target_calls[slots] += took_part
+        self.histogram.index_put_((slots, kept), took_part, accumulate=True)
         return running & ~finished
 
-    def record_acceptance(self, running: torch.Tensor, num_accepted: torch.Tensor, num_nodes: torch.Tensor) -> None:
-        """Acceptance counters of one speculative iteration, over the rows that took part ([B] each)."""
-        draft_length = self.accepted_per_position.shape[0]
+    def record_acceptance(self, slots: torch.Tensor, running: torch.Tensor, num_accepted: torch.Tensor,
+                          num_nodes: torch.Tensor) -> None:
+        """Acceptance counters of one speculative iteration of the rows in `slots` ([R] each)."""
+        draft_length = self.accepted_per_position.shape[1]
         positions = torch.arange(draft_length, device=num_accepted.device)  # [L]
-        self.accepted_per_position += ((num_accepted[:, None] > positions) & running[:, None]).sum(0)
-        self.tested_positions += torch.where(running, (num_accepted + 1).clamp(max=draft_length), 0).sum()
-        self.tree_nodes += torch.where(running, num_nodes, 0).sum()
+        accepted = (num_accepted[:, None] > positions) & running[:, None]  # [R, L]
+        self.accepted_per_position[slots] += accepted.to(torch.int64)
+        self.tested_positions[slots] += torch.where(running, (num_accepted + 1).clamp(max=draft_length), 0)
+        self.tree_nodes[slots] += torch.where(running, num_nodes, 0)
 
-    def read(self, stats: GenerationStats, describe_error) -> list[list[int]]:
-        """Copy everything to the host (one copy) and fill `stats`; returns the tokens per prompt.
-
-        describe_error(prompt index, error flags, generated tokens) -> the row's error message.
-        """
-        parts = [self.lengths, self.reason, self.error_flags, self.target_calls, self.histogram,
-                 self.accepted_per_position, self.tested_positions[None], self.tree_nodes[None],
-                 self.tokens.reshape(-1)]
-        host = torch.cat(parts).tolist()  # the one host copy at the end of the generation
-        num_prompts = self.lengths.shape[0]
-        sizes = [num_prompts] * 4 + [self.histogram.numel(), self.accepted_per_position.numel(), 1, 1]
-        fields, start = [], 0
-        for size in sizes:
-            fields.append(host[start : start + size])
-            start += size
-        lengths, reason, flags, calls, histogram, accepted, tested, nodes = fields
-        width = self.tokens.shape[1]
-        tokens = [host[start + i * width : start + i * width + n] for i, n in enumerate(lengths)]
-        stats.generated_tokens, stats.target_calls = lengths, calls
-        stats.finish_reason = [REASONS[r] for r in reason]
-        stats.errors = [describe_error(i, f, n) if f else None for i, (f, n) in enumerate(zip(flags, lengths))]
-        stats.tokens_per_call_histogram, stats.accepted_per_position = histogram, accepted
-        stats.tested_positions, stats.tree_nodes = tested[0], nodes[0]
-        return tokens
+    def read(self, slots: torch.Tensor) -> list[SlotResult]:
+        """Copy the rows of `slots` ([F] int64) to the host: one copy for all of them."""
+        count = slots.shape[0]
+        if count == 0:
+            return []
+        per_slot = [slots, self.lengths, self.reason, self.error_flags, self.target_calls, self.tested_positions,
+                    self.tree_nodes]
+        columns = torch.stack([t if t is slots else t[slots] for t in per_slot], 1)  # [F, 7]
+        parts = [columns, self.accepted_per_position[slots], self.histogram[slots], self.tokens[slots]]
+        host = torch.cat(parts, 1).tolist()  # host copy: the finished rows, once each
+        positions, bins = self.accepted_per_position.shape[1], self.histogram.shape[1]
+        results = []
+        for row in host:
+            slot, length, reason, flags, calls, tested, nodes = row[:7]
+            histogram_end = 7 + positions + bins
+            results.append(SlotResult(
+                slot=slot, tokens=row[histogram_end : histogram_end + length], finish_reason=REASONS[reason],
+                error_flags=flags, target_calls=calls, accepted_per_position=row[7 : 7 + positions],
+                tested_positions=tested, tree_nodes=nodes, tokens_per_call_histogram=row[7 + positions : histogram_end],
+            ))
+        return results

@@ -11,7 +11,7 @@ This module does not run models and holds no device state.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -37,8 +37,9 @@ class Settings:
         return self.method != AUTOREGRESSIVE
 
     @classmethod
-    def from_arguments(cls, prompts: list[list[int]], *, methods: Sequence[str], method, num_drafts, draft_length,
-                       max_new_tokens, temperature, top_k, top_p, eos_token_id, seed) -> Settings:
+    def for_run(cls, *, methods: Sequence[str], method, num_drafts, draft_length, temperature, top_k, top_p,
+                eos_token_id) -> Settings:
+        """The run-level settings only (no prompts yet: `max_new_tokens` and `seeds` are empty)."""
         if method not in methods:
             raise ValueError(f"unknown method {method!r}; expected one of {list(methods)}")
         for name, value in (("num_drafts", num_drafts), ("draft_length", draft_length)):
@@ -51,15 +52,17 @@ class Settings:
             # K drafts would all be the draft's argmax path, so one draft gives the same output for less
             num_drafts = 1
         speculative = method != AUTOREGRESSIVE
-        return cls(
-            method=method,
-            num_drafts=num_drafts if speculative else 0,
-            draft_length=draft_length if speculative else 0,
-            max_new_tokens=tuple(check_max_new_tokens(max_new_tokens, len(prompts))),
-            warp=warp,
-            eos_ids=tuple(check_eos(eos_token_id)),
-            seeds=tuple(check_seeds(seed, len(prompts))),
-        )
+        return cls(method=method, num_drafts=num_drafts if speculative else 0,
+                   draft_length=draft_length if speculative else 0, max_new_tokens=(), warp=warp,
+                   eos_ids=tuple(check_eos(eos_token_id)), seeds=())
+
+    @classmethod
+    def from_arguments(cls, prompts: list[list[int]], *, methods: Sequence[str], method, num_drafts, draft_length,
+                       max_new_tokens, temperature, top_k, top_p, eos_token_id, seed) -> Settings:
+        run = cls.for_run(methods=methods, method=method, num_drafts=num_drafts, draft_length=draft_length,
+                          temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id)
+        return replace(run, max_new_tokens=tuple(check_max_new_tokens(max_new_tokens, len(prompts))),
+                       seeds=tuple(check_seeds(seed, len(prompts))))
 
 
 def check_prompts(prompts) -> list[list[int]]:
@@ -110,16 +113,21 @@ def _is_int(value) -> bool:
 
 
 def check_max_new_tokens(max_new_tokens, num_prompts: int) -> list[int]:
-    """An int >= 0 for every prompt, or one int >= 0 per prompt."""
+    """An int >= 1 for every prompt, or one int >= 1 per prompt (ValueError naming the bad row)."""
     if isinstance(max_new_tokens, torch.Tensor):
         max_new_tokens = max_new_tokens.tolist()
-    if _is_int(max_new_tokens) and max_new_tokens >= 0:
+    if _is_int(max_new_tokens):
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1 or one int >= 1 per prompt, got {max_new_tokens!r}")
         return [max_new_tokens] * num_prompts
-    if isinstance(max_new_tokens, Sequence) and all(_is_int(m) and m >= 0 for m in max_new_tokens):
-        if len(max_new_tokens) != num_prompts:
-            raise ValueError(f"max_new_tokens has {len(max_new_tokens)} entries but there are {num_prompts} prompts")
-        return [int(m) for m in max_new_tokens]
-    raise ValueError(f"max_new_tokens must be an int >= 0 or one int >= 0 per prompt, got {max_new_tokens!r}")
+    if isinstance(max_new_tokens, (str, bytes)) or not isinstance(max_new_tokens, Sequence):
+        raise ValueError(f"max_new_tokens must be an int >= 1 or one int >= 1 per prompt, got {max_new_tokens!r}")
+    if len(max_new_tokens) != num_prompts:
+        raise ValueError(f"max_new_tokens has {len(max_new_tokens)} entries but there are {num_prompts} prompts")
+    for row, budget in enumerate(max_new_tokens):
+        if not _is_int(budget) or budget < 1:
+            raise ValueError(f"max_new_tokens[{row}] (prompt {row}) must be an int >= 1, got {budget!r}")
+    return [int(m) for m in max_new_tokens]
 
 
 def check_eos(eos_token_id) -> list[int]:
@@ -135,13 +143,16 @@ def check_eos(eos_token_id) -> list[int]:
 
 
 def check_seeds(seed, num_prompts: int) -> list[int]:
-    """An int (row i uses seed + i) or one int per prompt."""
+    """An int (row i uses seed + i) or one int per prompt (ValueError naming the bad row)."""
     if _is_int(seed):
         return [seed + row for row in range(num_prompts)]
     if isinstance(seed, torch.Tensor):
         seed = seed.tolist()
-    if not isinstance(seed, Sequence) or not all(_is_int(s) for s in seed):
+    if isinstance(seed, (str, bytes)) or not isinstance(seed, Sequence):
         raise ValueError(f"seed must be an int or one int per prompt, got {seed!r}")
     if len(seed) != num_prompts:
         raise ValueError(f"seed has {len(seed)} entries but there are {num_prompts} prompts")
+    for row, value in enumerate(seed):
+        if not _is_int(value):
+            raise ValueError(f"seed[{row}] (prompt {row}) must be an int, got {value!r}")
     return [int(s) for s in seed]

@@ -21,7 +21,8 @@ Definitions:
   the batch, padding included; 1 per call for autoregressive); tree_nodes: sum over (row,
   target call) of the row's own tree nodes (root included), so tree_nodes / total_target_calls
   is the mean tree size (1 + K*L when no drafts share a prefix, L + 1 when all coincide);
-  compactions: how often finished rows were dropped from the batch (one cache copy each).
+  admissions: how often waiting prompts were prefilled into free slots (one prefill each);
+  gathered_iterations: iterations run on the live rows only (gathered, when few were live).
 - seconds: wall time split into draft forwards, target forwards, selection (warps, sampling,
   draft selection) and everything else. On CUDA the phases are timed with CUDA events, so the
   loop needs no extra host syncs; on CPU with perf_counter.
@@ -56,7 +57,8 @@ class GenerationStats:
     iterations: int = 0
     verify_tokens: int = 0
     tree_nodes: int = 0
-    compactions: int = 0
+    admissions: int = 0
+    gathered_iterations: int = 0
     plan: str = ""  # method="auto": what the planner chose and predicted
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
@@ -119,13 +121,25 @@ class GenerationStats:
         )
         return out
 
+    def add_row(self, row) -> None:
+        """Append one finished row (`spectr.batching.FinishedRow`) and add its counters to the totals."""
+        self.generated_tokens.append(len(row.tokens))
+        self.target_calls.append(row.target_calls)
+        self.finish_reason.append(row.finish_reason)
+        self.errors.append(row.error)
+        for name in ("accepted_per_position", "tokens_per_call_histogram"):
+            mine, theirs = getattr(self, name), getattr(row, name)
+            setattr(self, name, [a + b for a, b in zip(mine, theirs)] if mine else list(theirs))
+        self.tested_positions += row.tested_positions
+        self.tree_nodes += row.tree_nodes
+
     def extend(self, other: GenerationStats) -> None:
         """Append another call's rows (same method and settings) and add its totals (batch_size chunks)."""
         for name in ("generated_tokens", "target_calls", "finish_reason", "errors"):
             getattr(self, name).extend(getattr(other, name))
         for name in ("accepted_per_position", "tokens_per_call_histogram"):
             setattr(self, name, [a + b for a, b in zip(getattr(self, name), getattr(other, name))])
-        for name in ("tested_positions", "iterations", "verify_tokens", "tree_nodes", "compactions",
+        for name in ("tested_positions", "iterations", "verify_tokens", "tree_nodes", "admissions", "gathered_iterations",
                      "draft_seconds", "target_seconds", "selection_seconds", "other_seconds", "wall_seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
@@ -162,12 +176,23 @@ class PhaseTimer:
     def phase(self, name: str) -> _Phase:
         return _Phase(self, name)
 
+    def collect(self) -> None:
+        """Fold the recorded CUDA events into the totals; call right after a host sync (they have all
+        completed then), so that a long run keeps no growing list of events. No-op on CPU."""
+        for phase, start, end in self._events:
+            self.seconds[phase] += start.elapsed_time(end) / 1000.0
+        self._events.clear()
+
     def finish(self, stats: GenerationStats) -> None:
         """Write the phase totals and wall time into `stats` (one device sync on CUDA)."""
         if self.cuda:
             torch.cuda.synchronize()
-            for phase, start, end in self._events:
-                self.seconds[phase] += start.elapsed_time(end) / 1000.0
+        self.write(stats)
+
+    def write(self, stats: GenerationStats) -> None:
+        """Write the totals so far into `stats`; on CUDA only events already completed may be
+        pending (call right after a host sync, or use `finish`)."""
+        self.collect()
         wall = time.perf_counter() - self._wall_start
         stats.draft_seconds = self.seconds["draft"]
         stats.target_seconds = self.seconds["target"]

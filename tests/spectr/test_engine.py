@@ -44,7 +44,17 @@ def pair64():
         ([[1]], dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
         ([[1]], dict(top_p=1.01), r"top_p must be in \(0, 1\]"),
         ([[1]], dict(top_k=-3), r"top_k"),
-        ([[1]], dict(max_new_tokens=-1), r"max_new_tokens"),
+        ([[1]], dict(max_new_tokens=-1), r"max_new_tokens must be an int >= 1"),
+        ([[1]], dict(max_new_tokens=0), r"max_new_tokens must be an int >= 1"),
+        ([[1], [2], [3]], dict(max_new_tokens=[4, 4, 0]), r"max_new_tokens\[2\] \(prompt 2\) must be an int >= 1, got 0"),
+        ([[1], [2]], dict(max_new_tokens=[4, 2.5]), r"max_new_tokens\[1\] \(prompt 1\) must be an int >= 1, got 2.5"),
+        ([[1], [2]], dict(max_new_tokens=[4, True]), r"max_new_tokens\[1\] \(prompt 1\) must be an int >= 1"),
+        ([[1], [2]], dict(max_new_tokens=[4]), r"max_new_tokens has 1 entries but there are 2 prompts"),
+        ([[1], [2]], dict(max_new_tokens="4"), r"max_new_tokens must be an int >= 1"),
+        ([[1], [2]], dict(seed=[1, "x"]), r"seed\[1\] \(prompt 1\) must be an int, got 'x'"),
+        ([[1], [2]], dict(batch_size=0), r"batch_size must be None or an int >= 1, got 0"),
+        ([[1], [2]], dict(batch_size=1.5), r"batch_size must be None or an int >= 1, got 1.5"),
+        ([[1], [2]], dict(batch_size=True), r"batch_size must be None or an int >= 1, got True"),
         ([[1], [2]], dict(seed=[1]), r"seed has 1 entries but there are 2 prompts"),
         ([[1]], dict(eos_token_id="x"), r"eos_token_id"),
         ("hello", {}, r"prompts must be a list"),
@@ -159,9 +169,7 @@ def test_statistics_are_consistent(pair, method):
                                     "generated_tokens", "target_calls", "finish_reason", "acceptance_rate"}
 
 
-def test_max_new_tokens_zero_and_one(pair):
-    out = spectr.generate(*pair, PROMPTS, max_new_tokens=0)
-    assert out.tokens == [[], [], [], []]
+def test_max_new_tokens_one(pair):
     out = spectr.generate(*pair, PROMPTS, max_new_tokens=1, draft_length=4)
     assert [len(t) for t in out.tokens] == [1, 1, 1, 1] and out.stats.target_calls == [1, 1, 1, 1]
 

@@ -37,34 +37,46 @@ def counter(*models) -> HostSyncCounter:
 
 
 def drive_counting(target, draft, method, **kwargs):
-    """Run a Generation phase by phase, counting the engine's host reads in each phase."""
+    """Run a Generation phase by phase, counting the engine's host reads in each phase.
+
+    Returns (syncs of start, [(syncs, rows retired) per step], syncs of finish, kinds read inside
+    the models, the generation)."""
     generation = Generation(target, draft, PROMPTS, method=method, **kwargs)
     per_step, model_kinds = [], set()
     with torch.inference_mode():
         with counter(target, draft) as start:
             generation.start()
         while not generation.done:
+            retired = len(generation.finished)
             with counter(target, draft) as step:
                 generation.step()
-            per_step.append(step.total)
+            per_step.append((step.total, len(generation.finished) - retired))
             model_kinds |= set(step.model_by_kind)
         with counter(target, draft) as finish:
             generation.finish()
     return start.total, per_step, finish.total, model_kinds, generation
 
 
+@pytest.mark.parametrize("batch_size", [None, 2], ids=["all at once", "admitted mid-run"])
 @pytest.mark.parametrize("method", METHODS)
-def test_at_most_one_host_sync_per_iteration_one_draft_two_for_several(pair, method):
-    bound = 1 if method in ("autoregressive", "speculative", "block") else 2
-    kwargs = dict(num_drafts=3, draft_length=3, max_new_tokens=[20, 9, 30, 14], eos_token_id=[5, 6], seed=4)
+def test_at_most_one_host_sync_per_iteration_autoregressive_two_speculative(pair, method, batch_size):
+    """Plus one read-back in an iteration where rows finished (it frees their slots); admission reads nothing."""
+    bound = 1 if method == "autoregressive" else 2
+    kwargs = dict(num_drafts=3, draft_length=3, max_new_tokens=[20, 9, 30, 14], eos_token_id=[5, 6], seed=4,
+                  batch_size=batch_size)
     start, per_step, finish, model_kinds, generation = drive_counting(*pair, method, **kwargs)
-    assert start == 0 and finish == 1
-    assert len(per_step) == generation.stats.iterations > 3 and max(per_step) <= bound
+    assert start == 0 and finish == 0
+    assert len(per_step) == generation.stats.iterations > 3
+    assert all(syncs <= bound + (retired > 0) for syncs, retired in per_step), per_step
+    assert max(syncs for syncs, retired in per_step if not retired) <= bound
+    retirements = sum(retired > 0 for _, retired in per_step)
+    if batch_size:
+        assert generation.stats.admissions > 1  # rows were admitted into freed slots mid-run
     # inside the models only `.to(x.device)` calls, which on CPU look like host copies
     assert model_kinds <= {"cpu"}
     with counter(*pair) as whole:
         out = spectr.generate(*pair, PROMPTS, method=method, **kwargs)
-    assert whole.total <= bound * out.stats.iterations + 1
+    assert whole.total <= bound * out.stats.iterations + retirements
     assert out.tokens == generation.tokens
 
 
@@ -74,9 +86,9 @@ def test_the_sync_count_sees_a_data_dependent_branch(pair, monkeypatch):
         assert bool((probs.sum(-1) > 0).all())
         return sample_categorical(probs, uniforms)
 
-    monkeypatch.setattr(importlib.import_module("spectr.generate"), "sample_categorical", checking_sampler)
+    monkeypatch.setattr(importlib.import_module("spectr.iteration"), "sample_categorical", checking_sampler)
     _, per_step, _, _, _ = drive_counting(*pair, "autoregressive", max_new_tokens=6)
-    assert min(per_step) == 2
+    assert min(syncs for syncs, _ in per_step) == 2
 
 
 # --- batch invariance -----------------------------------------------------------------------------
@@ -97,15 +109,15 @@ def test_a_prompts_tokens_are_the_same_alone_and_in_a_batch_of_16_others_float32
     assert len({len(t) for t in together.tokens}) > 1  # rows finished at different times (EOS)
 
 
-def test_batch_size_groups_give_the_same_output(pair):
+def test_batch_size_gives_the_same_output_as_all_at_once(pair):
     kwargs = dict(method="spectr", num_drafts=2, draft_length=3, max_new_tokens=[12, 7, 16, 9], seed=[1, 2, 3, 4])
     whole = spectr.generate(*pair, PROMPTS, **kwargs)
-    grouped = spectr.generate(*pair, PROMPTS, batch_size=3, **kwargs)
-    assert grouped.tokens == whole.tokens
-    assert grouped.stats.generated_tokens == whole.stats.generated_tokens == [12, 7, 16, 9]
-    assert grouped.stats.target_calls == whole.stats.target_calls
-    with pytest.raises(ValueError, match="batch_size must be None or an int >= 1"):
-        spectr.generate(*pair, PROMPTS, batch_size=0)
+    for batch_size in (1, 3, 4, 9):
+        streamed = spectr.generate(*pair, PROMPTS, batch_size=batch_size, **kwargs)
+        assert streamed.tokens == whole.tokens
+        assert streamed.stats.generated_tokens == whole.stats.generated_tokens == [12, 7, 16, 9]
+        assert streamed.stats.target_calls == whole.stats.target_calls
+        assert streamed.stats.accepted_per_position == whole.stats.accepted_per_position
 
 
 # --- the tree -------------------------------------------------------------------------------------
@@ -174,11 +186,12 @@ def test_every_draft_token_at_a_node_is_drawn_from_the_row_the_selection_reads(m
     trees = []
     with torch.inference_mode():
         generation.start()
-        propose = generation.drafter.propose
-        monkeypatch.setattr(generation.drafter, "propose", lambda *args: trees.append(propose(*args)) or trees[-1])
+        drafter, slots = generation.rows.drafter, generation.batcher.loop.slots
+        propose = drafter.propose
+        monkeypatch.setattr(drafter, "propose", lambda *args: trees.append(propose(*args)) or trees[-1])
         for _ in range(6):
-            uniforms = counter_uniforms(generation.row_keys, generation.row_iteration, generation.slots.num_slots)
-            draft_uniforms, _ = generation.slots.split(uniforms)  # [B, L, K]
+            uniforms = counter_uniforms(generation.rows.keys, generation.rows.iteration, slots.num_slots)
+            draft_uniforms, _ = slots.split(uniforms)  # [B, L, K]
             records.clear()
             trees.clear()
             generation.step()
@@ -283,8 +296,8 @@ def test_non_finite_logits_end_only_that_row_with_an_error_naming_row_and_model(
     kwargs = dict(method=method, num_drafts=3, draft_length=3, max_new_tokens=24, seed=[1, 2, 3, 4])
     clean = spectr.generate(target, draft, PROMPTS, **kwargs)
     handle = _poison(target if poisoned == "target" else draft, row=2, after_calls=4)
-    try:  # no compaction, so that batch row 2 stays prompt 2 while the hook poisons it
-        out = run_generation(Generation(target, draft, PROMPTS, compact_fraction=1.0, **kwargs))
+    try:  # no gathering of live rows, so that batch row 2 stays prompt 2 while the hook poisons it
+        out = run_generation(Generation(target, draft, PROMPTS, gather_below=0.0, **kwargs))
     finally:
         handle.remove()
     assert out.stats.finish_reason[2] == "error"

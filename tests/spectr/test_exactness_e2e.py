@@ -11,6 +11,11 @@ The same test runs on bfloat16 copies of the models, against the bf16 target's o
 and every draft token is drawn from the row the selection reads (spectr.tree), so the
 output is the bf16 model's law; the skip-residual control is rejected there too.
 
+Rows admitted mid-run: the same tests run with `batch_size` far below the number of rows and
+budgets of 3 to 6 tokens, so rows finish at different iterations and the waiting copies take
+their slots (prefilled alone, joining a batch already under way); the chi-square reads each
+row's first 3 tokens. The negative controls are rejected in that mode too.
+
 Negative controls, which the same test must reject:
 - a selection rule that skips the residual (a rejected draft is replaced by a fresh sample
   from q instead of norm(max(0, q - p))), injected through the method registry;
@@ -99,9 +104,16 @@ def chi_square_pvalue(tokens: list[list[int]], exact: torch.Tensor) -> float:
     return float(chi2.sf(statistic, len(observed) - 1))
 
 
-def run(pair, method, num_drafts, draft_length, warp_name, num_samples):
+MID_RUN_BATCH = 400  # rows in flight when rows are admitted mid-run
+MID_RUN_BUDGETS = (3, 5, 4, 6)
+
+
+def run(pair, method, num_drafts, draft_length, warp_name, num_samples, batch_size=None):
+    """num_samples copies of PROMPT, row i seeded i; with batch_size, budgets cycle through
+    MID_RUN_BUDGETS and the returned tokens are each row's first 3."""
     target, draft = pair
     temperature, top_k, top_p = WARPS[warp_name]
+    budgets = LENGTH if batch_size is None else [MID_RUN_BUDGETS[i % 4] for i in range(num_samples)]
     out = spectr.generate(
         target,
         draft,
@@ -109,12 +121,17 @@ def run(pair, method, num_drafts, draft_length, warp_name, num_samples):
         method=method,
         num_drafts=num_drafts,
         draft_length=draft_length,
-        max_new_tokens=LENGTH,
+        max_new_tokens=budgets,
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
         seed=list(range(num_samples)),
+        batch_size=batch_size,
     )
+    if batch_size is not None:
+        assert out.stats.admissions > num_samples // batch_size  # slots were refilled mid-run
+        assert [len(t) for t in out.tokens] == budgets
+        out.tokens = [t[:LENGTH] for t in out.tokens]
     assert all(len(t) == LENGTH for t in out.tokens)
     return out
 
@@ -153,6 +170,23 @@ def test_full_grid_first_three_tokens_follow_the_target(
     assert chi_square_pvalue(out.tokens, exact_laws[warp]) > ACCEPT_P
 
 
+MID_RUN_CASES = [
+    ("autoregressive", 1, 1, "warped"),
+    ("speculative", 1, 2, "plain"),
+    ("spectr", 3, 4, "warped"),
+    ("specinfer", 3, 2, "plain"),
+    ("block", 1, 3, "warped"),
+]
+
+
+@pytest.mark.parametrize("method,num_drafts,draft_length,warp", MID_RUN_CASES)
+def test_rows_admitted_mid_run_follow_the_target(pair, exact_laws, method, num_drafts, draft_length, warp):
+    out = run(pair, method, num_drafts, draft_length, warp, 6000, batch_size=MID_RUN_BATCH)
+    if method != "autoregressive":
+        assert 0.05 < out.stats.acceptance_rate < 0.95
+    assert chi_square_pvalue(out.tokens, exact_laws[warp]) > ACCEPT_P
+
+
 def _skip_residual(draft_tokens, alive, draft_probs, target_probs, uniforms):
     """Broken speculative sampling: on rejection sample q itself instead of the residual."""
     token, accepted = selection.select_speculative(draft_tokens, alive, draft_probs, target_probs, uniforms)
@@ -174,10 +208,34 @@ def test_negative_control_block_with_token_stops_is_rejected(pair, exact_laws, m
     assert chi_square_pvalue(out.tokens, exact_laws[warp]) < REJECT_P
 
 
-def test_negative_control_a_commit_without_path_gather_is_rejected(pair, exact_laws, monkeypatch):
+@pytest.mark.parametrize("batch_size", [None, MID_RUN_BATCH], ids=["all at once", "admitted mid-run"])
+def test_negative_control_a_commit_without_path_gather_is_rejected(pair, exact_laws, monkeypatch, batch_size):
     # Without keep_path the caches keep draft 0's entries even when another draft was accepted.
-    monkeypatch.setattr(RowKVCache, "keep_path", lambda self, source, dest: None)
-    out = run(pair, "spectr", 3, 1, "plain", 6000)
+    monkeypatch.setattr(RowKVCache, "keep_path", lambda self, source, dest, rows=None: None)
+    out = run(pair, "spectr", 3, 1, "plain", 6000, batch_size=batch_size)
+    assert chi_square_pvalue(out.tokens, exact_laws["plain"]) < REJECT_P
+
+
+def test_negative_control_skipping_the_residual_is_rejected_mid_run(pair, exact_laws, monkeypatch):
+    monkeypatch.setitem(selection.TOKEN_SELECTORS, "skip_residual", _skip_residual)
+    out = run(pair, "skip_residual", 1, 2, "warped", 6000, batch_size=MID_RUN_BATCH)
+    assert chi_square_pvalue(out.tokens, exact_laws["warped"]) < REJECT_P
+
+
+def test_negative_control_a_prefill_into_the_wrong_slot_is_rejected_mid_run(pair, exact_laws, monkeypatch):
+    """Rows admitted mid-run must be prefilled into their own slot: writing the prompt's keys one
+    slot off (into another row's cache) breaks the output law, and the test sees it."""
+    import spectr.rows as rows_module
+
+    prefill = rows_module.prefill
+
+    def off_by_one(model, cache, prompts, device, rows=None):
+        if rows is not None and cache.rows.batch_size > 1 and len(prompts) < cache.rows.batch_size:
+            rows = (rows + 1) % cache.rows.batch_size
+        return prefill(model, cache, prompts, device, rows)
+
+    monkeypatch.setattr("spectr.batching.prefill", off_by_one)
+    out = run(pair, "spectr", 3, 2, "plain", 6000, batch_size=MID_RUN_BATCH)
     assert chi_square_pvalue(out.tokens, exact_laws["plain"]) < REJECT_P
 
 

@@ -125,11 +125,11 @@ def test_half_precision_models_run_every_method_and_keep_consistent_caches(metho
         generation.start()
         for _ in range(3):
             generation.step()
-        lengths = generation.target_cache.rows.lengths
+        lengths = generation.rows.target_cache.rows.lengths
         slots = lengths[:, None]
         allowed = tree_attention(lengths, torch.ones(1, 1, dtype=torch.bool), int(lengths.max()) + 1)
-        cached = generation.target.forward(generation.pending[:, None], slots, allowed,
-                                           generation.target_cache, slots)[:, 0]
+        cached = generation.target.forward(generation.rows.pending[:, None], slots, allowed,
+                                           generation.rows.target_cache, slots)[:, 0]
     sequences = generation.row_sequences()
     assert cached.dtype == dtype
     full = full_last_logits(target, sequences)

@@ -1,4 +1,5 @@
-"""The per-row KV cache: unit behaviour, and caches == fresh full forwards after real iterations."""
+"""The per-row KV cache: unit behaviour (row views, resets), and caches == fresh full forwards after real
+iterations, with rows finishing, slots reset and refilled, and iterations on gathered live rows."""
 
 from __future__ import annotations
 
@@ -40,6 +41,32 @@ def test_capacity_is_enforced():
     cache = RowKVCache(num_layers=1, batch_size=1, capacity=4, device="cpu")
     with pytest.raises(RuntimeError, match="capacity"):
         cache.begin_forward(torch.zeros(1, 1, dtype=torch.int64), view_length=5)
+
+
+def test_a_row_view_writes_reads_commits_and_advances_only_its_rows():
+    cache = RowKVCache(num_layers=2, batch_size=4, capacity=6, device="cpu")
+    full = torch.arange(4.0)[:, None, None, None].expand(4, 1, 2, 1)  # [B, H=1, T=2, D=1]: value = row
+    cache.begin_forward(torch.tensor([[0, 1]] * 4), view_length=2)
+    for layer in range(2):
+        cache.write(layer, full, full)
+    cache.lengths = torch.tensor([2, 2, 2, 2])
+    view = cache.view(torch.tensor([3, 1]))
+    assert view.batch_size == 2 and view.lengths.tolist() == [2, 2]
+    new = torch.tensor([30.0, 10.0])[:, None, None, None].expand(2, 1, 2, 1)  # [R, H, T, D]
+    view.begin_forward(view.lengths[:, None] + torch.arange(2), view_length=4)
+    keys, values = view.write(1, new, new + 1)
+    assert keys.shape == (2, 1, 4, 1)  # the view's rows only, gathered
+    assert keys[:, 0, :, 0].tolist() == [[3, 3, 30, 30], [1, 1, 10, 10]] and values[0, 0, 2, 0] == 31
+    assert cache.buffer[1, 0, :, 0, :4, 0].tolist() == [[0, 0, 0, 0], [1, 1, 10, 10], [2, 2, 0, 0], [3, 3, 30, 30]]
+    view.keep_path(torch.tensor([[3], [2]]), torch.tensor([[2], [2]]))  # row 3 keeps slot 3 at 2; row 1: no-op
+    view.advance(torch.tensor([1, 2]))
+    assert cache.lengths.tolist() == [2, 4, 2, 3]
+    view.lengths = torch.tensor([5, 0])
+    assert cache.lengths.tolist() == [2, 0, 2, 5]
+    cache.reset_rows(torch.tensor([0, 3]))
+    assert cache.lengths.tolist() == [0, 0, 2, 0] and cache.buffer[:, :, 3].abs().sum() > 0  # entries kept
+    cache.reset_rows(torch.tensor([3]), zero=True)
+    assert cache.buffer[:, :, 3].abs().sum() == 0 and cache.buffer[:, :, 2].abs().sum() > 0
 
 
 def test_tree_attention_pattern():
@@ -85,6 +112,37 @@ def next_logits_through_cache(model, cache, pending: torch.Tensor, num_pending: 
     return logits[torch.arange(len(pending)), num_pending - 1]  # [B, V]
 
 
+def check_caches_against_full_forwards(generation, target, draft, method):
+    """Every running row's caches equal fresh full forwards of its committed tokens (target and draft)."""
+    rows = generation.rows
+    occupied = [slot for slot, r in enumerate(generation.batcher._in_slot) if r is not None]
+    running = rows.running.tolist()
+    live = [i for i, slot in enumerate(occupied) if running[slot]]
+    sequences = [generation.row_sequences()[i] for i in live]
+    slots = torch.tensor([occupied[i] for i in live])
+    lengths = rows.target_cache.rows.lengths
+    assert lengths[slots].tolist() == [len(s) - 1 for s in sequences]
+    assert rows.pending[slots].tolist() == [s[-1] for s in sequences]
+    ones = torch.ones(len(lengths), dtype=torch.int64)
+    cached = next_logits_through_cache(generation.target, rows.target_cache, rows.pending[:, None], ones,
+                                       lengths.tolist())[slots]
+    torch.testing.assert_close(cached, full_last_logits(target, sequences), atol=1e-4, rtol=0)
+    if method == "autoregressive":
+        return sequences
+    # draft: the cache holds all but the 1 or 2 pending tokens (2 after an all-accepted iteration)
+    drafter = rows.drafter
+    draft_lengths = drafter.cache.rows.lengths.tolist()
+    num_pending = drafter.num_pending.tolist()
+    for seq, slot in zip(sequences, slots.tolist()):
+        assert draft_lengths[slot] + num_pending[slot] == len(seq)
+        assert drafter.pending[slot, : num_pending[slot]].tolist() == seq[len(seq) - num_pending[slot]:]
+    width = max(num_pending)
+    cached = next_logits_through_cache(generation.draft, drafter.cache, drafter.pending[:, :width],
+                                       drafter.num_pending, draft_lengths)[slots]
+    torch.testing.assert_close(cached, full_last_logits(draft, sequences), atol=1e-4, rtol=0)
+    return sequences
+
+
 @pytest.mark.parametrize("method", ["autoregressive", "speculative", "spectr", "specinfer", "block"])
 def test_caches_equal_fresh_full_forward_after_iterations(pair, method):
     target, draft = pair
@@ -97,80 +155,54 @@ def test_caches_equal_fresh_full_forward_after_iterations(pair, method):
             generated = {len(s) - len(p) for s, p in zip(generation.row_sequences(), PROMPTS)}
             if len(generated) > 1 and generation.stats.iterations >= 3:
                 break
-    assert bool(generation.running.all())  # nobody finished: every row is checked
-    sequences = generation.row_sequences()
+        assert bool(generation.rows.running.all())  # nobody finished: every row is checked
+        sequences = check_caches_against_full_forwards(generation, target, draft, method)
     if method != "autoregressive":
         # rows accepted different numbers of tokens, so they sit at different cache lengths
         assert len({len(s) - len(p) for s, p in zip(sequences, PROMPTS)}) > 1
 
-    # target: the cache holds every committed token but the last, which is pending
-    lengths = generation.target_cache.rows.lengths.tolist()
-    assert lengths == [len(s) - 1 for s in sequences]
-    assert generation.pending.tolist() == [s[-1] for s in sequences]
-    ones = torch.ones(len(sequences), dtype=torch.int64)
-    cached = next_logits_through_cache(generation.target, generation.target_cache, generation.pending[:, None],
-                                       ones, lengths)
-    torch.testing.assert_close(cached, full_last_logits(target, sequences), atol=1e-4, rtol=0)
 
-    if method != "autoregressive":
-        # draft: the cache holds all but the 1 or 2 pending tokens (2 after an all-accepted iteration)
-        drafter = generation.drafter
-        draft_lengths = drafter.cache.rows.lengths.tolist()
-        num_pending = drafter.num_pending.tolist()
-        assert [n + p for n, p in zip(draft_lengths, num_pending)] == [len(s) for s in sequences]
-        for row, seq in enumerate(sequences):
-            assert drafter.pending[row, : num_pending[row]].tolist() == seq[len(seq) - num_pending[row]:]
-        width = max(num_pending)
-        cached = next_logits_through_cache(generation.draft, drafter.cache, drafter.pending[:, :width],
-                                           drafter.num_pending, draft_lengths)
-        torch.testing.assert_close(cached, full_last_logits(draft, sequences), atol=1e-4, rtol=0)
-
-
-@pytest.mark.parametrize("compact_fraction", [0.0, 1.0], ids=["compact at once", "masked in place"])
-def test_finished_rows_leave_the_batch_or_stay_masked_and_the_rest_stay_consistent(pair, compact_fraction):
+@pytest.mark.parametrize("gather_below", [0.0, 1.0], ids=["masked in place", "live rows gathered"])
+@pytest.mark.parametrize("method", ["autoregressive", "spectr"])
+def test_slots_are_reset_and_refilled_and_every_running_row_stays_consistent(pair, method, gather_below):
+    """Six prompts through 3 slots: rows finish, their slots take the next prompts (a slot's stale
+    entries stay behind, masked), and after every iteration each running row's caches are exact."""
     target, draft = pair
-    budgets = [6, 9, 40, 40]
-    generation = Generation(target, draft, PROMPTS, method="spectr", num_drafts=2, draft_length=3,
-                            max_new_tokens=budgets, seed=[1, 2, 3, 4], compact_fraction=compact_fraction)
-    batch_sizes = []
+    prompts = PROMPTS + [[2, 4, 6, 8, 10, 12, 14], [9, 9]]
+    budgets = [6, 9, 30, 12, 5, 20]
+    generation = Generation(target, draft, prompts, method=method, num_drafts=2, draft_length=3,
+                            max_new_tokens=budgets, seed=[1, 2, 3, 4, 5, 6], batch_size=3, gather_below=gather_below)
+    buffer = None
     with torch.inference_mode():
         generation.start()
-        while generation.stats.iterations < 8:
+        while not generation.done:
             generation.step()
-            batch_sizes.append(generation.target_cache.rows.batch_size)
-        # the rows still running: caches equal fresh forwards of their committed tokens
-        running = generation.running.tolist()
-        sequences = [s for s, r in zip(generation.row_sequences(), running) if r]
-        rows = torch.tensor([i for i, r in enumerate(running) if r])
-        lengths = generation.target_cache.rows.lengths[rows]
-        assert lengths.tolist() == [len(s) - 1 for s in sequences]
-        cache = generation.target_cache
-        slots = cache.rows.lengths[:, None]
-        allowed = tree_attention(cache.rows.lengths, torch.ones(1, 1, dtype=torch.bool),
-                                 int(cache.rows.lengths.max()) + 1)
-        cached = generation.target.forward(generation.pending[:, None], slots, allowed, cache, slots)[rows, 0]
-        torch.testing.assert_close(cached, full_last_logits(target, sequences), atol=1e-4, rtol=0)
+            if generation.batcher.rows_running:
+                check_caches_against_full_forwards(generation, target, draft, method)
+            buffer = buffer if buffer is not None else generation.rows.target_cache.rows.buffer
+            assert generation.rows.target_cache.rows.buffer is buffer  # the pool is never reallocated
+        generation.finish()
+    assert [len(t) for t in generation.tokens] == budgets
+    assert generation.stats.finish_reason == ["length"] * 6
+    assert generation.stats.admissions >= 3
+    assert (generation.stats.gathered_iterations > 0) == (gather_below == 1.0)
+
+
+def test_gathering_live_rows_does_not_change_the_output(pair):
+    target, draft = pair
+    outputs = []
+    for gather_below in (0.0, 0.5, 1.0):
+        out = run(Generation(target, draft, PROMPTS, method="spectr", num_drafts=2, draft_length=3,
+                             max_new_tokens=[6, 9, 40, 25], seed=[1, 2, 3, 4], gather_below=gather_below))
+        outputs.append((out.tokens, out.stats.target_calls, out.stats.gathered_iterations))
+    assert outputs[0][:2] == outputs[1][:2] == outputs[2][:2]
+    assert outputs[0][2] == 0 < outputs[1][2] < outputs[2][2]
+
+
+def run(generation):
+    with torch.inference_mode():
+        generation.start()
         while not generation.done:
             generation.step()
         generation.finish()
-    assert [len(t) for t in generation.tokens] == budgets
-    assert generation.stats.finish_reason == ["length"] * 4
-    if compact_fraction == 0.0:  # the first two rows left as soon as they finished
-        assert batch_sizes[0] == 4 and batch_sizes[-1] == 2 and generation.stats.compactions >= 2
-    else:
-        assert batch_sizes == [4] * 8 and generation.stats.compactions == 0
-
-
-def test_compaction_does_not_change_the_output(pair):
-    target, draft = pair
-    outputs = []
-    for compact_fraction in (0.0, 0.5, 1.0):
-        generation = Generation(target, draft, PROMPTS, method="spectr", num_drafts=2, draft_length=3,
-                                max_new_tokens=[6, 9, 40, 25], seed=[1, 2, 3, 4], compact_fraction=compact_fraction)
-        with torch.inference_mode():
-            generation.start()
-            while not generation.done:
-                generation.step()
-            generation.finish()
-        outputs.append(generation.tokens)
-    assert outputs[0] == outputs[1] == outputs[2]
+    return generation.output()

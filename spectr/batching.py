@@ -1,0 +1,374 @@
+"""Continuous batching: a fixed number of rows in flight over one cache pool, refilled as rows finish.
+
+`ContinuousBatcher` holds a draft/target pair, `batch_size` slots and the KV caches of both
+models allocated once at `batch_size x capacity` (capacity = `max_length` + the widest tree,
+`max_length` = the longest prompt + budget a row may have, at most the models' positions). Its
+life is a loop of three moves:
+
+1) admit   - `admit(prompts, max_new_tokens=..., seed=..., tags=...)` checks the prompts and
+             queues them, in order; at the next `step`, waiting prompts take the free slots
+             (prefill of the new rows only, one forward per model, no host sync);
+2) iterate - `step()` runs one iteration (`spectr.iteration`) on every slot, empty and finished
+             slots masked; when at most `gather_below x batch_size` rows are live, on the live
+             rows only (gathered through views of the caches; see "Live rows" below);
+3) retire  - rows that finished in that iteration are read back (one host copy for all of
+             them) and returned as `FinishedRow`s; their slots are reset, never compacted,
+             and take the next waiting prompts.
+
+`finished()` iterates `step()` until nothing waits or runs, yielding rows as they finish; an
+actor calls `admit` again whenever `waiting` runs low, so that its batch stays full across
+shards. A row's output depends only on its prompt, seed, budget, the models and the run
+settings: its random stream is keyed by (seed, the row's own iteration, slot), and no
+computation mixes rows (batched kernels' floating-point differences aside).
+
+Host syncs: per iteration the engine's usual one (autoregressive) or two (speculative), plus
+one read-back in an iteration where rows finished (retirement, which frees the slots the
+next admission fills). Admission itself reads nothing.
+
+Live rows: with a queue of waiting prompts every slot is busy; at the tail of a run (nothing
+waits) slots empty one by one. An iteration may then run on the live rows only, gathered
+through views of the caches (each forward attends a gathered copy of those rows' slots), when
+at most `gather_below x batch_size` rows are live. On the CPU a speculative iteration (verify
+forwards of 1 + K*L tokens per row) costs about in proportion to its rows, so it gathers as
+soon as one slot is free (gather_below = 1); an autoregressive forward of one token per row
+costs about the same at 16 rows as at 8, and it never gathers; on CUDA a small forward is
+bound by reading the weights, so the default never gathers (measured: `DEFAULT_GATHER_BELOW`).
+
+This module knows nothing about tokenizers, Ray or files: prompts are lists of token ids.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from spectr.drafting import TreeDrafter
+from spectr.hf import HFCausalLM
+from spectr.iteration import Loop, autoregressive_step, speculative_step
+from spectr.records import DRAFT_NONFINITE, TARGET_NONFINITE, Records, SlotResult
+from spectr.rng import row_keys
+from spectr.rows import RowState, prefill
+from spectr.settings import (
+    AUTOREGRESSIVE,
+    Settings,
+    check_max_new_tokens,
+    check_prompts,
+    check_prompts_fit,
+    check_seeds,
+)
+from spectr.stats import GenerationStats, PhaseTimer
+
+# Run an iteration on the live rows only when at most this fraction of the slots is live, by
+# (device type, speculative). Measured on the CPU (scripts/bench_batching.py --sections policy:
+# embedded pair, float32, one thread, one batch of 16 with budgets 8..128, K=2 L=3, tokens per
+# CPU second, medians of 5 interleaved repeats): autoregressive 0 / 0.5 / 1 -> see README; a
+# T=1 forward costs about the same at 16 rows as at 8, and the gathered copy of the live rows'
+# cache eats the rest, so autoregressive never gathers; speculative and spectr gain ~25% at 1
+# (verify forwards of 1 + K*L tokens per row cost in proportion to their rows). On CUDA a small
+# forward is bound by reading the weights, whatever its rows: never (not measured on a GPU yet).
+DEFAULT_GATHER_BELOW = {("cpu", False): 0.0, ("cpu", True): 1.0}
+
+
+@dataclass
+class FinishedRow:
+    """One finished prompt: its tokens and its own statistics (see `spectr.stats` for the terms).
+
+    request: admission order over the batcher's life (0, 1, ...); tag: what the caller gave with
+    the prompt (`admit(..., tags=...)`), or None.
+    """
+
+    request: int
+    tag: Any
+    tokens: list[int]
+    finish_reason: str  # "eos" | "length" | "error"
+    target_calls: int
+    error: str | None
+    accepted_per_position: list[int] = field(default_factory=list)
+    tested_positions: int = 0
+    tree_nodes: int = 0
+    tokens_per_call_histogram: list[int] = field(default_factory=list)
+
+    @property
+    def generated_tokens(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class _Request:
+    request: int
+    prompt: list[int]
+    budget: int
+    seed: int
+    tag: Any
+
+
+def _known_methods() -> list[str]:
+    from spectr.generate import known_methods  # the method list lives with the public entry point
+
+    return known_methods()
+
+
+def load_models(target, draft, settings: Settings) -> tuple[HFCausalLM, HFCausalLM | None]:
+    """Wrap the pair (`draft` unused by autoregressive) and check that it is one: vocabulary, device."""
+    target_lm = HFCausalLM(target, role="target")
+    if not settings.speculative:
+        return target_lm, None
+    if draft is None:
+        raise ValueError(f"method {settings.method!r} needs a draft model; got draft=None")
+    draft_lm = HFCausalLM(draft, role="draft")
+    if draft_lm.vocab_size != target_lm.vocab_size:
+        raise ValueError(
+            f"target and draft must share a vocabulary: target vocab size {target_lm.vocab_size} "
+            f"({target_lm.model_type}), draft vocab size {draft_lm.vocab_size} ({draft_lm.model_type})"
+        )
+    if draft_lm.device != target_lm.device:
+        raise ValueError(
+            f"target and draft must be on the same device: target on {target_lm.device}, draft on {draft_lm.device}"
+        )
+    return target_lm, draft_lm
+
+
+def model_limit(models: Sequence[HFCausalLM]) -> int | None:
+    """The longest sequence every model can take (positions, sliding window), None if unbounded."""
+    limits = [limit for m in models for limit in (m.max_positions, m.sliding_window) if limit is not None]
+    return min(limits) if limits else None
+
+
+class ContinuousBatcher:
+    """Rows in flight over one cache pool; see the module docstring.
+
+    The constructor checks the run settings and raises ValueError naming the bad argument;
+    `admit` checks prompts, budgets and seeds and raises ValueError naming the argument and the
+    row (nothing of that call is queued then).
+    """
+
+    def __init__(self, target, draft, *, batch_size: int, max_length: int | None = None, method: str = "spectr",
+                 num_drafts: int = 4, draft_length: int = 4, temperature: float = 1.0, top_k: int = 0,
+                 top_p: float = 1.0, eos_token_id=None, gather_below: float | None = None):
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        self.settings = Settings.for_run(methods=_known_methods(), method=method, num_drafts=num_drafts,
+                                         draft_length=draft_length, temperature=temperature, top_k=top_k,
+                                         top_p=top_p, eos_token_id=eos_token_id)
+        self.target, self.draft = load_models(target, draft, self.settings)
+        self.batch_size = batch_size
+        self.max_length = self._max_length(max_length)
+        self.device = self.target.device
+        if gather_below is None:
+            gather_below = DEFAULT_GATHER_BELOW.get((self.device.type, self.settings.speculative), 0.0)
+        self.gather_below = float(gather_below)
+        s = self.settings
+        self.stats = GenerationStats(method=s.method, num_drafts=s.num_drafts, draft_length=s.draft_length)
+        with torch.inference_mode():
+            self._allocate()
+        self.loop = Loop(self.target, s.warp, s.method, s.num_drafts, s.draft_length, self.records, self.stats,
+                         PhaseTimer(self.device))
+        self._waiting: deque[_Request] = deque()
+        self._free = list(range(batch_size))  # a heap: the lowest free slot first
+        self._in_slot: list[_Request | None] = [None] * batch_size
+        self._next_request = 0
+        self.rows_running = 0  # host copy of running.sum()
+
+    def _max_length(self, max_length: int | None) -> int:
+        limit = model_limit([m for m in (self.target, self.draft) if m is not None])
+        if max_length is None:
+            if limit is None:
+                raise ValueError("max_length is required: the models declare no maximum number of positions")
+            return limit
+        if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
+            raise ValueError(f"max_length must be an int >= 2 (prompt + new tokens), got {max_length!r}")
+        return max_length if limit is None else min(max_length, limit)
+
+    def _allocate(self) -> None:
+        """The cache pool and the per-slot state, once for the batcher's life."""
+        s, slots = self.settings, self.batch_size
+        tree = s.num_drafts * s.draft_length
+        self.target_cache = self.target.new_cache(slots, self.max_length + 1 + tree)
+        drafter = None
+        if s.speculative:
+            draft_cache = self.draft.new_cache(slots, self.max_length + 2 + tree)
+            drafter = TreeDrafter(self.draft, draft_cache, s.warp, s.num_drafts, s.draft_length,
+                                  torch.zeros(slots, dtype=torch.int64, device=self.device))
+        self.rows = RowState.pool(slots, self.target_cache, drafter, self.device)
+        self.occupied = torch.zeros(slots, dtype=torch.bool, device=self.device)  # [B] admitted, not retired
+        self.records = Records(slots, self.max_length, s.draft_length + 1, s.draft_length, s.eos_ids, self.device)
+
+    # -- the caller's view -------------------------------------------------------------
+    @property
+    def waiting(self) -> int:
+        """Prompts admitted but not in a slot yet."""
+        return len(self._waiting)
+
+    @property
+    def in_flight(self) -> int:
+        """Rows in a slot (generating, or finished in the last iteration and not returned yet)."""
+        return self.batch_size - len(self._free)
+
+    @property
+    def idle(self) -> bool:
+        return not self._waiting and self.rows_running == 0
+
+    @property
+    def pool_nbytes(self) -> int:
+        """Bytes of the cache pool and every per-slot tensor (constant once the caches are written)."""
+        caches = [self.target_cache.rows] + ([] if self.rows.drafter is None else [self.rows.drafter.cache.rows])
+        return sum(c.nbytes for c in caches) + self.records.nbytes + self.rows.nbytes
+
+    def admit(self, prompts, *, max_new_tokens: int | Sequence[int] = 64, seed: int | Sequence[int] = 0,
+              tags: Sequence[Any] | None = None) -> list[int]:
+        """Queue prompts (token-id lists), in order; returns their request ids.
+
+        max_new_tokens: an int >= 1 or one per prompt; seed: an int (prompt i uses seed + i) or one
+        per prompt; tags: None or one value per prompt, returned with the row.
+        """
+        checked = check_prompts(prompts)
+        budgets = check_max_new_tokens(max_new_tokens, len(checked))
+        seeds = check_seeds(seed, len(checked))
+        if tags is not None and len(tags) != len(checked):
+            raise ValueError(f"tags has {len(tags)} entries but there are {len(checked)} prompts")
+        for model in (self.target, self.draft):
+            if model is not None:
+                check_prompts_fit(checked, model, budgets)
+        for row, (prompt, budget) in enumerate(zip(checked, budgets)):
+            if len(prompt) + budget > self.max_length:
+                raise ValueError(f"prompt {row}: {len(prompt)} prompt tokens + max_new_tokens {budget} = "
+                                 f"{len(prompt) + budget} exceeds the batcher's max_length {self.max_length}")
+        first = self._next_request
+        self._next_request += len(checked)
+        for row, (prompt, budget, row_seed) in enumerate(zip(checked, budgets, seeds)):
+            self._waiting.append(_Request(first + row, prompt, budget, row_seed, None if tags is None else tags[row]))
+        return list(range(first, self._next_request))
+
+    def step(self) -> list[FinishedRow]:
+        """Fill free slots, run one iteration, return the rows that finished in it (in slot order)."""
+        with self._engaged():
+            self.fill()
+            if self.rows_running == 0:
+                return []
+            before = self.rows_running
+            self._iterate()
+            self._sync()
+            finished = self._retire(before - self.rows_running) if self.rows_running < before else []
+            self.loop.timer.collect()
+        return finished
+
+    def finished(self) -> Iterator[FinishedRow]:
+        """Rows as they finish, until nothing waits or runs (admitting more meanwhile is fine)."""
+        while not self.idle:
+            yield from self.step()
+
+    def snapshot(self) -> GenerationStats:
+        """The run's batch-level statistics so far (iterations, widths, seconds); rows are not included."""
+        self.loop.timer.write(self.stats)
+        return self.stats
+
+    # -- admission -----------------------------------------------------------------------
+    def fill(self) -> None:
+        """Move waiting prompts into free slots: prefill of those rows only. No host sync."""
+        count = min(len(self._free), len(self._waiting))
+        if count == 0:
+            return
+        with self._engaged():
+            requests = [self._waiting.popleft() for _ in range(count)]
+            slots = sorted(heapq.heappop(self._free) for _ in range(count))
+            index = torch.tensor(slots, dtype=torch.int64, device=self.device)  # [N]
+            prompts = [r.prompt for r in requests]
+            with self.loop.timer.phase("target"):
+                prefill(self.target, self.target_cache, prompts, self.device, rows=index)
+            if self.rows.drafter is not None:
+                with self.loop.timer.phase("draft"):
+                    prefill(self.draft, self.rows.drafter.cache, prompts, self.device, rows=index)
+            last_tokens = torch.tensor([p[-1] for p in prompts], dtype=torch.int64, device=self.device)  # [N]
+            self.rows.admit(index, last_tokens, row_keys([r.seed for r in requests], self.device))
+            self.occupied.index_fill_(0, index, True)
+            budgets = torch.tensor([r.budget for r in requests], dtype=torch.int64, device=self.device)  # [N]
+            self.records.reset(index, budgets)
+        for slot, request in zip(slots, requests):
+            self._in_slot[slot] = request
+        self.rows_running += count
+        longest = max(len(p) for p in prompts)
+        loop = self.loop
+        loop.target_longest = max(loop.target_longest, longest - 1)
+        loop.draft_extent = (max(loop.draft_extent[0], longest), max(loop.draft_extent[1], 1))
+        self.stats.admissions += 1
+
+    # -- one iteration -------------------------------------------------------------------
+    def _iterate(self) -> None:
+        """One iteration on every slot, or on the live rows only when few are live."""
+        step = autoregressive_step if self.settings.method == AUTOREGRESSIVE else speculative_step
+        live = self.rows_running
+        if live == self.batch_size or live > self.gather_below * self.batch_size:
+            step(self.loop, self.rows)
+        else:
+            # the live slots first, in slot order; `live` is this iteration's host count
+            index = torch.argsort((~self.rows.running).to(torch.int8), stable=True)[:live]  # [R]
+            part = self.rows.take(index)
+            step(self.loop, part)
+            self.rows.put(index, part)
+            self.stats.gathered_iterations += 1
+        self.stats.iterations += 1
+
+    def _sync(self) -> None:
+        """The iteration's host copy: running rows and the longest cache rows (they size the next forwards)."""
+        extent = torch.stack([self.rows.running.sum(), self.target_cache.rows.lengths.max()])  # [2]
+        if self.rows.drafter is not None:
+            extent = torch.cat([extent, self.rows.drafter.host_extent()])  # [4]
+        host = extent.tolist()  # host sync (the only one of autoregressive iterations)
+        self.rows_running, self.loop.target_longest = host[0], host[1]
+        if self.rows.drafter is not None:
+            self.loop.draft_extent = (host[2], host[3])
+
+    # -- retirement ----------------------------------------------------------------------
+    def _retire(self, count: int) -> list[FinishedRow]:
+        """Read back the `count` rows that finished in this iteration and reset their slots."""
+        finished = self.occupied & ~self.rows.running  # [B]
+        index = torch.argsort((~finished).to(torch.int8), stable=True)[:count]  # [F] finished slots, in order
+        results = self.records.read(index)  # host copy: the finished rows
+        broken = [r.slot for r in results if r.error_flags]
+        self.occupied.index_fill_(0, index, False)
+        caches = [self.target_cache.rows] + ([] if self.rows.drafter is None else [self.rows.drafter.cache.rows])
+        for cache in caches:
+            cache.reset_rows(index)
+            if broken:  # a row with non-finite logits may have left non-finite cache entries
+                cache.reset_rows(torch.tensor(broken, dtype=torch.int64, device=self.device), zero=True)
+        rows = [self._finished_row(result) for result in results]
+        for result in results:
+            self._in_slot[result.slot] = None
+            heapq.heappush(self._free, result.slot)
+        return rows
+
+    def _finished_row(self, result: SlotResult) -> FinishedRow:
+        request = self._in_slot[result.slot]
+        error = None
+        if result.error_flags:
+            models = [m.description for bit, m in ((TARGET_NONFINITE, self.target), (DRAFT_NONFINITE, self.draft))
+                      if result.error_flags & bit]
+            error = (f"row {request.request}: the {' and the '.join(models)} produced non-finite logits (NaN or "
+                     f"inf) after {len(result.tokens)} generated tokens; the row stopped there")
+        return FinishedRow(request=request.request, tag=request.tag, tokens=result.tokens,
+                           finish_reason=result.finish_reason, target_calls=result.target_calls, error=error,
+                           accepted_per_position=result.accepted_per_position,
+                           tested_positions=result.tested_positions, tree_nodes=result.tree_nodes,
+                           tokens_per_call_histogram=result.tokens_per_call_histogram)
+
+    @contextlib.contextmanager
+    def _engaged(self):
+        """Inference mode, and both models in eval mode (dropout off) for the duration."""
+        models = [m.model for m in (self.target, self.draft) if m is not None]
+        training = [m.training for m in models]
+        try:
+            for m, was in zip(models, training):
+                if was:
+                    m.eval()  # the output law is the model's, not a dropout ensemble's
+            with torch.inference_mode():
+                yield
+        finally:
+            for m, was in zip(models, training):
+                if was:
+                    m.train(True)

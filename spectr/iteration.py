@@ -1,0 +1,145 @@
+"""One iteration of the loop for a set of rows: draft -> verify -> select -> commit.
+
+Each iteration has four phases for every row it is given (`spectr.rows.RowState`: the whole
+pool, or only its live rows):
+
+1) draft   - `TreeDrafter.propose`: K drafts x L tokens as a prefix tree (spectr.tree), one
+             draft forward per position, returned with the draft-model rows they were drawn from;
+2) verify  - one target forward over the tree of every row: the last committed token, then
+             one token per unique tree node, after the row's cached prefix (4D mask + explicit
+             position ids), padded to the widest tree of the rows;
+3) select  - `spectr.sequence.select_tree` (SpecTr, SpecInfer, speculative sampling, or block
+             verification, by name), on the node's own p and q;
+4) commit  - both KV caches keep only the accepted path (`keep_path`, one gather and one
+             scatter per cache), rows advance by different amounts, and `spectr.records`
+             appends the emitted tokens and marks rows that finished.
+
+`autoregressive_step` is the plain target-only iteration with the same cache, warps and
+random streams (one target forward per token).
+
+Rows that are not running (empty slots, finished rows) go through the same ops, masked:
+their caches, pending tokens and records do not change. Host syncs: none here for
+autoregressive, one for speculative methods (the widest tree's node count, which sets the
+verify forward's width); the caller's end-of-iteration copy is the other.
+
+Randomness: each row's uniforms come from its counter-based stream (spectr.rng), keyed by its
+seed and its own iteration count, so a row's output does not depend on the other rows.
+
+This module does not admit, retire or order rows (`spectr.batching`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spectr.drafting import nonfinite_rows
+from spectr.hf import HFCausalLM
+from spectr.kv_cache import tree_attention
+from spectr.records import DRAFT_NONFINITE, TARGET_NONFINITE, Records
+from spectr.rng import IterationSlots, counter_uniforms, sample_categorical
+from spectr.rows import RowState
+from spectr.sequence import select_tree
+from spectr.stats import GenerationStats, PhaseTimer
+from spectr.tree import verify_layout
+from spectr.warps import SamplingWarp
+
+
+@dataclass
+class Loop:
+    """What an iteration needs besides its rows; `target_longest` / `draft_extent` are host ints
+    (upper bounds of the rows' cache lengths) that size the forwards without a device read."""
+
+    target: HFCausalLM
+    warp: SamplingWarp
+    method: str
+    num_drafts: int
+    draft_length: int
+    records: Records
+    stats: GenerationStats
+    timer: PhaseTimer
+    target_longest: int = 0  # max target cache length
+    draft_extent: tuple[int, int] = (0, 1)  # max(draft lengths + pending), max pending
+
+    @property
+    def slots(self) -> IterationSlots:
+        return IterationSlots(self.num_drafts, self.draft_length)
+
+
+def autoregressive_step(loop: Loop, rows: RowState) -> None:
+    """One target forward per row, one token sampled from the warped target."""
+    cache = rows.target_cache
+    lengths = cache.rows.lengths  # [R]
+    device = lengths.device
+    with loop.timer.phase("target"):
+        slots = lengths[:, None]  # [R, 1]
+        self_only = torch.ones(1, 1, dtype=torch.bool, device=device)  # [1, 1]
+        allowed = tree_attention(lengths, self_only, loop.target_longest + 1)
+        logits = loop.target.forward(rows.pending[:, None], slots, allowed, cache, slots)  # [R, 1, V]
+    with loop.timer.phase("selection"):
+        errors = nonfinite_rows(logits)[:, 0].to(torch.int64) * TARGET_NONFINITE  # [R]
+        probs = loop.warp.probs(logits[:, 0])  # [R, V]
+        uniforms = counter_uniforms(rows.keys, rows.iteration, 1)  # [R, 1]
+        next_tokens = sample_categorical(probs, uniforms[:, 0])  # [R]
+    still = loop.records.record(rows.slots, rows.running, next_tokens[:, None], torch.ones_like(next_tokens),
+                                errors)
+    loop.stats.verify_tokens += 1
+    cache.rows.advance(still.to(torch.int64))
+    rows.pending = torch.where(still, next_tokens, rows.pending)
+    rows.running = still
+    rows.iteration = rows.iteration + 1
+
+
+def speculative_step(loop: Loop, rows: RowState) -> None:
+    """Draft a tree per row, verify all trees in one target forward, select, commit."""
+    uniforms = counter_uniforms(rows.keys, rows.iteration, loop.slots.num_slots)  # [R, S]
+    draft_uniforms, selection_uniforms = loop.slots.split(uniforms)  # [R, L, K], [R, L+1, K+1]
+    with loop.timer.phase("draft"):
+        tree = rows.drafter.propose(draft_uniforms, loop.draft_extent, rows.running)
+    # host sync 1 of 2: the widest tree sets the verify forward's width
+    width = int(tree.num_nodes.max().tolist())
+    with loop.timer.phase("target"):
+        logits = _verify(loop, rows, tree, width)  # [R, W, V]
+    with loop.timer.phase("selection"):
+        real = torch.arange(width, device=logits.device) < tree.num_nodes[:, None]  # [R, W]
+        target_nonfinite = (nonfinite_rows(logits) & real).any(1)  # [R]
+        target_probs = loop.warp.probs(logits)  # [R, W, V]
+        selection = select_tree(tree.tokens, tree.draft_probs, target_probs, tree.node_of, selection_uniforms,
+                                method=loop.method)
+    errors = target_nonfinite.to(torch.int64) * TARGET_NONFINITE + tree.nonfinite.to(torch.int64) * DRAFT_NONFINITE
+    accepted = selection.num_accepted  # [R]
+    loop.records.record_acceptance(rows.slots, rows.running, accepted, tree.num_nodes)
+    still = loop.records.record(rows.slots, rows.running, selection.tokens, accepted + 1, errors)
+    loop.stats.verify_tokens += width
+    _commit(loop, rows, tree, selection, still)
+    rows.iteration = rows.iteration + 1
+
+
+def _verify(loop: Loop, rows: RowState, tree, width: int) -> torch.Tensor:
+    """The target forward over every row's tree, padded to `width` nodes -> logits [R, W, V]."""
+    cache = rows.target_cache
+    lengths = cache.rows.lengths  # [R]
+    input_ids, depth, visible = verify_layout(tree, rows.pending, width)  # [R, W], [R, W], [R, W, W]
+    slots = lengths[:, None] + torch.arange(width, device=lengths.device)  # [R, W] node n at lengths + n
+    allowed = tree_attention(lengths, visible, loop.target_longest + width)
+    return loop.target.forward(input_ids, lengths[:, None] + depth, allowed, cache, slots)
+
+
+def _commit(loop: Loop, rows: RowState, tree, selection, still: torch.Tensor) -> None:
+    """Both caches keep the accepted path of the chosen draft, for the rows still running."""
+    length = loop.draft_length
+    cache = rows.target_cache.rows
+    lengths = cache.lengths  # [R]
+    accepted = torch.where(still, selection.num_accepted, 0)  # [R]
+    next_tokens = selection.tokens.gather(1, selection.num_accepted[:, None]).squeeze(1)  # [R] correction/bonus
+    chosen = selection.draft_index[:, None, None].expand(-1, 1, length + 1)  # [R, 1, L + 1]
+    path_nodes = tree.node_of.gather(1, chosen)[:, 0, 1:]  # [R, L] nodes of the chosen draft's tokens
+    depth = torch.arange(length, device=lengths.device)  # [L]
+    dest = lengths[:, None] + 1 + depth  # [R, L] right after the root
+    source = lengths[:, None] + path_nodes  # [R, L]
+    cache.keep_path(torch.where(depth < accepted[:, None], source, dest), dest)
+    cache.advance(torch.where(still, 1 + accepted, 0))
+    rows.pending = torch.where(still, next_tokens, rows.pending)
+    rows.drafter.commit(tree, selection.draft_index, selection.num_accepted, next_tokens, still)
+    rows.running = still
