@@ -185,6 +185,22 @@ def eos_token_id_of(model: Any, tokenizer: Any) -> int | None:
     return None if eos is None else int(eos)
 
 
+def check_pair(model: ModelConfig) -> tuple[Path, Path, Any]:
+    """Both directories, one vocabulary size, identical tokenizers: (target dir, draft dir, target tokenizer)."""
+    target_dir = check_model_dir(model.target, "model.target", model.allow_pickle)
+    draft_dir = check_model_dir(model.draft, "model.draft", model.allow_pickle)
+    target_vocab = vocab_size_of(target_dir, model.trust_remote_code)
+    draft_vocab = vocab_size_of(draft_dir, model.trust_remote_code)
+    if target_vocab != draft_vocab:
+        raise JobInputError(
+            f"model.draft: vocabulary sizes differ: target {target_dir} has {target_vocab}, draft {draft_dir} has {draft_vocab}"
+        )
+    target_tok = load_tokenizer(target_dir, "model.target", model.trust_remote_code)
+    draft_tok = load_tokenizer(draft_dir, "model.draft", model.trust_remote_code)
+    check_same_tokenizer(target_tok, draft_tok, target_dir, draft_dir)
+    return target_dir, draft_dir, target_tok
+
+
 def eos_token_ids_of(model: Any, tokenizer: Any) -> list[int]:
     """Every EOS id generation stops at: all of the model's generation config, else the tokenizer's."""
     generation_config = getattr(model, "generation_config", None)

@@ -86,18 +86,7 @@ class JobPlan:
 
 def check_pair(model: ModelConfig) -> Any:
     """The draft/target pair shares a vocabulary and a tokenizer; returns the target's tokenizer."""
-    target_dir = models.check_model_dir(model.target, "model.target", model.allow_pickle)
-    draft_dir = models.check_model_dir(model.draft, "model.draft", model.allow_pickle)
-    target_vocab = models.vocab_size_of(target_dir, model.trust_remote_code)
-    draft_vocab = models.vocab_size_of(draft_dir, model.trust_remote_code)
-    if target_vocab != draft_vocab:
-        raise JobInputError(
-            f"model.draft: vocabulary sizes differ: target {target_dir} has {target_vocab}, draft {draft_dir} has {draft_vocab}"
-        )
-    target_tok = models.load_tokenizer(target_dir, "model.target", model.trust_remote_code)
-    draft_tok = models.load_tokenizer(draft_dir, "model.draft", model.trust_remote_code)
-    models.check_same_tokenizer(target_tok, draft_tok, target_dir, draft_dir)
-    return target_tok
+    return models.check_pair(model)[2]
 
 
 def prepare(config: GenerateConfig) -> JobPlan:
