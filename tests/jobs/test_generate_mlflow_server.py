@@ -202,7 +202,7 @@ def test_sigkilled_then_resumed_job_has_one_finished_run(
     assert len(part_files(out)) == 10 and run.data.metrics["generated_tokens"] == tokens
     assert run.data.metrics["prompts_completed"] == 40
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "generated_tokens")]
-    assert min(steps) < 4 * done_before <= max(steps) == 40  # one series over both drivers
+    assert min(steps) <= 4 * done_before <= max(steps) == 40  # one series over both drivers (a point per commit)
     record = json.loads((out / "_mlflow_run.json").read_text())
     assert record["run_id"] == run.info.run_id and record["invocations"] == 2
     assert record["generation_s"] > 0 and run.data.metrics["throughput_tokens_per_s"] > 0
