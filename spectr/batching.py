@@ -21,9 +21,10 @@ shards. A row's output depends only on its prompt, seed, budget, the models and 
 settings: its random stream is keyed by (seed, the row's own iteration, slot), and no
 computation mixes rows (batched kernels' floating-point differences aside).
 
-Host syncs: per iteration the engine's usual one (autoregressive) or two (speculative), plus
-one read-back in an iteration where rows finished (retirement, which frees the slots the
-next admission fills). Admission itself reads nothing.
+Host syncs: per iteration the engine's usual one (autoregressive and the single-draft
+methods, speculative and block) or two (multi-draft methods, spectr and specinfer with
+K > 1), plus one read-back in an iteration where rows finished (retirement, which frees the
+slots the next admission fills). Admission itself reads nothing.
 
 Live rows: with a queue of waiting prompts every slot is busy; at the tail of a run (nothing
 waits) slots empty one by one. An iteration may then run on the live rows only, gathered
@@ -319,7 +320,7 @@ class ContinuousBatcher:
         extent = torch.stack([self.rows.running.sum(), self.target_cache.rows.lengths.max()])  # [2]
         if self.rows.drafter is not None:
             extent = torch.cat([extent, self.rows.drafter.host_extent()])  # [4]
-        host = extent.tolist()  # host sync (the only one of autoregressive iterations)
+        host = extent.tolist()  # the host sync of every iteration (the only one with a single draft)
         self.rows_running, self.loop.target_longest = host[0], host[1]
         if self.rows.drafter is not None:
             self.loop.draft_extent = (host[2], host[3])

@@ -19,8 +19,9 @@ random streams (one target forward per token).
 
 Rows that are not running (empty slots, finished rows) go through the same ops, masked:
 their caches, pending tokens and records do not change. Host syncs: none here for
-autoregressive, one for speculative methods (the widest tree's node count, which sets the
-verify forward's width); the caller's end-of-iteration copy is the other.
+autoregressive and the single-draft methods (speculative, block: one draft is always a
+chain of L + 1 nodes), one for multi-draft methods (the widest tree's node count, which sets
+the verify forward's width); the caller's end-of-iteration copy is the other.
 
 Randomness: each row's uniforms come from its counter-based stream (spectr.rng), keyed by its
 seed and its own iteration count, so a row's output does not depend on the other rows.
@@ -97,8 +98,10 @@ def speculative_step(loop: Loop, rows: RowState) -> None:
     draft_uniforms, selection_uniforms = loop.slots.split(uniforms)  # [R, L, K], [R, L+1, K+1]
     with loop.timer.phase("draft"):
         tree = rows.drafter.propose(draft_uniforms, loop.draft_extent, rows.running)
-    # host sync 1 of 2: the widest tree sets the verify forward's width
-    width = int(tree.num_nodes.max().tolist())
+    if loop.num_drafts == 1:
+        width = 1 + loop.draft_length  # one draft is a chain: every tree has L + 1 nodes
+    else:  # host sync 1 of 2: the widest tree sets the verify forward's width
+        width = int(tree.num_nodes.max().tolist())
     with loop.timer.phase("target"):
         logits = _verify(loop, rows, tree, width)  # [R, W, V]
     with loop.timer.phase("selection"):

@@ -59,9 +59,9 @@ def drive_counting(target, draft, method, **kwargs):
 
 @pytest.mark.parametrize("batch_size", [None, 2], ids=["all at once", "admitted mid-run"])
 @pytest.mark.parametrize("method", METHODS)
-def test_at_most_one_host_sync_per_iteration_autoregressive_two_speculative(pair, method, batch_size):
+def test_at_most_one_host_sync_per_iteration_one_draft_two_for_several(pair, method, batch_size):
     """Plus one read-back in an iteration where rows finished (it frees their slots); admission reads nothing."""
-    bound = 1 if method == "autoregressive" else 2
+    bound = 1 if method in ("autoregressive", "speculative", "block") else 2
     kwargs = dict(num_drafts=3, draft_length=3, max_new_tokens=[20, 9, 30, 14], eos_token_id=[5, 6], seed=4,
                   batch_size=batch_size)
     start, per_step, finish, model_kinds, generation = drive_counting(*pair, method, **kwargs)
