@@ -51,6 +51,10 @@ class MlflowConfig:
     tracking_uri: str | None = None  # None: sqlite:///<cwd>/mlflow.db
     experiment: str = "spectr-generate"
     run_name: str | None = None
+    parent_run_id: str | None = None  # nest the run under this one (a sweep sets it for each cell)
+    log_every_s: float = 5.0  # live metrics while a job runs: one point at most this often (<= 30 s)
+    system_metrics: bool = True  # MLflow's system-metrics monitor on the driver (CPU, memory, GPU)
+    system_metrics_interval_s: float = 10.0  # its sampling period
 
 
 def resolved_container(cfg: Any) -> dict[str, Any]:
@@ -158,6 +162,10 @@ def check_data(d: DataConfig) -> None:
 def check_mlflow(m: MlflowConfig) -> None:
     if not m.experiment.strip():
         raise out_of_range("mlflow.experiment", "a non-empty name", m.experiment)
+    if not (0.0 < m.log_every_s <= 30.0):
+        raise out_of_range("mlflow.log_every_s", "in (0, 30] seconds", m.log_every_s)
+    if not (0.0 < m.system_metrics_interval_s <= 3600.0):
+        raise out_of_range("mlflow.system_metrics_interval_s", "in (0, 3600] seconds", m.system_metrics_interval_s)
 
 
 def shared_sections(model: Any, data: Any, mlflow: Any) -> tuple[ModelConfig, DataConfig, MlflowConfig]:

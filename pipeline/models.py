@@ -5,12 +5,17 @@ a model directory that is missing or is not a Hugging Face model, pickle-only we
 `model.allow_pickle=true`, vocabularies of different sizes, draft and target tokenizers that differ
 (vocabulary, merges, normalisation, special tokens), and chat mode without a chat template.
 
+`model_identity` says what a model directory holds without reading its weights (each file's size, and a
+hash of the whole file when small, else of its header and sampled blocks): the output directory's config
+hash covers it, so a model replaced at the same path is noticed on resume.
+
 `load_model` is what each actor calls once. This module does not generate (that is `spectr.generate`)
 and knows nothing of Ray.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -20,6 +25,9 @@ from pipeline.errors import JobInputError
 
 _SAFE_PATTERNS = ("*.safetensors", "*.safetensors.index.json")
 _PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.bin.index.json")
+WHOLE_FILE_BYTES = 16 << 20  # files up to this size are hashed whole (configs, tokenizers, small weights)
+SAMPLE_BYTES = 64 << 10
+SAMPLES = 8  # blocks hashed across a large file, besides its header
 
 
 def check_model_dir(path: str, key: str, allow_pickle: bool) -> Path:
@@ -111,15 +119,48 @@ def check_same_tokenizer(target_tok: Any, draft_tok: Any, target_dir: Path, draf
         )
 
 
-def render_prompts(tokenizer: Any, data: DataConfig, prompts: list[str] | None, messages: Any) -> list[str]:
-    """Prompt texts; in chat mode, the messages rendered with the tokenizer's chat template."""
-    if not data.chat:
-        return list(prompts or [])
-    if not getattr(tokenizer, "chat_template", None):
+def model_identity(model_dir: Path) -> dict[str, Any]:
+    """{file name: {size, sha256 or sampled_sha256}} for the files of a model directory (not its subfolders)."""
+    return {
+        path.name: _fingerprint(path)
+        for path in sorted(model_dir.iterdir())
+        if path.is_file() and not path.name.startswith(".")
+    }
+
+
+def _fingerprint(path: Path) -> dict[str, Any]:
+    size = path.stat().st_size
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        if size <= WHOLE_FILE_BYTES:
+            digest.update(f.read())
+            return {"size": size, "sha256": digest.hexdigest()}
+        header = 1 << 20
+        if path.suffix == ".safetensors":  # an 8-byte length, then the JSON header (names, dtypes, shapes)
+            header = max(header, 8 + int.from_bytes(f.read(8), "little"))
+            f.seek(0)
+        digest.update(f.read(header))
+        for k in range(1, SAMPLES + 1):  # the weights themselves: a retrained model has the same header
+            f.seek(max(header, size * k // (SAMPLES + 1) - SAMPLE_BYTES // 2))
+            digest.update(f.read(SAMPLE_BYTES))
+        f.seek(max(0, size - SAMPLE_BYTES))
+        digest.update(f.read())
+    return {"size": size, "sampled_sha256": digest.hexdigest()}
+
+
+def check_chat_template(tokenizer: Any, data: DataConfig) -> None:
+    if data.chat and not getattr(tokenizer, "chat_template", None):
         raise JobInputError(
             "data.chat: chat mode needs a chat template, and the target tokenizer has none "
             "(set chat_template in its tokenizer_config.json, or turn data.chat off)"
         )
+
+
+def render_prompts(tokenizer: Any, data: DataConfig, prompts: list[str] | None, messages: Any) -> list[str]:
+    """Prompt texts; in chat mode, the messages rendered with the tokenizer's chat template."""
+    if not data.chat:
+        return list(prompts or [])
+    check_chat_template(tokenizer, data)
     return [
         tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
         for conversation in messages
@@ -142,6 +183,22 @@ def eos_token_id_of(model: Any, tokenizer: Any) -> int | None:
     if eos is None:
         eos = tokenizer.eos_token_id
     return None if eos is None else int(eos)
+
+
+def check_pair(model: ModelConfig) -> tuple[Path, Path, Any]:
+    """Both directories, one vocabulary size, identical tokenizers: (target dir, draft dir, target tokenizer)."""
+    target_dir = check_model_dir(model.target, "model.target", model.allow_pickle)
+    draft_dir = check_model_dir(model.draft, "model.draft", model.allow_pickle)
+    target_vocab = vocab_size_of(target_dir, model.trust_remote_code)
+    draft_vocab = vocab_size_of(draft_dir, model.trust_remote_code)
+    if target_vocab != draft_vocab:
+        raise JobInputError(
+            f"model.draft: vocabulary sizes differ: target {target_dir} has {target_vocab}, draft {draft_dir} has {draft_vocab}"
+        )
+    target_tok = load_tokenizer(target_dir, "model.target", model.trust_remote_code)
+    draft_tok = load_tokenizer(draft_dir, "model.draft", model.trust_remote_code)
+    check_same_tokenizer(target_tok, draft_tok, target_dir, draft_dir)
+    return target_dir, draft_dir, target_tok
 
 
 def eos_token_ids_of(model: Any, tokenizer: Any) -> list[int]:

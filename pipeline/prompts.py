@@ -1,35 +1,60 @@
-"""Reading the prompt dataset: Parquet, JSONL, CSV, or a `datasets.save_to_disk` directory.
+"""Reading prompt rows: a row range as a worker reads it for one shard, and a whole small input.
 
-`read_prompts` returns a validated `PromptTable` (ids, prompt texts or chat messages), and raises
-`JobInputError` naming the file, the column and the row for anything wrong: a missing file, an unknown
-format, a missing column, a prompt that is not a string, a duplicate or null id, an empty dataset.
+    rows = read_rows(source, start, stop, cache)   # ids, texts or chat messages, and per-row problems
+    table = read_prompts(data)                       # every row of a small input, validated (benchmark job)
 
-It does not tokenize (see `pipeline.models`) and does not write anything (see `pipeline.generate.output`).
+`read_rows` reads only what the range needs, through `pipeline.fs`: a JSON-lines or CSV byte range (the
+driver's scan found where the range starts), or the Parquet row groups / Arrow file that hold it, kept in a
+small per-worker cache (`ReadCache`) because neighbouring shards share row groups. A row whose prompt or
+chat messages cannot be used gets a problem ("row 3 (id 'b') of p.parquet: prompt is null, expected a
+string"): the worker writes it as an error row, `read_prompts` raises it as a `JobInputError`.
+
+It does not tokenize (`pipeline.models`), plan (`pipeline.source`, `pipeline.scanners`) or write anything.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
+from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
+
+from pipeline import fs
 from pipeline.config import DataConfig
 from pipeline.errors import JobInputError
+from pipeline.linescan import split_records
+from pipeline.rowcheck import messages_problem, prompt_problem, row_where
+from pipeline.source import Piece, Source, format_of, list_source
 
-_EXTENSIONS = {
-    ".parquet": "parquet",
-    ".pq": "parquet",
-    ".jsonl": "jsonl",
-    ".ndjson": "jsonl",
-    ".json": "jsonl",
-    ".csv": "csv",
-}
+__all__ = ["PromptRows", "PromptTable", "ReadCache", "detect_format", "read_prompts", "read_rows"]
+
+CACHE_BYTES = 256 << 20
+
+
+class InputChangedError(RuntimeError):
+    """A worker found rows other than the plan said (the input changed while the job ran)."""
+
+
+@dataclass
+class PromptRows:
+    """Rows of one range, in input order; `problems[i]` says why row i cannot be generated (else None)."""
+
+    ids: list[Any]
+    texts: list[str | None] | None  # outside chat mode
+    messages: list[list[dict[str, str]] | None] | None  # in chat mode
+    problems: list[str | None]
+
+    def __len__(self) -> int:
+        return len(self.ids)
 
 
 @dataclass(frozen=True)
 class PromptTable:
-    """The rows to generate for, in file order. Exactly one of `prompts` / `messages` is set."""
+    """The rows of a whole input, in file order. Exactly one of `prompts` / `messages` is set."""
 
     ids: list[Any]  # int or str, unique
     id_kind: str  # "int" or "str": the Parquet type of the output `id` column
@@ -42,213 +67,205 @@ class PromptTable:
         return len(self.ids)
 
 
-def detect_format(path: Path, data_format: str) -> str:
-    """The concrete format: the configured one, or one read from the extension when 'auto'."""
-    if data_format != "auto":
-        return data_format
-    if path.is_dir():
-        if (path / "state.json").exists() or (path / "dataset_info.json").exists():
-            return "hf_disk"
-        if (path / "dataset_dict.json").exists():
-            return "hf_disk"
-        raise JobInputError(
-            f"data.path: cannot tell the format of directory {path}: it is not a `datasets.save_to_disk` "
-            "directory (no state.json); set data.format or point data.path at a file"
-        )
-    suffix = path.suffix.lower()
-    if suffix in _EXTENSIONS:
-        return _EXTENSIONS[suffix]
-    raise JobInputError(
-        f"data.format: cannot tell the format of {path} from its extension '{suffix}'; "
-        f"known extensions: {', '.join(sorted(_EXTENSIONS))}; or set data.format to parquet, jsonl, csv or hf_disk"
-    )
+def detect_format(path: str, data_format: str) -> str:
+    """The concrete format of a file: the configured one, or the one its extension says."""
+    return format_of(path, data_format)
 
 
 def read_prompts(data: DataConfig) -> PromptTable:
-    """Read, cut to `data.limit`, and validate the prompt rows."""
-    path = Path(data.path).expanduser()
-    if not path.exists():
-        raise JobInputError(f"data.path: no such file or directory: {path}")
-    data_format = detect_format(path, data.format)
-    text_column = data.messages_column if data.chat else data.prompt_column
-    text_key = "data.messages_column" if data.chat else "data.prompt_column"
+    """Every row of `data.path` (up to `data.limit`), validated; for inputs that fit in memory."""
+    from pipeline.scanners import scan_source
 
-    columns, num_rows = _read_columns(path, data_format, wanted=(text_column, data.id_column), data=data)
-    if num_rows == 0:
-        raise JobInputError(f"data.path: {path} holds no rows")
-    if text_column not in columns:
-        available = ", ".join(sorted(columns.get("__all__", []))) or "(none)"
-        raise JobInputError(
-            f"{text_key}: column '{text_column}' not found in {path}; columns are: {available}"
-        )
-    texts = columns[text_column]
+    source = scan_source(data, list_source(data), shard_size=1 << 40)
+    rows = read_rows(source, 0, source.num_rows)
+    for problem in rows.problems:
+        if problem:
+            raise JobInputError(problem)
+    return PromptTable(rows.ids, source.id_kind, rows.texts, rows.messages, source.path, source.format)
 
-    if data.id_column in columns:
-        ids, id_kind = _validate_ids(columns[data.id_column], data.id_column, path)
-    else:
-        ids, id_kind = list(range(num_rows)), "int"
 
-    if data.chat:
-        messages = [_validate_messages(m, row, ids[row], text_column, path) for row, m in enumerate(texts)]
-        return PromptTable(ids, id_kind, None, messages, str(path), data_format)
-    for row, text in enumerate(texts):
-        if not isinstance(text, str):
-            raise JobInputError(
-                f"{text_key}: row {row} (id {ids[row]!r}) of {path}: prompt is "
-                f"{'null' if text is None else type(text).__name__ + ' ' + _short(text)}, expected a string"
+def read_rows(source: Source, start: int, stop: int, cache: ReadCache | None = None) -> PromptRows:
+    """Rows [start, stop) of the source (global row numbers), with each row's problem if it has one."""
+    cache = cache or ReadCache()
+    ids: list[Any] = []
+    values: list[Any] = []
+    wheres: list[str] = []
+    for piece in source.pieces(start, stop):
+        piece_ids, piece_values = _read_piece(source, piece, cache)
+        if len(piece_values) != piece.stop - piece.start:
+            raise InputChangedError(
+                f"data.path: {source.files[piece.file].uri}: expected {piece.stop - piece.start} rows from row "
+                f"{piece.start}, found {len(piece_values)}; the input changed since the job was planned"
             )
-    return PromptTable(ids, id_kind, list(texts), None, str(path), data_format)
+        first = source.files[piece.file].first_row + piece.start
+        ids.extend(piece_ids if piece_ids is not None else range(first, first + len(piece_values)))
+        values.extend(piece_values)
+        wheres.extend([source.files[piece.file].uri] * len(piece_values))
+    return _checked(source, start, ids, values, wheres)
 
 
-def _read_columns(
-    path: Path, data_format: str, wanted: tuple[str, ...], data: DataConfig
-) -> tuple[dict[str, list[Any]], int]:
-    """Columns in `wanted` that exist (as Python lists, first `limit` rows), plus '__all__' = all names."""
-    limit = data.limit
-    if data_format == "jsonl":
-        return _read_jsonl(path, wanted, limit)
-    if data_format == "parquet":
-        import pyarrow.parquet as pq
-
-        try:
-            table = pq.read_table(path)
-        except Exception as err:  # pyarrow raises several types for a bad file
-            raise JobInputError(f"data.path: cannot read {path} as Parquet: {err}") from None
-        return _arrow_columns(table, wanted, limit)
-    if data_format == "csv":
-        import pyarrow as pa
-        import pyarrow.csv as pacsv
-
-        try:
-            # prompts are text even when they look like numbers
-            table = pacsv.read_csv(
-                path,
-                convert_options=pacsv.ConvertOptions(
-                    column_types={data.prompt_column: pa.string()}, strings_can_be_null=True
-                ),
-            )
-        except Exception as err:
-            raise JobInputError(f"data.path: cannot read {path} as CSV: {err}") from None
-        return _arrow_columns(table, wanted, limit)
-    if data_format == "hf_disk":
-        import datasets
-
-        try:
-            dataset = datasets.load_from_disk(str(path))
-        except Exception as err:
-            raise JobInputError(
-                f"data.path: cannot load {path} with datasets.load_from_disk: {err}"
-            ) from None
-        if isinstance(dataset, datasets.DatasetDict):
-            raise JobInputError(
-                f"data.path: {path} holds a DatasetDict with splits {', '.join(dataset)}; "
-                "point data.path at one split's directory"
-            )
-        if limit is not None:
-            dataset = dataset.select(range(min(limit, len(dataset))))
-        names = list(dataset.column_names)
-        columns: dict[str, list[Any]] = {"__all__": names}
-        for name in wanted:
-            if name in names:
-                columns[name] = list(dataset[name])
-        return columns, len(dataset)
-    raise JobInputError(f"data.format: unknown format {data_format!r}")
-
-
-def _arrow_columns(
-    table: Any, wanted: tuple[str, ...], limit: int | None
-) -> tuple[dict[str, list[Any]], int]:
-    if limit is not None:
-        table = table.slice(0, limit)
-    columns: dict[str, list[Any]] = {"__all__": list(table.column_names)}
-    for name in wanted:
-        if name in table.column_names:
-            columns[name] = table.column(name).to_pylist()
-    return columns, table.num_rows
-
-
-def _read_jsonl(path: Path, wanted: tuple[str, ...], limit: int | None) -> tuple[dict[str, list[Any]], int]:
-    records: list[dict[str, Any]] = []
-    seen_names: dict[str, None] = {}
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            if limit is not None and len(records) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise JobInputError(
-                    f"data.path: {path} line {line_number} is not valid JSON: {err}"
-                ) from None
-            if not isinstance(record, dict):
-                raise JobInputError(
-                    f"data.path: {path} line {line_number} is a JSON {type(record).__name__}, expected an object"
-                )
-            seen_names.update(dict.fromkeys(record))
-            records.append(record)
-    columns: dict[str, list[Any]] = {"__all__": list(seen_names)}
-    for name in wanted:
-        if name in seen_names:
-            columns[name] = [r.get(name) for r in records]
-    return columns, len(records)
-
-
-def _validate_ids(values: list[Any], column: str, path: Path) -> tuple[list[Any], str]:
-    kinds = set()
-    for row, value in enumerate(values):
-        if value is None:
-            raise JobInputError(f"data.id_column: row {row} of {path} has a null id in column '{column}'")
-        if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise JobInputError(
-                f"data.id_column: row {row} of {path}: id {_short(value)} is {type(value).__name__}, "
-                "expected an int or a string"
-            )
-        kinds.add("str" if isinstance(value, str) else "int")
-    if len(kinds) > 1:
-        raise JobInputError(f"data.id_column: column '{column}' of {path} mixes int and string ids")
-    first_row: dict[Any, int] = {}
-    duplicates = []
-    for row, value in enumerate(values):
-        if value in first_row:
-            duplicates.append((value, first_row[value], row))
+def _checked(source: Source, start: int, ids: list[Any], values: list[Any], wheres: list[str]) -> PromptRows:
+    problems: list[str | None] = []
+    key = "data.messages_column" if source.chat else "data.prompt_column"
+    checked: list[Any] = []
+    for offset, (row_id, value, where) in enumerate(zip(ids, values, wheres)):
+        if source.chat:
+            value, problem = messages_problem(value, source.text_column)
         else:
-            first_row[value] = row
-    if duplicates:
-        value, first, again = duplicates[0]
-        raise JobInputError(
-            f"data.id_column: duplicate ids in column '{column}' of {path}: {value!r} at rows {first} and {again}"
-            f" ({len(duplicates)} duplicate row(s) in all); ids must be unique"
+            problem = prompt_problem(value)
+            value = None if problem else value
+        checked.append(value)
+        problems.append(f"{row_where(key, start + offset, row_id, where)}: {problem}" if problem else None)
+    if source.chat:
+        return PromptRows(ids, None, checked, problems)
+    return PromptRows(ids, checked, None, problems)
+
+
+def _read_piece(source: Source, piece: Piece, cache: ReadCache) -> tuple[list[Any] | None, list[Any]]:
+    readers = {"jsonl": _read_jsonl, "csv": _read_csv, "parquet": _read_parquet, "hf_disk": _read_arrow}
+    return readers[source.format](source, piece, cache)
+
+
+def jsonl_record(
+    raw: bytes, where: str, line: int | None = None, offset: int | None = None
+) -> dict[str, Any]:
+    """One JSON-lines record as a dict; raises JobInputError naming the line (or byte offset)."""
+    at = f"line {line}" if line is not None else f"the line at byte {offset}"
+    try:
+        record = json.loads(raw)
+    except ValueError as err:
+        raise JobInputError(f"data.path: {where} {at} is not valid JSON: {err}") from None
+    if not isinstance(record, dict):
+        raise JobInputError(f"data.path: {where} {at} is a JSON {type(record).__name__}, expected an object")
+    return record
+
+
+def _read_jsonl(source: Source, piece: Piece, cache: ReadCache) -> tuple[list[Any] | None, list[Any]]:
+    uri = source.files[piece.file].uri
+    data = fs.read_range(fs.resolve(uri, "data.path"), piece.byte_start, piece.byte_stop)
+    records = [jsonl_record(raw, uri, offset=piece.byte_start) for raw in split_records(data)]
+    values = [record.get(source.text_column) for record in records]
+    ids = [record.get(source.id_column) for record in records] if source.id_column else None
+    return ids, values
+
+
+def csv_options(
+    source_header: tuple[str, ...], text: str, id_column: str | None, id_type: pa.DataType | None
+):
+    """pyarrow.csv options that read header-less records with the file's column names."""
+    import pyarrow.csv as pacsv
+
+    types = {text: pa.string()}
+    if id_column and id_type is not None:
+        types[id_column] = id_type
+    return (
+        pacsv.ReadOptions(column_names=list(source_header), block_size=4 << 20),
+        pacsv.ParseOptions(newlines_in_values=True),
+        pacsv.ConvertOptions(
+            column_types=types,
+            include_columns=[text] + ([id_column] if id_column else []),
+            strings_can_be_null=True,
+        ),
+    )
+
+
+def _read_csv(source: Source, piece: Piece, cache: ReadCache) -> tuple[list[Any] | None, list[Any]]:
+    import pyarrow.csv as pacsv
+
+    uri = source.files[piece.file].uri
+    data = fs.read_range(fs.resolve(uri, "data.path"), piece.byte_start, piece.byte_stop)
+    id_type = pa.int64() if source.id_kind == "int" else pa.string()
+    read, parse, convert = csv_options(source.csv_header or (), source.text_column, source.id_column, id_type)
+    table = pacsv.read_csv(
+        pa.BufferReader(data), read_options=read, parse_options=parse, convert_options=convert
+    )
+    ids = table.column(source.id_column).to_pylist() if source.id_column else None
+    return ids, table.column(source.text_column).to_pylist()
+
+
+def _columns(source: Source) -> list[str]:
+    return [source.text_column] + ([source.id_column] if source.id_column else [])
+
+
+def _read_parquet(source: Source, piece: Piece, cache: ReadCache) -> tuple[list[Any] | None, list[Any]]:
+    uri = source.files[piece.file].uri
+    parquet, starts = cache.parquet(uri)
+    first = bisect.bisect_right(starts, piece.start) - 1
+    last = bisect.bisect_right(starts, piece.stop - 1) - 1
+    tables = [cache.row_group(uri, parquet, group, _columns(source)) for group in range(first, last + 1)]
+    table = pa.concat_tables(tables).slice(piece.start - int(starts[first]), piece.stop - piece.start)
+    return _split(source, table)
+
+
+def _read_arrow(source: Source, piece: Piece, cache: ReadCache) -> tuple[list[Any] | None, list[Any]]:
+    table = cache.arrow(source.files[piece.file].uri)
+    return _split(source, table.slice(piece.start, piece.stop - piece.start).select(_columns(source)))
+
+
+def _split(source: Source, table: pa.Table) -> tuple[list[Any] | None, list[Any]]:
+    ids = table.column(source.id_column).to_pylist() if source.id_column else None
+    return ids, table.column(source.text_column).to_pylist()
+
+
+class ReadCache:
+    """What a worker keeps between shards: open Parquet footers, and recently read row groups and Arrow
+    files, least recently used first out once they pass `max_bytes` (memory-mapped files count nothing)."""
+
+    def __init__(self, max_bytes: int = CACHE_BYTES):
+        self.max_bytes = max_bytes
+        self._items: OrderedDict[Any, tuple[Any, int]] = OrderedDict()
+        self._bytes = 0
+
+    def _get(self, key: Any, load, size_of) -> Any:
+        if key in self._items:
+            self._items.move_to_end(key)
+            return self._items[key][0]
+        value = load()
+        size = size_of(value)
+        self._items[key] = (value, size)
+        self._bytes += size
+        while self._bytes > self.max_bytes and len(self._items) > 1:
+            _, (_, dropped) = self._items.popitem(last=False)
+            self._bytes -= dropped
+        return value
+
+    def parquet(self, uri: str) -> tuple[Any, np.ndarray]:
+        def load():
+            import pyarrow.parquet as pq
+
+            location = fs.resolve(uri, "data.path")
+            parquet = pq.ParquetFile(location.filesystem.open_input_file(location.path))
+            counts = [parquet.metadata.row_group(i).num_rows for i in range(parquet.metadata.num_row_groups)]
+            return parquet, np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+
+        return self._get(("parquet", uri), load, lambda value: 0)
+
+    def row_group(self, uri: str, parquet: Any, group: int, columns: list[str]) -> pa.Table:
+        return self._get(
+            ("group", uri, group, tuple(columns)),
+            lambda: parquet.read_row_group(group, columns=columns),
+            lambda table: table.nbytes,
         )
-    return list(values), (kinds.pop() if kinds else "int")
+
+    def arrow(self, uri: str) -> pa.Table:
+        location = fs.resolve(uri, "data.path")
+
+        def load() -> pa.Table:
+            return read_arrow_table(location)
+
+        return self._get(("arrow", uri), load, lambda table: 0 if location.is_local else table.nbytes)
 
 
-def _validate_messages(value: Any, row: int, row_id: Any, column: str, path: Path) -> list[dict[str, str]]:
-    where = f"data.messages_column: row {row} (id {row_id!r}) of {path}"
-    if isinstance(value, str):  # CSV / some JSONL writers store the list as a JSON string
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError:
-            raise JobInputError(
-                f"{where}: '{column}' is a string that is not a JSON list of messages"
-            ) from None
-    if not isinstance(value, list) or not value:
-        raise JobInputError(f"{where}: '{column}' must be a non-empty list of {{role, content}} messages")
-    messages = []
-    for i, message in enumerate(value):
-        if (
-            not isinstance(message, dict)
-            or not isinstance(message.get("role"), str)
-            or not isinstance(message.get("content"), str)
-        ):
-            raise JobInputError(
-                f"{where}: message {i} must have string 'role' and 'content', got {_short(message)}"
-            )
-        messages.append({"role": message["role"], "content": message["content"]})
-    return messages
+def read_arrow_table(location: fs.Location) -> pa.Table:
+    """A `datasets` Arrow file (IPC stream, or IPC file) as a table: memory-mapped when local."""
+    import pyarrow.ipc as ipc
 
-
-def _short(value: Any, width: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= width else text[: width - 3] + "..."
+    if location.is_local:
+        source: Any = pa.memory_map(location.path)
+    else:
+        source = pa.BufferReader(fs.read_bytes(location))
+    try:
+        return ipc.open_stream(source).read_all()
+    except pa.ArrowInvalid:
+        source.seek(0)
+        return ipc.open_file(source).read_all()

@@ -55,8 +55,10 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # the GPU machine runs the repo without installing it
 
 import spectr  # noqa: E402
+from spectr.block import block_rule  # noqa: E402
 from spectr.diagnostics import HostSyncCounter  # noqa: E402
 from spectr.selection import TOKEN_SELECTORS  # noqa: E402
+from spectr.sequence import SEQUENCE_RULES  # noqa: E402
 
 SECTIONS = ("exactness", "greedy", "pair_acceptance", "speed")
 # Share of the time budget each section may use (unused time rolls over to the next section).
@@ -301,11 +303,26 @@ def skip_residual(selector: Callable) -> Callable:
     return broken
 
 
+# Broken versions of the sequence-level rules (spectr.sequence.SEQUENCE_RULES): block verification whose
+# stop probabilities h_i = 1 keep every drafted block (the subtler h_i = w_i control needs more samples
+# than this script's budget; tests/spectr/test_exactness_e2e.py rejects that one).
+BROKEN_SEQUENCE_RULES = {"block": lambda: block_rule(lambda weights, excess: torch.ones_like(weights))}
+
+
 @contextlib.contextmanager
 def broken_selection(method: str):
     """Negative control: replace the method's token selector in `spectr.selection.TOKEN_SELECTORS`
     (every selector, for a method that is not itself a selector, e.g. a planner) by its
-    skip-residual version, and restore the registry on exit. Yields the replaced names."""
+    skip-residual version, or a sequence-level rule by its broken version, and restore the registries
+    on exit. Yields the replaced names."""
+    if method in SEQUENCE_RULES:
+        saved_rule = SEQUENCE_RULES[method]
+        try:
+            SEQUENCE_RULES[method] = BROKEN_SEQUENCE_RULES[method]()
+            yield [method]
+        finally:
+            SEQUENCE_RULES[method] = saved_rule
+        return
     names = [method] if method in TOKEN_SELECTORS else list(TOKEN_SELECTORS)
     saved = {name: TOKEN_SELECTORS[name] for name in names}
     try:
@@ -341,7 +358,8 @@ def negative_control(pair, law, method: str, warp: tuple, plan: Plan) -> dict:
         out = generate_first_tokens(pair, method, (warp[0] * CONTROL_TEMPERATURE_FACTOR, *warp[1:]), plan)
     else:
         with broken_selection(method) as names:
-            kind = f"skip-residual selector injected into TOKEN_SELECTORS{names}"
+            kind = (f"keep-every-block stops (h = 1) injected into SEQUENCE_RULES{names}"
+                    if method in SEQUENCE_RULES else f"skip-residual selector injected into TOKEN_SELECTORS{names}")
             out = generate_first_tokens(pair, method, warp, plan)
     test = chi_square(out.tokens, law, EXACT_VOCAB, plan.exact_tokens)
     return dict(kind=kind, **test, rejected=test["p_value"] < REJECT_P)

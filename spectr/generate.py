@@ -33,7 +33,11 @@ from spectr.stats import GenerationStats
 __all__ = ["Generation", "GenerationOutput", "generate", "known_methods", "prefill"]
 
 
+AUTO = "auto"
+
+
 def known_methods() -> list[str]:
+    """The concrete methods (`method="auto"` picks one of them)."""
     return [AUTOREGRESSIVE, *sequence_methods()]
 
 
@@ -65,8 +69,10 @@ def generate(
 
     target, draft: Hugging Face causal LMs sharing a vocabulary (`draft` may be None for
     "autoregressive"). prompts: list of token-id lists. method: "autoregressive",
-    "speculative" (one draft: num_drafts is taken as 1), "spectr", "specinfer" or "block"
-    (block verification of one draft, num_drafts taken as 1).
+    "speculative" (one draft: num_drafts is taken as 1), "spectr", "specinfer", "block" (block
+    verification of one draft, num_drafts taken as 1), or "auto" (the planner measures this pair on
+    this device and picks the fastest of the exact methods, with K <= num_drafts and L <=
+    draft_length; `stats.plan` says what it chose).
     max_new_tokens: an int or one int per prompt. eos_token_id: None, an int or a list of ints.
     top_k=0 / top_p=1.0 mean no truncation; temperature=0 is greedy (and drafts one path:
     K identical argmax drafts would add nothing). seed: an int (row i uses seed + i) or one
@@ -75,6 +81,12 @@ def generate(
     in order and a finished row's slot takes the next waiting prompt (continuous batching; the
     output is the same). Bad input raises ValueError naming the argument and, per prompt, the row.
     """
+    if method == AUTO:  # the planner picks an exact method, K <= num_drafts and L <= draft_length
+        from spectr.planner.auto import generate_auto
+
+        return generate_auto(target, draft, prompts, num_drafts=num_drafts, draft_length=draft_length,
+                             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                             eos_token_id=eos_token_id, seed=seed, batch_size=batch_size)
     return _run(Generation(target, draft, prompts, method=method, num_drafts=num_drafts, draft_length=draft_length,
                            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                            eos_token_id=eos_token_id, seed=seed, batch_size=batch_size))

@@ -62,6 +62,7 @@ class GenerationStats:
     admissions: int = 0
     narrow_iterations: int = 0
     packed_rows: int = 0
+    plan: str = ""  # method="auto": what the planner chose and predicted
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
     selection_seconds: float = 0.0

@@ -15,10 +15,15 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# This checkout's code first, for every process the tests start (job drivers, Ray's raylet and workers),
+# even where an installed copy of the package (e.g. another worktree's editable install) would come first.
+_REPO = str(Path(__file__).resolve().parents[1])
+if _REPO not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO, os.environ.get("PYTHONPATH")) if p)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from tiny_pair_support import WORDS, build_llama, build_tokenizer, job_config  # noqa: F401
+from tiny_pair_support import WORDS, build_llama, build_tokenizer, job_config  # noqa: E402, F401
 
 
 @pytest.fixture(scope="session")

@@ -30,7 +30,7 @@ from pipeline.errors import JobInputError
 HF_GENERATE = "hf_generate"
 HF_ASSISTED = "hf_assisted"
 AUTO = "auto"  # the planner's choice at each batch size (pipeline.benchmark.auto)
-OUR_METHODS = ("autoregressive", "speculative", "spectr", "specinfer")
+OUR_METHODS = ("autoregressive", "speculative", "block", "spectr", "specinfer")
 METHODS = (HF_GENERATE, HF_ASSISTED, *OUR_METHODS)  # the default grid
 KNOWN_METHODS = (*METHODS, AUTO)
 
@@ -100,7 +100,7 @@ class BenchCase:
 
     @property
     def label(self) -> str:
-        if self.method in ("speculative", "spectr", "specinfer"):
+        if self.method in ("speculative", "block", "spectr", "specinfer"):
             return f"{self.method} K={self.num_drafts} L={self.draft_length} B={self.batch_size}"
         if self.method == HF_ASSISTED:
             return f"{self.method} L={self.draft_length} B={self.batch_size}"
@@ -218,6 +218,8 @@ def expand_grid(g: GridConfig) -> list[BenchCase]:
         for length in g.draft_lengths:
             if want_speculative:
                 cases.append(BenchCase("speculative", batch, 1, length))
+            if "block" in g.methods:
+                cases.append(BenchCase("block", batch, 1, length))
             for drafts in g.num_drafts:
                 if drafts == 1:
                     continue

@@ -56,9 +56,34 @@ def evaluate_goals(report) -> list[Goal]:
         speculation_pays_goal(report),
         cost_model_goal(report),
     ]
+    if any(r.case.method == "block" for r in report.results):
+        goals.append(block_verification_goal(report))
     if any(r.case.method == AUTO for r in report.results):
         goals += [auto_speed_goal(report), auto_prediction_goal(report), auto_calibration_goal(report)]
     return goals
+
+
+GOAL_BLOCK_VS_TOKEN = 1.05  # block verification's block efficiency over token verification's, same L
+
+
+def block_verification_goal(report) -> Goal:
+    """Block verification >= 1.05x the block efficiency of speculative sampling at L = 4 and L = 8."""
+    g = report.config.bench
+    name = (f"block efficiency of block >= {GOAL_BLOCK_VS_TOKEN:g}x speculative at L=4 and L=8, "
+            f"temperature {g.temperature:g}")
+    parts, ok, found = [], True, False
+    for length in (4, 8):
+        block = pooled_block_efficiency(report.results, "block", 1, length)
+        token = pooled_block_efficiency(report.results, "speculative", 1, length)
+        if not (block and token):
+            continue
+        found = True
+        ratio = block[0] / token[0]
+        ok = ok and ratio >= GOAL_BLOCK_VS_TOKEN
+        parts.append(f"L={length}: {block[0]:.3f} vs {token[0]:.3f} = {ratio:.3f}x ({block[1]} and {token[1]} calls)")
+    if not found:
+        return Goal(name, "N/A", "block and speculative at L=4 or L=8 not both in this grid")
+    return Goal(name, "PASS" if ok else "MISS", "; ".join(parts))
 
 
 def _auto_results(report) -> list:
@@ -75,7 +100,7 @@ def auto_speed_goal(report) -> Goal:
     parts, ok = [], True
     for r in autos:
         fixed = [f for f in report.results if f.ok and f.case.batch_size == r.case.batch_size
-                 and f.case.method in ("autoregressive", "speculative", "spectr", "specinfer")]
+                 and f.case.method in ("autoregressive", "speculative", "block", "spectr", "specinfer")]
         if not fixed:
             continue
         best = max(fixed, key=lambda f: f.tokens_per_second)

@@ -235,17 +235,7 @@ def resolve_device(name: str) -> torch.device:
 def load_pair(config: BenchConfig, device: torch.device) -> Pair:
     """The main job's checks (directories, vocabularies, identical tokenizers), then both models."""
     m = config.model
-    target_dir = models.check_model_dir(m.target, "model.target", m.allow_pickle)
-    draft_dir = models.check_model_dir(m.draft, "model.draft", m.allow_pickle)
-    target_vocab = models.vocab_size_of(target_dir, m.trust_remote_code)
-    draft_vocab = models.vocab_size_of(draft_dir, m.trust_remote_code)
-    if target_vocab != draft_vocab:
-        raise JobInputError(
-            f"model.draft: vocabulary sizes differ: target {target_dir} has {target_vocab}, draft {draft_dir} has {draft_vocab}"
-        )
-    target_tok = models.load_tokenizer(target_dir, "model.target", m.trust_remote_code)
-    draft_tok = models.load_tokenizer(draft_dir, "model.draft", m.trust_remote_code)
-    models.check_same_tokenizer(target_tok, draft_tok, target_dir, draft_dir)
+    target_dir, draft_dir, target_tok = models.check_pair(m)
     target = models.load_model(str(target_dir), m, str(device))
     draft = models.load_model(str(draft_dir), m, str(device))
     eos = models.eos_token_id_of(target, target_tok)

@@ -30,20 +30,22 @@ from pipeline.config import (
     resolved_container,
 )
 
-METHODS = ("autoregressive", "speculative", "spectr", "specinfer")
+METHODS = ("auto", "autoregressive", "speculative", "block", "spectr", "specinfer")
 
 
 @dataclass(frozen=True)
 class SpectrConfig:
-    method: str = "spectr"
-    num_drafts: int = 4
-    draft_length: int = 4
+    method: str = "auto"  # the planner picks the fastest exact method for this pair and hardware
+    num_drafts: int = 4  # K of a fixed method (auto: see max_num_drafts)
+    draft_length: int = 4  # L of a fixed method (auto: see max_draft_length)
     max_new_tokens: int = 64
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     batch_size: int = 8
     seed: int = 0
+    max_num_drafts: int | None = None  # auto: the largest K the planner may choose (None: 8)
+    max_draft_length: int | None = None  # auto: the largest L the planner may choose (None: 8)
 
 
 @dataclass(frozen=True)
@@ -52,9 +54,14 @@ class RayConfig:
     num_actors: int | None = None  # None: one per GPU, else cluster CPUs // cpus_per_actor
     gpus_per_actor: float | None = None  # None: 1 when the cluster has GPUs, else 0
     cpus_per_actor: int = 1
-    max_restarts: int = 2  # Ray restarts a dead actor this many times
-    max_task_retries: int = 2  # and re-runs its unfinished shard on the restarted actor
+    max_restarts: int = 2  # Ray restarts a dead actor this many times (it reloads the pair)
+    max_task_retries: int = 0  # Ray's own re-runs of a task on a restarted actor (the driver re-queues instead)
     shard_attempts: int = 3  # the driver re-dispatches a shard whose task failed, up to this many tries
+    shards_per_actor: int = 2  # shards queued on each actor, so that it never waits for the driver
+    heartbeat_s: float = 5.0  # how often the driver pings each busy actor
+    heartbeat_timeout_s: float = 30.0  # a busy actor that has not answered for this long is given up
+    shard_timeout_s: float | None = None  # a shard running longer than this is given up (None: no limit)
+    actor_start_timeout_s: float = 900.0  # actors (or restarts) not up by then are given up
     local_num_cpus: int | None = None  # CPUs of a local Ray instance (None: all)
     local_object_store_mb: int = 256
 
@@ -66,9 +73,11 @@ class GenerateConfig:
     spectr: SpectrConfig
     ray: RayConfig
     mlflow: MlflowConfig
-    output_dir: str | None = None  # None: runs/generate-<config hash>
+    output_dir: str | None = None  # None: runs/generate-<config hash>; a path or a URI (s3://, gs://, ...)
     shard_size: int = 16
     max_failed_fraction: float = 0.0
+    retry_failed: bool = True  # on resume, regenerate shards that have error rows
+    lease_timeout_s: float = 60.0  # another job's lease without a heartbeat for this long is taken over
     progress: bool = True
 
     def to_dict(self) -> dict[str, Any]:
@@ -82,7 +91,7 @@ _SECTIONS = {
     "ray": RayConfig,
     "mlflow": MlflowConfig,
 }
-_TOP_LEVEL = ("output_dir", "shard_size", "max_failed_fraction", "progress")
+_TOP_LEVEL = ("output_dir", "shard_size", "max_failed_fraction", "retry_failed", "lease_timeout_s", "progress")
 
 
 def from_omegaconf(cfg: Any) -> GenerateConfig:
@@ -104,8 +113,8 @@ def from_dict(raw: dict[str, Any]) -> GenerateConfig:
     check_ray(config.ray)
     _check_top_level(config)
     check_mlflow(config.mlflow)
-    if config.spectr.method == "speculative" and config.spectr.num_drafts != 1:
-        # speculative sampling is the K = 1 method by definition; say so in the resolved config
+    if config.spectr.method in ("speculative", "block") and config.spectr.num_drafts != 1:
+        # speculative sampling and block verification are K = 1 methods by definition; say so in the config
         config = dataclasses.replace(config, spectr=dataclasses.replace(config.spectr, num_drafts=1))
     return config
 
@@ -129,6 +138,9 @@ def check_spectr(s: SpectrConfig) -> None:
         raise out_of_range("spectr.batch_size", ">= 1", s.batch_size)
     if s.seed < 0:
         raise out_of_range("spectr.seed", ">= 0", s.seed)
+    for key in ("max_num_drafts", "max_draft_length"):
+        if getattr(s, key) is not None and getattr(s, key) < 1:
+            raise out_of_range(f"spectr.{key}", ">= 1 or null (the planner's default, 8)", getattr(s, key))
 
 
 def check_ray(r: RayConfig) -> None:
@@ -145,6 +157,15 @@ def check_ray(r: RayConfig) -> None:
             raise out_of_range(f"ray.{key}", ">= -1 (-1 means unlimited)", getattr(r, key))
     if r.shard_attempts < 1:
         raise out_of_range("ray.shard_attempts", ">= 1", r.shard_attempts)
+    if r.shards_per_actor < 1:
+        raise out_of_range("ray.shards_per_actor", ">= 1", r.shards_per_actor)
+    for key in ("heartbeat_s", "heartbeat_timeout_s", "actor_start_timeout_s"):
+        if not getattr(r, key) > 0:
+            raise out_of_range(f"ray.{key}", "> 0 seconds", getattr(r, key))
+    if r.heartbeat_timeout_s < r.heartbeat_s:
+        raise out_of_range("ray.heartbeat_timeout_s", f">= ray.heartbeat_s ({r.heartbeat_s:g})", r.heartbeat_timeout_s)
+    if r.shard_timeout_s is not None and not r.shard_timeout_s > 0:
+        raise out_of_range("ray.shard_timeout_s", "> 0 seconds or null", r.shard_timeout_s)
     if r.local_num_cpus is not None and r.local_num_cpus < 1:
         raise out_of_range("ray.local_num_cpus", ">= 1 or null", r.local_num_cpus)
     if r.local_object_store_mb < 80:
@@ -158,13 +179,16 @@ def _check_top_level(c: GenerateConfig) -> None:
         raise out_of_range("max_failed_fraction", "in [0, 1]", c.max_failed_fraction)
     if c.output_dir is not None and not c.output_dir.strip():
         raise out_of_range("output_dir", "a directory or null", c.output_dir)
+    if not c.lease_timeout_s > 0:
+        raise out_of_range("lease_timeout_s", "> 0 seconds", c.lease_timeout_s)
 
 
 def generation_settings(c: GenerateConfig) -> dict[str, Any]:
     """The settings that decide the generated rows: what the output directory's hash covers.
 
     Left out on purpose: where and how it runs (ray.*, spectr.batch_size: a row's output does not depend on
-    its batch), where it logs (mlflow.*), output_dir, progress and max_failed_fraction.
+    its batch), where it logs (mlflow.*), output_dir, progress, max_failed_fraction, retry_failed and
+    lease_timeout_s. The plan adds the identity of the input files and of the models.
     """
     spectr = dataclasses.asdict(c.spectr)
     spectr.pop("batch_size")

@@ -1,10 +1,12 @@
-"""The generation job, as the driver runs it: plan, start actors, run the shards, write, log, summarise.
+"""The generation job, as the driver runs it: plan, take the lease, start actors, commit shards, summarise.
 
-    report = run_generate(config)   # prepare -> MLflow run -> Ray actors -> shards -> Parquet -> summary
+    report = run_generate(config)   # prepare -> MLflow run -> lease -> Ray actors -> shards -> summary
 
-Each step lives in its own module: the plan (`plan`), Ray and the pool's size (`cluster`), handing out
-shards (`scheduler`), the actors (`worker`), the files (`output`, `manifest`), MLflow (`tracking`), the
-progress bar (`progress`) and the summary (`summary`). This module only puts them in order.
+Each step lives in its own module: the plan (`plan`), the lease (`lease`), Ray and the pool's size
+(`cluster`), handing out shards (`scheduler`), the actors, which read their rows and write their part files
+(`worker`), the commit log (`commit_log`), the files (`output`, `manifest`), MLflow (`tracking`), the
+progress bar (`progress`) and the summary (`summary`). This module only puts them in order. The driver holds
+no rows: it receives each shard's statistics, file name and size, and appends them to the commit log.
 """
 
 from __future__ import annotations
@@ -17,14 +19,17 @@ from typing import Any
 
 from pipeline.errors import JobFailedError
 from pipeline.generate.cluster import actor_resources, ray_session
+from pipeline.generate.commit_log import open_commit_log
 from pipeline.generate.config import GenerateConfig
-from pipeline.generate.output import output_schema, remove_stale_temporaries, write_shard, write_success
+from pipeline.generate.lease import Lease
+from pipeline.generate.output import output_schema, remove_stale_temporaries, remove_success, write_success
 from pipeline.generate.plan import JobPlan, prepare
 from pipeline.generate.progress import ProgressBar
-from pipeline.generate.scheduler import RunHooks, ShardActorPool
+from pipeline.generate.scheduler import RunHooks, ShardActorPool, ShardQueue
+from pipeline.generate.stats import empty_stats, merge_stats
 from pipeline.generate.summary import JobSummary, format_report
 from pipeline.generate.tracking import make_tracker
-from pipeline.generate.worker import ShardResult
+from pipeline.generate.worker import ShardResult, WorkerJob
 from pipeline.tracking import check_reachable
 
 __all__ = ["JobPlan", "JobReport", "RunHooks", "format_report", "prepare", "raise_if_failed", "run_generate"]
@@ -47,9 +52,10 @@ class JobReport:
 
 @dataclass
 class GenerationRun:
-    """What this invocation generated (a resumed job's earlier shards are in the manifest, not here)."""
+    """What this invocation generated (a resumed job's earlier shards are in `plan.state`, not here)."""
 
-    stats: list[dict[str, Any]] = field(default_factory=list)  # one per shard written by this run
+    stats: dict[str, Any] = field(default_factory=empty_stats)  # summed over the shards this run wrote
+    shards_written: int = 0
     num_actors: int = 0
     device: str = "-"
     generation_started: float = 0.0
@@ -61,16 +67,16 @@ def run_generate(config: GenerateConfig, hooks: RunHooks | None = None) -> JobRe
     started = time.perf_counter()
     plan = prepare(config)
     check_reachable(config.mlflow)
-    done = plan.num_rows - sum(len(s) for s in plan.todo)
+    done = plan.state.rows_done
     log.info(
         "checked config, models and %d prompts in %.1f s; %d of %d shards to generate%s",
         plan.num_rows,
         time.perf_counter() - started,
-        len(plan.todo),
-        len(plan.shards),
+        plan.shards_to_do,
+        plan.num_shards,
         f" (resuming: {done} prompts already done)" if done else "",
     )
-    tracker = make_tracker(config.mlflow)
+    tracker = make_tracker(config.mlflow, plan)
     # MLflow's start-up (import, database, run) overlaps Ray's start and the actors' model loading.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlflow") as background:
         tracker_started = background.submit(
@@ -101,34 +107,47 @@ def _versions() -> dict[str, str]:
 
 def _params(plan: JobPlan) -> dict[str, Any]:
     params = plan.config.to_dict()
-    params["output_dir"] = str(plan.output_dir)
+    params["output_dir"] = plan.output_dir
     params["config_hash"] = plan.config_hash
     params["num_prompts"] = plan.num_rows
     return params
 
 
 def _open_output(plan: JobPlan) -> None:
-    """Once the actors are up: a job that cannot start writes nothing."""
-    plan.output_dir.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(plan.output_dir)
-    if not (plan.output_dir / "_manifest.json").exists():
-        plan.manifest.save(plan.output_dir)
+    """Once the actors are up (under the lease): the manifest, and no leftovers of a killed run."""
+    remove_stale_temporaries(plan.output)
+    if not plan.manifest_on_disk:
+        plan.manifest.save(plan.output)
+        plan.manifest_on_disk = True
+    if plan.shards_to_do and plan.state.has_success:
+        remove_success(plan.output)  # shards are regenerated: not a success until this run says so
 
 
 def _execute(
     plan: JobPlan, tracker: Any, tracker_started: Future, hooks: RunHooks | None, started: float
 ) -> JobReport:
-    schema = output_schema(
-        plan.id_kind, {**plan.settings, "config_hash": plan.config_hash, "versions": _versions()}
-    )
-    if plan.todo:
-        run = _generate(plan, schema, tracker, tracker_started, hooks, started)
-    else:
-        _open_output(plan)
-        run = GenerationRun()
-    tracker_started.result()
-    startup_s = run.generation_started - started if plan.todo else 0.0
-    return _finish(plan, tracker, run, started, startup_s)
+    schema = output_schema(plan.id_kind, _schema_settings(plan))
+    with Lease.acquire(plan.output, plan.config.lease_timeout_s) as lease:
+        plan.lease = lease
+        plan.refresh()  # the directory as it is now that this job holds it
+        if plan.shards_to_do:
+            run = _generate(plan, schema, tracker, tracker_started, hooks, started)
+        else:
+            _open_output(plan)
+            run = GenerationRun()
+        tracker_started.result()
+        startup_s = run.generation_started - started if run.generation_started else 0.0
+        return _finish(plan, tracker, run, started, startup_s)
+
+
+def _schema_settings(plan: JobPlan) -> dict[str, Any]:
+    """The run-level settings in each part file's schema metadata (not the file lists: they can be long)."""
+    settings = {k: v for k, v in plan.settings.items() if k not in ("inputs", "models")}
+    return {**settings, "config_hash": plan.config_hash, "versions": _versions()}
+
+
+def _worker_job(plan: JobPlan, schema: Any) -> WorkerJob:
+    return WorkerJob(plan.config.data, plan.source, plan.output.uri, plan.manifest.part_digits, schema)
 
 
 def _generate(
@@ -139,89 +158,131 @@ def _generate(
 
     config = plan.config
     with ray_session(config.ray):
-        count, cpus_each, gpus_each = actor_resources(config.ray, ray.cluster_resources(), len(plan.todo))
+        count, cpus_each, gpus_each = actor_resources(config.ray, ray.cluster_resources(), plan.shards_to_do)
         log.info("ray ready (%.1f s); starting %d actor(s)", time.perf_counter() - started, count)
-        pool = ShardActorPool(config, count, cpus_each, gpus_each)
+        pool = ShardActorPool(config, count, cpus_each, gpus_each, _worker_job(plan, schema))
         workers = pool.wait_ready()
         log.info("actors loaded the pair (%.1f s)", time.perf_counter() - started)
         tracker_started.result()  # re-raises an MLflow failure before any generation
         if tracker.run_id:
             log.info("mlflow run %s (%.1f s)", tracker.run_id, time.perf_counter() - started)
         _open_output(plan)
+        tracker.job_started(count, workers)  # device and worker tags; the run id into the output dir
         if hooks and hooks.on_actors_ready:
             hooks.on_actors_ready(pool.actors, workers)
         device = (
             f"{workers[0]['device']} ({cpus_each:g} CPU, {gpus_each:g} GPU, "
             f"{workers[0]['torch_threads']} torch threads each)"
         )
-        run = GenerationRun(num_actors=count, device=device)
-        _run_shards(plan, pool, schema, hooks, run)
+        run = GenerationRun(num_actors=len(workers), device=device)
+        _run_shards(plan, pool, schema, hooks, run, tracker)
     return run
 
 
-def _run_shards(plan: JobPlan, pool: ShardActorPool, schema: Any, hooks: RunHooks | None, run: GenerationRun):
-    """Every shard to do through the pool; each result is written and recorded as it arrives."""
+def _run_shards(
+    plan: JobPlan, pool: ShardActorPool, schema: Any, hooks: RunHooks | None, run: GenerationRun, tracker: Any
+):
+    """Every shard to do through the pool; each result is committed (appended to the log) as it arrives,
+    and fed to the live MLflow metrics."""
     config = plan.config
-    rows_done = plan.num_rows - sum(len(s) for s in plan.todo)
-    bar = ProgressBar(plan.num_rows, rows_done, config.progress, hooks.on_progress if hooks else None)
+    bar = ProgressBar(plan.num_rows, plan.state.rows_done, config.progress, hooks.on_progress if hooks else None)
     run.generation_started = time.perf_counter()
+    commits = open_commit_log(plan.output)
+    live = tracker.live_metrics([plan.state.earlier_stats], started=run.generation_started)
 
     def on_result(result: ShardResult) -> None:
-        write_shard(plan.output_dir, result.index, result.rows, schema)
-        plan.manifest.record_shard(plan.output_dir, result.index, len(result.rows), result.stats, result.worker)
-        run.stats.append(result.stats)
-        bar.shard_written(len(result.rows), result.stats)
+        plan.lease.check()  # never commit into a directory another job has taken over
+        commits.append(_commit_record(result, plan.lease.holder.token))
+        plan.state.done[result.index] = 1
+        plan.state.rows_done += result.num_rows
+        merge_stats(run.stats, result.stats)
+        run.shards_written += 1
+        bar.shard_written(result.num_rows, result.stats)
+        live.shard_written(result.stats, result.worker)
         if hooks and hooks.on_shard_written:
             hooks.on_shard_written(result)
 
+    def on_partial(rows_in_flight: int) -> None:
+        bar.show(rows_in_flight)
+        live.tick()  # a live MLflow point when no shard arrived for 30 s (heartbeat)
+
     try:
-        watching = config.progress or bool(hooks and hooks.on_progress)
-        pool.run(plan.todo, on_result, hooks, on_partial=bar.show if watching else None)
+        watching = config.progress or bool(hooks and hooks.on_progress) or config.mlflow.enabled
+        pool.run(
+            ShardQueue(plan.todo(), plan.shard), on_result, hooks,
+            on_partial=on_partial if watching else None, check=plan.lease.check,
+        )  # fmt: skip
     finally:
         bar.close()
+        commits.close()
+        live.stop()
     run.generation_s = time.perf_counter() - run.generation_started
 
 
+def _commit_record(result: ShardResult, run_token: str) -> dict[str, Any]:
+    return {
+        "shard": result.index,
+        "file": result.file,
+        "rows": result.num_rows,
+        "bytes": result.bytes,
+        "failed": result.failed,
+        "stats": result.stats,
+        "worker": result.worker,
+        "run": run_token,
+        "time": time.time(),
+    }
+
+
 def _finish(plan: JobPlan, tracker: Any, run: GenerationRun, started: float, startup_s: float) -> JobReport:
-    """`_SUCCESS` when complete, the summary, the final MLflow logging, the exit code."""
-    config, output_dir, manifest = plan.config, plan.output_dir, plan.manifest
-    if manifest.complete:
-        write_success(output_dir)
+    """`_SUCCESS` when the job succeeded, the summary, the final MLflow logging, the exit code."""
+    output = plan.output
+    total = merge_stats(merge_stats(empty_stats(), plan.state.earlier_stats), run.stats)
     summary = JobSummary.build(
-        [manifest.shards[i]["stats"] for i in sorted(manifest.shards)],
-        run.stats,
+        [total],
+        [run.stats],
         num_prompts=plan.num_rows,
         wall_time_s=time.perf_counter() - started,
         generation_s=run.generation_s,
         startup_s=startup_s,
         num_actors=run.num_actors,
         actor_device=run.device,
-        output_dir=str(output_dir),
-        num_shards=manifest.num_shards,
+        output_dir=plan.output_dir,
+        num_shards=plan.num_shards,
+        earlier_generation_s=tracker.earlier_generation_s,
+        earlier_wall_s=tracker.earlier_wall_s,
     )
-    failed_too_many = summary.failed_fraction > config.max_failed_fraction
+    messages = _failure_messages(plan, summary)
+    if not messages:
+        plan.lease.check()
+        write_success(output)
     logging_started = time.perf_counter()
-    tracker.finish(summary, _params(plan), status="FAILED" if failed_too_many else "FINISHED")
+    tracker.finish(summary, _params(plan), status="FAILED" if messages else "FINISHED")
     logging_s = time.perf_counter() - logging_started
-    messages = []
-    if failed_too_many:
-        messages.append(
-            f"{summary.prompts_failed} of {summary.num_prompts} prompts failed "
-            f"({100 * summary.failed_fraction:.1f}%), more than max_failed_fraction="
-            f"{config.max_failed_fraction:g}; their rows have finish_reason=error and the message in column "
-            f"'error' of {output_dir}"
-        )
     return JobReport(
         plan=plan,
         summary=summary,
         run_id=tracker.run_id,
         tracking_uri=tracker.tracking_uri,
-        exit_code=1 if failed_too_many else 0,
+        exit_code=1 if messages else 0,
         messages=messages,
         tracker_lines=tracker.describe(),
         total_s=time.perf_counter() - started,
         logging_s=logging_s,
     )
+
+
+def _failure_messages(plan: JobPlan, summary: JobSummary) -> list[str]:
+    messages = []
+    if plan.shards_to_do:
+        messages.append(f"{plan.shards_to_do} of {plan.num_shards} shards were not generated; re-run to resume")
+    if summary.failed_fraction > plan.config.max_failed_fraction:
+        messages.append(
+            f"{summary.prompts_failed} of {summary.num_prompts} prompts failed "
+            f"({100 * summary.failed_fraction:.1f}%), more than max_failed_fraction="
+            f"{plan.config.max_failed_fraction:g}; their rows have finish_reason=error and the message in column "
+            f"'error' of {plan.output_dir} (a re-run regenerates them: retry_failed={plan.config.retry_failed})"
+        )
+    return messages
 
 
 def raise_if_failed(report: JobReport) -> None:

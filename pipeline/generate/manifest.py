@@ -1,27 +1,34 @@
 """The manifest and the resume policy of an output directory.
 
-`_manifest.json` holds the config hash, the settings that decide the rows, and each finished shard with
-its row count and stats. `open_output_dir` decides, before anything is written, whether a run starts
-fresh, resumes, or is refused because the directory holds another config's results; `finished_shards`
-says which shards a resumed run can skip.
+`_manifest.json` is written once, when a job starts the directory: the config hash, the settings that
+decide the rows (the input files' identity and the models' identity among them), the row and shard
+counts. `check_output_dir` decides, before anything is written, whether a run starts fresh, resumes, or
+is refused: another config's results, an input file or a model that changed since, a non-empty directory
+without a manifest. `load_state` reads the commit log and says which shards are done: listed, and the part
+file there with the listed size (and, with `retry_failed`, without error rows). Its memory is a few bytes
+per shard; the statistics of done shards are summed as they are read.
 
-Not here: writing the Parquet files (`pipeline.generate.output`).
+Not here: writing part files (`pipeline.generate.output`), the log format (`pipeline.generate.commit_log`).
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
+import numpy as np
+import pyarrow.fs as pafs
 
+from pipeline import fs
 from pipeline.config import flatten
 from pipeline.errors import JobInputError
-from pipeline.generate.output import MANIFEST_NAME, atomic_write_bytes, shard_file_name
+from pipeline.generate.commit_log import read_commit_records
+from pipeline.generate.output import MANIFEST_NAME, SUCCESS_NAME
+from pipeline.generate.stats import empty_stats, merge_stats
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
+_OWN_FILES = (MANIFEST_NAME, SUCCESS_NAME, "_commits.jsonl", "_commits", "_lease.json")
 
 
 @dataclass
@@ -30,7 +37,8 @@ class Manifest:
     settings: dict[str, Any]
     num_rows: int
     num_shards: int
-    shards: dict[int, dict[str, Any]] = field(default_factory=dict)  # index -> {file, rows, stats}
+    part_digits: int = 6
+    id_kind: str = "int"
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -39,7 +47,8 @@ class Manifest:
             "settings": self.settings,
             "num_rows": self.num_rows,
             "num_shards": self.num_shards,
-            "shards": {f"{i:05d}": self.shards[i] for i in sorted(self.shards)},
+            "part_digits": self.part_digits,
+            "id_kind": self.id_kind,
         }
 
     @classmethod
@@ -49,79 +58,90 @@ class Manifest:
             settings=raw["settings"],
             num_rows=int(raw["num_rows"]),
             num_shards=int(raw["num_shards"]),
-            shards={int(k): v for k, v in raw.get("shards", {}).items()},
+            part_digits=int(raw.get("part_digits", 6)),
+            id_kind=str(raw.get("id_kind", "int")),
         )
 
-    def save(self, output_dir: Path) -> None:
-        atomic_write_bytes(output_dir / MANIFEST_NAME, json.dumps(self.to_json(), indent=1).encode())
-
-    def record_shard(
-        self,
-        output_dir: Path,
-        index: int,
-        rows: int,
-        stats: dict[str, Any],
-        worker: dict[str, Any] | None = None,
-    ) -> None:
-        self.shards[index] = {
-            "file": shard_file_name(index),
-            "rows": rows,
-            "stats": stats,
-            "worker": worker or {},
-        }
-        self.save(output_dir)
-
-    @property
-    def complete(self) -> bool:
-        return (
-            len(self.shards) == self.num_shards
-            and sum(s["rows"] for s in self.shards.values()) == self.num_rows
-        )
+    def save(self, output: fs.Location) -> None:
+        fs.write_bytes(output.child(MANIFEST_NAME), json.dumps(self.to_json(), indent=1).encode())
 
 
-def load_manifest(output_dir: Path) -> Manifest | None:
-    path = output_dir / MANIFEST_NAME
-    if not path.exists():
+def load_manifest(output: fs.Location) -> Manifest | None:
+    location = output.child(MANIFEST_NAME)
+    if not fs.exists(location):
         return None
     try:
-        return Manifest.from_json(json.loads(path.read_text()))
+        return Manifest.from_json(json.loads(fs.read_bytes(location)))
     except (ValueError, KeyError, TypeError) as err:
         raise JobInputError(
-            f"output_dir: {path} is not a valid manifest ({err}); use another output_dir"
+            f"output_dir: {location.uri} is not a valid manifest ({err}); use another output_dir"
         ) from None
 
 
-def open_output_dir(
-    output_dir: Path, config_hash: str, settings: dict[str, Any], num_rows: int, shards: int
-) -> Manifest:
-    """The manifest to continue from: a fresh one, or the existing one when the config matches.
-
-    Refuses (JobInputError) a non-empty directory that holds another config's results or no manifest.
-    Writes nothing.
-    """
-    if output_dir.exists() and not output_dir.is_dir():
-        raise JobInputError(f"output_dir: {output_dir} exists and is not a directory")
-    existing = load_manifest(output_dir) if output_dir.exists() else None
+def check_output_dir(output: fs.Location, config_hash: str, settings: dict[str, Any]) -> Manifest | None:
+    """The manifest to continue from (None: a fresh directory). Refuses with JobInputError; writes nothing."""
+    found = fs.info(output, "output_dir")
+    if found.type == pafs.FileType.File:
+        raise JobInputError(f"output_dir: {output.uri} exists and is not a directory")
+    existing = load_manifest(output)
     if existing is None:
-        leftovers = (
-            [p.name for p in output_dir.iterdir() if not p.name.startswith(".")]
-            if output_dir.exists()
-            else []
-        )
+        leftovers = [
+            info.base_name
+            for info in fs.list_files(output, "output_dir")
+            if not info.base_name.startswith(".") and info.base_name not in _OWN_FILES
+        ]
         if leftovers:
             raise JobInputError(
-                f"output_dir: {output_dir} is not empty ({', '.join(sorted(leftovers)[:5])}) and holds no "
+                f"output_dir: {output.uri} is not empty ({', '.join(sorted(leftovers)[:5])}) and holds no "
                 f"{MANIFEST_NAME}; choose a new or empty directory"
             )
-        return Manifest(config_hash=config_hash, settings=settings, num_rows=num_rows, num_shards=shards)
+        return None
     if existing.config_hash != config_hash:
-        changed = _differences(existing.settings, settings)
-        detail = "; ".join(changed[:6]) if changed else "the prompts or the data file changed"
-        raise JobInputError(
-            f"output_dir: {output_dir} holds results of a different config ({detail}); "
-            "re-run with the same config to resume, or choose another output_dir"
-        )
+        raise JobInputError(_refusal(output, existing.settings, settings))
     return existing
+
+
+def _refusal(output: fs.Location, old: dict[str, Any], new: dict[str, Any]) -> str:
+    changed_input = _changed_files(old.get("inputs", []), new.get("inputs", []))
+    if changed_input and old.get("data") == new.get("data"):
+        return (
+            f"data.path: the input changed since {output.uri} was started ({'; '.join(changed_input[:3])}); "
+            "restore it to resume, or choose another output_dir"
+        )
+    for role in ("target", "draft"):
+        before, now = old.get("models", {}).get(role), new.get("models", {}).get(role)
+        if old.get("model", {}).get(role) == new.get("model", {}).get(role) and before != now:
+            changed = _changed_models(before or {}, now or {})
+            return (
+                f"model.{role}: the model at {new['model'][role]} changed since {output.uri} was started "
+                f"({'; '.join(changed[:3])}); restore it to resume, or choose another output_dir"
+            )
+    changed = _differences(old, new)
+    detail = "; ".join(changed[:6]) if changed else "the prompts or the data file changed"
+    return (
+        f"output_dir: {output.uri} holds results of a different config ({detail}); "
+        "re-run with the same config to resume, or choose another output_dir"
+    )
+
+
+def _changed_files(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[str]:
+    before = {f["path"]: f for f in old}
+    now = {f["path"]: f for f in new}
+    changed = [f"{path}: gone" for path in before if path not in now]
+    changed += [f"{path}: new" for path in now if path not in before]
+    for path in sorted(set(before) & set(now)):
+        a, b = before[path], now[path]
+        if a["size"] != b["size"]:
+            changed.append(f"{path}: size {a['size']} then, {b['size']} now")
+        elif a.get("mtime_ns") != b.get("mtime_ns"):
+            changed.append(f"{path}: modified since")
+    return changed
+
+
+def _changed_models(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    names = sorted(set(before) | set(now))
+    return [f"{name}: {'content differs' if name in before and name in now else 'added or removed'}"
+            for name in names if before.get(name) != now.get(name)]  # fmt: skip
 
 
 def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
@@ -129,15 +149,50 @@ def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return [
         f"{key}: {old_flat.get(key)!r} there, {new_flat.get(key)!r} now"
         for key in sorted(set(old_flat) | set(new_flat))
-        if old_flat.get(key) != new_flat.get(key)
+        if old_flat.get(key) != new_flat.get(key) and not key.startswith(("inputs", "models"))
     ]
 
 
-def finished_shards(output_dir: Path, manifest: Manifest) -> set[int]:
-    """Shards the manifest lists whose file is present with the listed row count."""
-    done = set()
-    for index, entry in manifest.shards.items():
-        path = output_dir / entry["file"]
-        if path.exists() and pq.ParquetFile(path).metadata.num_rows == entry["rows"]:
-            done.add(index)
-    return done
+@dataclass
+class OutputState:
+    """Which shards are done (one byte each), and the statistics of those done shards, summed."""
+
+    done: bytearray
+    rows_done: int = 0
+    shards_retried: int = 0  # listed with error rows, regenerated because of retry_failed
+    earlier_stats: dict[str, Any] = field(default_factory=empty_stats)
+    has_success: bool = False
+
+    @property
+    def shards_done(self) -> int:
+        return sum(self.done)
+
+
+def load_state(output: fs.Location, num_shards: int, retry_failed: bool) -> OutputState:
+    """Read the commit log: a shard is done when its last record's file is present with the listed size."""
+    latest = np.full(num_shards, -1, dtype=np.int64)  # position of each shard's last record
+    sizes = np.zeros(num_shards, dtype=np.int64)
+    failed = np.zeros(num_shards, dtype=np.int64)
+    names: dict[int, str] = {}
+    for position, record in enumerate(read_commit_records(output)):
+        shard = record["shard"]
+        if 0 <= shard < num_shards:
+            latest[shard], sizes[shard], failed[shard] = position, record["bytes"], record.get("failed", 0)
+            names[shard] = record["file"]
+    state = OutputState(done=bytearray(num_shards), has_success=fs.exists(output.child(SUCCESS_NAME)))
+    if not names:
+        return state
+    present = {info.base_name: info.size for info in fs.list_files(output, "output_dir")}
+    for shard, name in names.items():
+        if present.get(name) == sizes[shard]:
+            if retry_failed and failed[shard]:
+                state.shards_retried += 1
+            else:
+                state.done[shard] = 1
+    del names, present
+    for position, record in enumerate(read_commit_records(output)):
+        shard = record["shard"]
+        if 0 <= shard < num_shards and state.done[shard] and latest[shard] == position:
+            merge_stats(state.earlier_stats, record["stats"])
+            state.rows_done += int(record["rows"])
+    return state

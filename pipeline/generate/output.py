@@ -1,34 +1,38 @@
-"""The output directory's files: per-shard Parquet (schema and atomic writer) and `_SUCCESS`.
+"""The output directory's data files: the Parquet row schema, part files, `_SUCCESS`, leftovers.
 
 Layout (docs/architecture.md, "Output directory"):
 
-    part-00000.parquet ...   one per shard, one row per prompt, written to a temporary name then renamed
-    _manifest.json           config hash + settings + each finished shard with its row count and stats
-    _SUCCESS                 written once every prompt has a row
+    part-000000.parquet ...  one per shard, one row per prompt, written by the worker that generated it
+    _manifest.json           config hash + settings, written once when the directory is started
+    _commits.jsonl           one line per finished shard (`_commits/` segments on object stores)
+    _lease.json              the job writing the directory now (removed when it ends)
+    _SUCCESS                 written only when the job succeeded
 
-Only the driver writes here. Every write is atomic (temporary file, fsync, `os.replace`), so a run killed
-at any moment leaves each file either complete or absent; a shard counts as done only once the manifest
-lists it (`pipeline.generate.manifest`). Reading results back: `pipeline.generate.reader`.
+A part file is written whole (`pipeline.fs.write_bytes`: a temporary name then a rename on local disks and
+HDFS, one upload on object stores), so a run killed at any moment leaves each part complete or absent;
+a shard counts as done only once the commit log lists it with its size (`pipeline.generate.manifest`).
+
+Not here: the commit log (`pipeline.generate.commit_log`), the lease (`pipeline.generate.lease`), reading
+results back (`pipeline.generate.reader`).
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline import fs
+from pipeline.generate.shards import MIN_PART_DIGITS, part_name
+
 MANIFEST_NAME = "_manifest.json"
 SUCCESS_NAME = "_SUCCESS"
 SETTINGS_METADATA_KEY = b"spectr.settings"
 FINISH_REASONS = ("eos", "length", "stop", "error")
-
-
-def shard_file_name(index: int) -> str:
-    return f"part-{index:05d}.parquet"
+_OWN_TEMPORARIES = (".part-", f".{MANIFEST_NAME}", f".{SUCCESS_NAME}", "._lease.json")
 
 
 def output_schema(id_kind: str, settings: dict[str, Any] | None = None) -> pa.Schema:
@@ -53,51 +57,49 @@ def output_schema(id_kind: str, settings: dict[str, Any] | None = None) -> pa.Sc
     return schema
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def write_shard(output_dir: Path, index: int, rows: list[dict[str, Any]], schema: pa.Schema) -> Path:
-    """Write one shard's rows atomically; returns the final path."""
+def encode_part(index: int, rows: list[dict[str, Any]], schema: pa.Schema) -> bytes:
+    """One shard's rows as the bytes of a Parquet file."""
     for row in rows:
         if row["finish_reason"] not in FINISH_REASONS:
             raise ValueError(f"shard {index}: row {row['id']!r} has finish_reason {row['finish_reason']!r}")
-    table = pa.Table.from_pylist(rows, schema=schema)
-    final = output_dir / shard_file_name(index)
-    tmp = output_dir / f".{final.name}.tmp-{os.getpid()}"
-    pq.write_table(table, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-    _fsync_dir(output_dir)
-    return final
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), sink)
+    return sink.getvalue().to_pybytes()
 
 
-def remove_stale_temporaries(output_dir: Path) -> list[str]:
-    """Delete temporary files a killed run left behind (our own `.<name>.tmp-<pid>` names only)."""
+def write_shard(
+    output: fs.Location | str | Path,
+    index: int,
+    rows: list[dict[str, Any]],
+    schema: pa.Schema,
+    digits: int = MIN_PART_DIGITS,
+) -> tuple[str, int]:
+    """Write one shard's part file whole; returns (file name, size in bytes)."""
+    if not isinstance(output, fs.Location):
+        output = fs.resolve(str(output), "output_dir")
+    data = encode_part(index, rows, schema)
+    name = part_name(index, digits)
+    fs.write_bytes(output.child(name), data)
+    return name, len(data)
+
+
+def remove_stale_temporaries(output: fs.Location) -> list[str]:
+    """Delete temporary files a killed run left behind (our own `.<name>.tmp-...` names only)."""
+    if not output.renames_atomically:
+        return []  # object stores: nothing is written under a temporary name
     removed = []
-    for path in output_dir.glob(".*.tmp-*"):
-        if path.name.startswith((".part-", f".{MANIFEST_NAME}", f".{SUCCESS_NAME}")):
-            path.unlink(missing_ok=True)
-            removed.append(path.name)
-    return removed
+    for info in fs.list_files(output, "output_dir"):
+        name = info.base_name
+        if ".tmp-" in name and name.startswith(_OWN_TEMPORARIES):
+            fs.delete(fs.Location(output.filesystem, info.path, output.child(name).uri))
+            removed.append(name)
+    return sorted(removed)
 
 
-def write_success(output_dir: Path) -> None:
-    atomic_write_bytes(output_dir / SUCCESS_NAME, b"")
+def write_success(output: fs.Location) -> None:
+    fs.write_bytes(output.child(SUCCESS_NAME), b"")
 
 
+def remove_success(output: fs.Location) -> None:
+    """A job that has shards to (re)generate is not a success until it ends as one."""
+    fs.delete(output.child(SUCCESS_NAME))

@@ -1,6 +1,13 @@
-"""Planning the generation job: every input check, the shards, and what is already done. Writes nothing.
+"""Planning the generation job from metadata: every input check, the shards, and what is already done.
 
-    plan = prepare(config)   # reads and tokenizes prompts, checks the pair, opens the output dir's manifest
+    plan = prepare(config)   # lists the input, checks the pair, scans row counts, reads the commit log
+
+The plan never materialises prompts: the input is listed and scanned (`pipeline.source`,
+`pipeline.scanners`), shards are row ranges made on demand (`plan.shard(i)`), and what is done is one
+byte per shard (`pipeline.generate.manifest.OutputState`). The config hash covers the settings that decide
+the rows, the input files' identity (path, size, modification time) and the models' identity
+(`pipeline.models.model_identity`), so a changed input or model is refused on resume. It writes nothing;
+the job takes the lease and writes (`pipeline.generate.job`).
 
 Not here: running anything (`pipeline.generate.job`), the file layout (`pipeline.generate.output`,
 `pipeline.generate.manifest`).
@@ -8,17 +15,21 @@ Not here: running anything (`pipeline.generate.job`), the file layout (`pipeline
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline import models, prompts
+import numpy as np
+
+from pipeline import fs, models
 from pipeline.config import ModelConfig
 from pipeline.errors import JobInputError
 from pipeline.generate.config import GenerateConfig, generation_settings
-from pipeline.generate.manifest import Manifest, finished_shards, open_output_dir
-from pipeline.generate.shards import Shard, cut_shards, num_shards
+from pipeline.generate.lease import check_free
+from pipeline.generate.manifest import Manifest, OutputState, check_output_dir, load_state
+from pipeline.generate.shards import ShardTask, num_shards, part_digits, shard_task
 from pipeline.hashing import stable_hash
+from pipeline.scanners import scan_source
+from pipeline.source import Source, list_source
 
 
 @dataclass
@@ -26,54 +37,88 @@ class JobPlan:
     """Everything decided before any actor starts."""
 
     config: GenerateConfig
-    output_dir: Path
+    output: fs.Location
     config_hash: str
     settings: dict[str, Any]
-    shards: list[Shard]
-    todo: list[Shard]
+    source: Source
     manifest: Manifest
-    id_kind: str
-    num_rows: int
+    manifest_on_disk: bool
+    state: OutputState
+    lease: Any = field(default=None)  # the job's `Lease` while it runs (set by pipeline.generate.job)
+
+    @property
+    def output_dir(self) -> str:
+        return self.output.uri
+
+    @property
+    def num_rows(self) -> int:
+        return self.manifest.num_rows
+
+    @property
+    def num_shards(self) -> int:
+        return self.manifest.num_shards
+
+    @property
+    def id_kind(self) -> str:
+        return self.manifest.id_kind
+
+    def shard(self, index: int) -> ShardTask:
+        return shard_task(index, self.num_rows, self.config.shard_size)
+
+    def todo(self) -> np.ndarray:
+        """The indices of the shards still to generate, in order."""
+        return np.flatnonzero(np.frombuffer(bytes(self.state.done), dtype=np.uint8) == 0)
+
+    @property
+    def shards_to_do(self) -> int:
+        return self.num_shards - self.state.shards_done
+
+    @property
+    def rows_to_do(self) -> int:
+        return self.num_rows - self.state.rows_done
+
+    def refresh(self) -> None:
+        """Read the output directory again (the job does, once it holds the lease)."""
+        if fs.exists(self.output.child("_manifest.json")):
+            self.manifest_on_disk = True
+            self.state = load_state(self.output, self.num_shards, self.config.retry_failed)
 
 
 def check_pair(model: ModelConfig) -> Any:
     """The draft/target pair shares a vocabulary and a tokenizer; returns the target's tokenizer."""
-    target_dir = models.check_model_dir(model.target, "model.target", model.allow_pickle)
-    draft_dir = models.check_model_dir(model.draft, "model.draft", model.allow_pickle)
-    target_vocab = models.vocab_size_of(target_dir, model.trust_remote_code)
-    draft_vocab = models.vocab_size_of(draft_dir, model.trust_remote_code)
-    if target_vocab != draft_vocab:
-        raise JobInputError(
-            f"model.draft: vocabulary sizes differ: target {target_dir} has {target_vocab}, draft {draft_dir} has {draft_vocab}"
-        )
-    target_tok = models.load_tokenizer(target_dir, "model.target", model.trust_remote_code)
-    draft_tok = models.load_tokenizer(draft_dir, "model.draft", model.trust_remote_code)
-    models.check_same_tokenizer(target_tok, draft_tok, target_dir, draft_dir)
-    return target_tok
+    return models.check_pair(model)[2]
 
 
 def prepare(config: GenerateConfig) -> JobPlan:
     """All input checks, cheapest first. Raises JobInputError; writes nothing."""
-    table = prompts.read_prompts(config.data)
+    listing = list_source(config.data)
     target_tok = check_pair(config.model)
-
-    texts = models.render_prompts(target_tok, config.data, table.prompts, table.messages)
-    # a chat template writes its own special tokens (as apply_chat_template(tokenize=True) does)
-    add_special_tokens = config.data.add_special_tokens and not config.data.chat
-    token_ids = models.tokenize(target_tok, texts, add_special_tokens)
-    shards = cut_shards(table.ids, texts, token_ids, config.shard_size, config.spectr.seed)
+    models.check_chat_template(target_tok, config.data)
 
     settings = generation_settings(config)
-    # the prompts themselves are part of what the output depends on
-    settings["prompts_sha256"] = stable_hash([table.ids, token_ids])
-    settings["num_prompts"] = len(table)
+    settings["inputs"] = listing.identity()
+    settings["models"] = {
+        role: models.model_identity(models.check_model_dir(path, f"model.{role}", config.model.allow_pickle))
+        for role, path in (("target", config.model.target), ("draft", config.model.draft))
+    }
     config_hash = stable_hash(settings)
-    output_dir = Path(config.output_dir or f"runs/generate-{config_hash[:12]}").expanduser().resolve()
-    manifest = open_output_dir(
-        output_dir, config_hash, settings, len(table), num_shards(len(table), config.shard_size)
+    output = fs.resolve(config.output_dir or f"runs/generate-{config_hash[:12]}", "output_dir")
+    fs.check_bucket(output, "output_dir")
+    check_free(output, config.lease_timeout_s)
+    existing = check_output_dir(output, config_hash, settings)
+
+    source = scan_source(config.data, listing, config.shard_size)  # the one pass over the rows' metadata
+    shards = num_shards(source.num_rows, config.shard_size)
+    if existing is not None and (existing.num_rows, existing.num_shards) != (source.num_rows, shards):
+        raise JobInputError(
+            f"data.path: {listing.path} now gives {source.num_rows} rows, {output.uri} was started with "
+            f"{existing.num_rows}; restore the input to resume, or choose another output_dir"
+        )
+    manifest = existing or Manifest(
+        config_hash, settings, source.num_rows, shards, part_digits(shards), source.id_kind
     )
-    done = finished_shards(output_dir, manifest) if output_dir.exists() else set()
-    todo = [shard for shard in shards if shard.index not in done]
-    return JobPlan(
-        config, output_dir, config_hash, settings, shards, todo, manifest, table.id_kind, len(table)
-    )
+    if existing is not None:
+        state = load_state(output, shards, config.retry_failed)
+    else:
+        state = OutputState(done=bytearray(shards))
+    return JobPlan(config, output, config_hash, settings, source, manifest, existing is not None, state)

@@ -1,5 +1,9 @@
 """Reading a finished (or partial) output directory back: the rows in input order, and the run's settings.
 
+`read_output` takes a local path or a URI, reads the commit log, and concatenates the committed part files
+in shard (= input row) order; a shard committed twice (a retried one) counts once, its last commit. Parts
+that are not in the log (a run killed between writing and committing) are not read.
+
 Not here: writing (`pipeline.generate.output`), the resume policy (`pipeline.generate.manifest`).
 """
 
@@ -7,27 +11,50 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline import fs
+from pipeline.generate.commit_log import read_commit_records
 from pipeline.generate.manifest import load_manifest
 from pipeline.generate.output import MANIFEST_NAME, SETTINGS_METADATA_KEY, output_schema
 
 
+def committed_files(output_dir: str | os.PathLike[str]) -> dict[int, dict[str, Any]]:
+    """Shard index -> its last commit record."""
+    output = fs.resolve(os.fspath(output_dir), "output_dir")
+    return {record["shard"]: record for record in read_commit_records(output)}
+
+
 def read_output(output_dir: str | os.PathLike[str]) -> pa.Table:
-    """All shards listed in the manifest, concatenated in shard (= input row) order."""
-    directory = Path(output_dir)
-    manifest = load_manifest(directory)
+    """All committed shards, concatenated in shard (= input row) order."""
+    output = fs.resolve(os.fspath(output_dir), "output_dir")
+    manifest = load_manifest(output)
     if manifest is None:
-        raise FileNotFoundError(f"{directory} has no {MANIFEST_NAME}")
-    tables = [pq.read_table(directory / manifest.shards[i]["file"]) for i in sorted(manifest.shards)]
-    return pa.concat_tables(tables) if tables else output_schema("int").empty_table()
+        raise FileNotFoundError(f"{output.uri} has no {MANIFEST_NAME}")
+    records = {record["shard"]: record for record in read_commit_records(output)}
+    tables = []
+    for index in sorted(records):
+        location = output.child(records[index]["file"])
+        with location.filesystem.open_input_file(location.path) as f:
+            tables.append(pq.read_table(f))
+    return pa.concat_tables(tables) if tables else output_schema(manifest.id_kind).empty_table()
 
 
 def read_settings(parquet_path: str | os.PathLike[str]) -> dict[str, Any]:
     """The run-level settings stored in one shard's schema metadata."""
-    metadata = pq.read_schema(parquet_path).metadata or {}
+    location = fs.resolve(os.fspath(parquet_path), "path")
+    with location.filesystem.open_input_file(location.path) as f:
+        metadata = pq.read_schema(f).metadata or {}
     return json.loads(metadata[SETTINGS_METADATA_KEY])
+
+
+def read_plan(parquet_path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """method=auto: the planner's choice recorded in one shard's schema metadata (None for a fixed method)."""
+    location = fs.resolve(os.fspath(parquet_path), "path")
+    with location.filesystem.open_input_file(location.path) as f:
+        metadata = pq.read_schema(f).metadata or {}
+    raw = metadata.get(b"spectr.plan")
+    return None if raw is None else json.loads(raw)

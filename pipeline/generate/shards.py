@@ -1,11 +1,13 @@
-"""Cutting the tokenized prompts into fixed shards, and the per-row seed.
+"""Shards: fixed row ranges of the input, their part-file names, the per-row seed, and loading one.
 
-Shard i holds rows [i * shard_size, (i + 1) * shard_size) in file order, so the same data and
-`shard_size` always give the same shards (which is what makes resume possible). Each row's seed is a
-hash of `spectr.seed` and the row's id: it does not depend on the row's position, its shard, its batch
-or the number of actors.
+Shard i holds rows [i * shard_size, (i + 1) * shard_size) in input order, so the same data and
+`shard_size` always give the same shards (which is what makes resume possible). The driver hands out a
+`ShardTask` (an index and a row range: a few integers); the worker turns it into a `Shard` with
+`load_shard`: it reads the rows (`pipeline.prompts.read_rows`), renders chat messages, tokenizes, and
+computes each row's seed, a hash of `spectr.seed` and the row's id that does not depend on the row's
+position, its shard, its batch or the number of actors.
 
-This module does not run anything; `pipeline.generate.worker` turns a shard into rows.
+This module does not run the model; `pipeline.generate.worker` turns a `Shard` into rows.
 """
 
 from __future__ import annotations
@@ -14,17 +16,42 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline import models
+from pipeline.config import DataConfig
+from pipeline.prompts import PromptRows, ReadCache, read_rows
+from pipeline.source import Source
+
+MIN_PART_DIGITS = 6
+
+
+@dataclass(frozen=True)
+class ShardTask:
+    """What the driver sends a worker: which shard, which rows. No row data."""
+
+    index: int
+    start: int
+    stop: int
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
 
 @dataclass(frozen=True)
 class Shard:
+    """One shard's rows in memory (on a worker). `problems[i]`: why row i cannot be generated."""
+
     index: int
     ids: list[Any]
-    prompts: list[str]
+    prompts: list[str | None]
     prompt_token_ids: list[list[int]]
     seeds: list[int]
+    problems: list[str | None] | None = None
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    def problem(self, i: int) -> str | None:
+        return self.problems[i] if self.problems else None
 
 
 def row_seed(base_seed: int, row_id: Any) -> int:
@@ -37,6 +64,19 @@ def num_shards(num_rows: int, shard_size: int) -> int:
     return (num_rows + shard_size - 1) // shard_size
 
 
+def shard_task(index: int, num_rows: int, shard_size: int) -> ShardTask:
+    return ShardTask(index, index * shard_size, min(num_rows, (index + 1) * shard_size))
+
+
+def part_digits(total_shards: int) -> int:
+    """At least 6 digits, more when needed, so that lexical order is row order."""
+    return max(MIN_PART_DIGITS, len(str(max(0, total_shards - 1))))
+
+
+def part_name(index: int, digits: int = MIN_PART_DIGITS) -> str:
+    return f"part-{index:0{digits}d}.parquet"
+
+
 def cut_shards(
     ids: list[Any],
     prompts: list[str],
@@ -44,6 +84,7 @@ def cut_shards(
     shard_size: int,
     base_seed: int,
 ) -> list[Shard]:
+    """In-memory shards of already tokenized rows (tests and tools; the job loads shards on the workers)."""
     if not (len(ids) == len(prompts) == len(prompt_token_ids)):
         raise ValueError(
             f"cut_shards: ids ({len(ids)}), prompts ({len(prompts)}) and token ids ({len(prompt_token_ids)}) "
@@ -65,3 +106,59 @@ def cut_shards(
             )
         )
     return shards
+
+
+def load_shard(
+    task: ShardTask, source: Source, tokenizer: Any, data: DataConfig, base_seed: int, cache: ReadCache | None = None
+) -> Shard:
+    """Read, render (chat) and tokenize one shard's rows; a row that cannot be used keeps its problem."""
+    rows = read_rows(source, task.start, task.stop, cache)
+    problems = list(rows.problems)
+    texts = _texts(rows, tokenizer, data, problems)
+    # a chat template writes its own special tokens (as apply_chat_template(tokenize=True) does)
+    add_special_tokens = data.add_special_tokens and not data.chat
+    token_ids = _tokenize(tokenizer, texts, add_special_tokens, problems)
+    return Shard(
+        index=task.index,
+        ids=list(rows.ids),
+        prompts=texts,
+        prompt_token_ids=token_ids,
+        seeds=[row_seed(base_seed, row_id) for row_id in rows.ids],
+        problems=problems,
+    )
+
+
+def _texts(rows: PromptRows, tokenizer: Any, data: DataConfig, problems: list[str | None]) -> list[str | None]:
+    if not data.chat:
+        return list(rows.texts or [])
+    texts: list[str | None] = []
+    for i, messages in enumerate(rows.messages or []):
+        if problems[i]:
+            texts.append(None)
+            continue
+        try:
+            texts.append(models.render_prompts(tokenizer, data, None, [messages])[0])
+        except Exception as err:  # noqa: BLE001 - a template that fails on one row fails only that row
+            problems[i] = f"data.messages_column: row {rows.ids[i]!r}: the chat template failed: {type(err).__name__}: {err}"
+            texts.append(None)
+    return texts
+
+
+def _tokenize(
+    tokenizer: Any, texts: list[str | None], add_special_tokens: bool, problems: list[str | None]
+) -> list[list[int]]:
+    usable = [i for i, text in enumerate(texts) if text is not None and not problems[i]]
+    token_ids: list[list[int]] = [[] for _ in texts]
+    try:
+        encoded = models.tokenize(tokenizer, [texts[i] for i in usable], add_special_tokens)
+    except Exception:  # noqa: BLE001 - retried row by row below, so only the failing rows fail
+        encoded = []
+        for i in usable:
+            try:
+                encoded.append(models.tokenize(tokenizer, [texts[i]], add_special_tokens)[0])
+            except Exception as err:  # noqa: BLE001
+                problems[i] = f"tokenizing row {i} failed: {type(err).__name__}: {err}"
+                encoded.append([])
+    for i, ids in zip(usable, encoded):
+        token_ids[i] = ids
+    return token_ids

@@ -1,13 +1,20 @@
 """Shard statistics as plain, summable dicts: what a worker returns and the driver adds up.
 
-`empty_stats()` is the zero; `merge_stats(total, part)` adds in place (lists element-wise);
+`empty_stats()` is the zero; `merge_stats(total, part)` adds in place (lists element-wise; `plan`, the
+planner's choice under method="auto", is the latest one);
 `stats_of(generation_stats)` takes the summable part of one `spectr.generate` call.
+`ResourceMeter` measures what one shard cost its worker (CPU time, peak RSS; on CUDA the accelerator's
+peak memory and utilisation); the worker puts it in the stats under `"resources"`, which
+`merge_stats` leaves alone (it is per worker, not summable); `device_kind` names the worker's device.
 
-Not here: derived metrics and the summary table (`pipeline.generate.summary`).
+Not here: derived metrics and the summary table (`pipeline.generate.summary`), logging them.
 """
 
 from __future__ import annotations
 
+import resource
+import sys
+import time
 from typing import Any
 
 # Statistic fields summed over batches (lists element-wise).
@@ -47,6 +54,8 @@ def merge_stats(total: dict[str, Any], part: dict[str, Any]) -> dict[str, Any]:
         a += [0] * (width - len(a))
         b += [0] * (width - len(b))
         total[name] = [x + y for x, y in zip(a, b)]
+    if part.get("plan"):
+        total["plan"] = part["plan"]  # the planner's latest choice (method="auto")
     return total
 
 
@@ -59,4 +68,77 @@ def stats_of(generation_stats: Any) -> dict[str, Any]:
         stats[name] = [int(x) for x in getattr(generation_stats, name)]
     stats["generated_tokens"] = int(sum(generation_stats.generated_tokens))
     stats["target_calls"] = int(sum(generation_stats.target_calls))
+    if getattr(generation_stats, "plan", ""):  # method="auto": what the planner chose
+        stats["plan"] = str(generation_stats.plan)
     return stats
+
+
+def device_kind(device: str) -> str:
+    """What a worker computes on, for people: `NVIDIA H200` on CUDA, `cpu` on CPU."""
+    if not str(device).startswith("cuda"):
+        return "cpu"
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(torch.device(device))
+    except (RuntimeError, AssertionError, ValueError) as err:  # no driver: say what it was meant to be
+        return f"cuda ({type(err).__name__})"
+
+
+def _peak_rss_mib() -> float:
+    """This process's peak resident memory since it started (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
+
+
+class ResourceMeter:
+    """What one shard cost its worker process, measured from construction to `usage()`.
+
+        meter = ResourceMeter(device)      # at the start of a shard
+        stats["resources"] = meter.usage()  # at its end: a flat dict of floats (JSON-safe)
+
+    Keys: `wall_s`, `cpu_s`, `cpu_utilization_percentage` (process CPU time / wall time, 100 = one core
+    busy), `peak_rss_megabytes` (the process's peak since it started); on CUDA also
+    `gpu_peak_memory_megabytes` (torch's peak allocation during the shard) and, when NVML answers,
+    `gpu_utilization_percentage` (the device's utilisation at the end of the shard).
+    """
+
+    def __init__(self, device: str = "cpu"):
+        self.device = str(device)
+        self.started = time.perf_counter()
+        self.cpu_started = time.process_time()
+        if self._cuda():
+            import torch
+
+            torch.cuda.reset_peak_memory_stats(torch.device(self.device))
+
+    def _cuda(self) -> bool:
+        if not self.device.startswith("cuda"):
+            return False
+        import torch
+
+        return torch.cuda.is_available()
+
+    def usage(self) -> dict[str, float]:
+        wall = max(time.perf_counter() - self.started, 1e-9)
+        cpu = time.process_time() - self.cpu_started
+        usage = {
+            "wall_s": wall,
+            "cpu_s": cpu,
+            "cpu_utilization_percentage": 100.0 * cpu / wall,
+            "peak_rss_megabytes": _peak_rss_mib(),
+        }
+        if self._cuda():
+            usage.update(_cuda_usage(self.device))
+        return usage
+
+
+def _cuda_usage(device: str) -> dict[str, float]:
+    import torch
+
+    found = {"gpu_peak_memory_megabytes": torch.cuda.max_memory_allocated(torch.device(device)) / 2**20}
+    try:
+        found["gpu_utilization_percentage"] = float(torch.cuda.utilization(torch.device(device)))
+    except Exception:  # noqa: BLE001 - NVML (pynvml) missing or unsupported: utilisation is optional
+        pass
+    return found

@@ -1,8 +1,11 @@
 """Aggregating shard statistics into the job's metrics, the summary table, and the plot.
 
-`JobSummary.build` combines the manifest's per-shard stats (all shards, including those an earlier run
-finished) with this run's timings. The metric names are the MLflow contract of docs/architecture.md. This module
-does not log (that is `pipeline.generate.tracking`) and does not run anything.
+`JobSummary.build` combines the per-shard stats of the whole job (all shards, including those an earlier run
+finished) with the timings of this run and, when known, of the earlier runs of the same job, so that a
+resumed job's throughput and wall time cover all of it. `progress_metrics` computes the metrics that are
+also logged while the job runs, from the same sums, so the live series ends on the final value. The metric
+names are the MLflow contract of docs/architecture.md. This module does not log (that is
+`pipeline.generate.tracking` and `pipeline.generate.live`) and does not run anything.
 """
 
 from __future__ import annotations
@@ -11,6 +14,58 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pipeline.generate.stats import empty_stats, merge_stats
+
+# The metrics logged while the job runs (step = prompts completed), contract names.
+LIVE_METRICS = (
+    "throughput_tokens_per_s",
+    "block_efficiency",
+    "acceptance_rate",
+    "prompts_completed",
+    "generated_tokens",
+)
+
+
+def total_stats(shard_stats: list[dict[str, Any]]) -> dict[str, Any]:
+    total = empty_stats()
+    for stats in shard_stats:
+        merge_stats(total, stats)
+    return total
+
+
+def acceptance_by_position(accepted_per_position: list[int], target_calls: int) -> list[float]:
+    """P(position i accepted | position i tested), i = 1..L: position 1 is tested at every target call
+    of a row, position i > 1 when position i - 1 was accepted."""
+    tested = [target_calls, *accepted_per_position[:-1]]
+    return [a / t if t else 0.0 for a, t in zip(accepted_per_position, tested)]
+
+
+def progress_metrics(
+    total: dict[str, Any], this_run: dict[str, Any], generation_s: float, earlier_generation_s: float | None
+) -> dict[str, float]:
+    """The live metrics (`LIVE_METRICS`, `target_calls`, `prompts_failed`, `acceptance_at_position_<i>`)
+    from summed stats (`total_stats`).
+
+    total: every finished shard of the job; this_run: the shards this run generated; generation_s: this
+    run's generation time so far; earlier_generation_s: the earlier runs' (None: unknown, and then the
+    throughput covers this run only, as it cannot be divided fairly).
+    """
+    if earlier_generation_s is None:
+        seconds, tokens = generation_s, this_run["generated_tokens"]
+    else:
+        seconds, tokens = earlier_generation_s + generation_s, total["generated_tokens"]
+    tested, calls = total["tested_positions"], total["target_calls"]
+    values = {
+        "throughput_tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+        "block_efficiency": total["generated_tokens"] / calls if calls else 0.0,
+        "acceptance_rate": sum(total["accepted_per_position"]) / tested if tested else 0.0,
+        "prompts_completed": float(total["prompts_completed"]),
+        "generated_tokens": float(total["generated_tokens"]),
+        "target_calls": float(total["target_calls"]),
+        "prompts_failed": float(total["prompts_failed"]),
+    }
+    for i, rate in enumerate(acceptance_by_position(total["accepted_per_position"], total["target_calls"])):
+        values[f"acceptance_at_position_{i + 1}"] = rate
+    return values
 
 
 @dataclass
@@ -23,7 +78,7 @@ class JobSummary:
     target_calls: int
     prompts_completed: int
     prompts_failed: int
-    wall_time_s: float
+    wall_time_s: float  # the whole job: this run + the earlier runs (earlier_wall_s)
     # context
     num_prompts: int
     prompts_this_run: int
@@ -33,11 +88,14 @@ class JobSummary:
     overhead_s: float  # wall_time_s - generation_s
     num_actors: int
     actor_device: str
+    earlier_generation_s: float | None = None  # the earlier runs of this job (None: unknown or none)
+    earlier_wall_s: float = 0.0
     accepted_per_position: list[int] = field(default_factory=list)
     tokens_per_call_histogram: list[int] = field(default_factory=list)
     seconds_by_phase: dict[str, float] = field(default_factory=dict)  # inside spectr.generate, all shards
     output_dir: str = ""
     num_shards: int = 0
+    plan: str = ""  # method=auto: "auto chose ..., predicted X tok/s (Y x autoregressive)"
 
     @classmethod
     def build(
@@ -53,25 +111,21 @@ class JobSummary:
         actor_device: str,
         output_dir: str,
         num_shards: int,
+        earlier_generation_s: float | None = None,
+        earlier_wall_s: float = 0.0,
     ) -> JobSummary:
-        total = empty_stats()
-        for stats in shard_stats:
-            merge_stats(total, stats)
-        this_run = empty_stats()
-        for stats in this_run_stats:
-            merge_stats(this_run, stats)
-        tested = total["tested_positions"]
+        """wall_time_s, generation_s, startup_s: this run's; earlier_*: the job's earlier runs."""
+        total, this_run = total_stats(shard_stats), total_stats(this_run_stats)
+        live = progress_metrics(total, this_run, generation_s, earlier_generation_s)
         return cls(
-            throughput_tokens_per_s=this_run["generated_tokens"] / generation_s if generation_s > 0 else 0.0,
-            block_efficiency=total["generated_tokens"] / total["target_calls"]
-            if total["target_calls"]
-            else 0.0,
-            acceptance_rate=sum(total["accepted_per_position"]) / tested if tested else 0.0,
+            throughput_tokens_per_s=live["throughput_tokens_per_s"],
+            block_efficiency=live["block_efficiency"],
+            acceptance_rate=live["acceptance_rate"],
             generated_tokens=int(total["generated_tokens"]),
             target_calls=int(total["target_calls"]),
             prompts_completed=int(total["prompts_completed"]),
             prompts_failed=int(total["prompts_failed"]),
-            wall_time_s=wall_time_s,
+            wall_time_s=earlier_wall_s + wall_time_s,
             num_prompts=num_prompts,
             prompts_this_run=int(this_run["prompts_completed"] + this_run["prompts_failed"]),
             generated_tokens_this_run=int(this_run["generated_tokens"]),
@@ -80,6 +134,8 @@ class JobSummary:
             overhead_s=max(0.0, wall_time_s - generation_s),
             num_actors=num_actors,
             actor_device=actor_device,
+            earlier_generation_s=earlier_generation_s,
+            earlier_wall_s=earlier_wall_s,
             accepted_per_position=list(total["accepted_per_position"]),
             tokens_per_call_histogram=list(total["tokens_per_call_histogram"]),
             seconds_by_phase={
@@ -90,14 +146,20 @@ class JobSummary:
             },
             output_dir=output_dir,
             num_shards=num_shards,
+            plan=str(this_run.get("plan") or total.get("plan") or ""),
         )
 
     @property
     def failed_fraction(self) -> float:
         return self.prompts_failed / self.num_prompts if self.num_prompts else 0.0
 
+    @property
+    def wall_time_this_run_s(self) -> float:
+        return self.wall_time_s - self.earlier_wall_s
+
     def metrics(self) -> dict[str, float]:
-        """The MLflow metrics: the contract names, plus the time split."""
+        """The final MLflow metrics: the contract names, this run's time split, and
+        `acceptance_at_position_<i>` (i = 1..L). The number of actors is a param, not a metric."""
         names = (
             "throughput_tokens_per_s",
             "block_efficiency",
@@ -110,9 +172,11 @@ class JobSummary:
             "generation_s",
             "startup_s",
             "overhead_s",
-            "num_actors",
         )
-        return {name: float(getattr(self, name)) for name in names}
+        values = {name: float(getattr(self, name)) for name in names}
+        for i, rate in enumerate(acceptance_by_position(self.accepted_per_position, self.target_calls)):
+            values[f"acceptance_at_position_{i + 1}"] = rate
+        return values
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -132,18 +196,30 @@ class JobSummary:
             ("target calls", f"{self.target_calls}"),
             ("block efficiency", f"{self.block_efficiency:.3f} tokens per target call"),
             ("acceptance rate", f"{self.acceptance_rate:.3f}"),
-            ("throughput", f"{self.throughput_tokens_per_s:.1f} tokens/s over this run's generation"),
-            (
-                "wall time",
-                f"{self.wall_time_s:.1f} s = startup {self.startup_s:.1f} s + generation "
-                f"{self.generation_s:.1f} s + finish {max(0.0, self.wall_time_s - self.startup_s - self.generation_s):.1f} s",
-            ),
+            ("throughput", f"{self.throughput_tokens_per_s:.1f} tokens/s over {self._throughput_covers()}"),
+            ("wall time", self._wall_time_line()),
             ("inside generate", split),
             ("actors", f"{self.num_actors} on {self.actor_device}"),
             ("output", f"{self.output_dir} ({self.num_shards} shards)"),
         ]
+        if self.plan:
+            lines.insert(0, ("method", self.plan))
         width = max(len(name) for name, _ in lines)
         return "\n".join(f"  {name.ljust(width)}  {value}" for name, value in lines)
+
+    def _throughput_covers(self) -> str:
+        if self.earlier_generation_s:
+            return "the whole job's generation (this run and the earlier ones)"
+        return "this run's generation"
+
+    def _wall_time_line(self) -> str:
+        this_run = self.wall_time_this_run_s
+        finish = max(0.0, this_run - self.startup_s - self.generation_s)
+        line = (
+            f"{this_run:.1f} s = startup {self.startup_s:.1f} s + generation {self.generation_s:.1f} s"
+            f" + finish {finish:.1f} s"
+        )
+        return line + (f"; whole job {self.wall_time_s:.1f} s" if self.earlier_wall_s else "")
 
 
 def plot_tokens_per_call(histogram: list[int], path: str, title: str) -> None:

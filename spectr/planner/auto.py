@@ -2,6 +2,7 @@
 
     planner = auto_planner(target, draft, prompts, batch_size=8, warp=SamplingWarp(1.0, 0, 1.0))
     choice = planner.choice                      # a Candidate: method, K, L
+    # or, in one call: spectr.generate(target, draft, prompts, method="auto", ...)
     ... spectr.generate(..., method=choice.method, num_drafts=choice.num_drafts, draft_length=choice.draft_length)
     planner.observe(choice, stats.accepted_per_position, stats.total_target_calls, mean_active_rows)
 
@@ -27,6 +28,9 @@ from spectr.warps import SamplingWarp
 
 PROBE_PROMPTS = 4  # prompts whose continuations measure the acceptance
 PROBE_TOKENS = 16  # tokens per continuation
+# The probe's random streams are the seeds' streams shifted far away, so that the choice never shares
+# uniforms with the rows it is chosen for (it must not depend on the randomness of the outputs).
+PROBE_SEED_OFFSET = 2**61
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,7 @@ def auto_planner(
     if not prompts:
         raise ValueError("auto_planner needs at least one prompt to measure the pair's acceptance")
     greedy = warp.temperature == 0
-    candidates = default_candidates(methods=("speculative",) if greedy else ("speculative", "spectr", "specinfer"))
+    candidates = default_candidates(methods=("speculative",) if greedy else ("speculative", "block", "spectr", "specinfer"))
     candidates = bounded(candidates, max_num_drafts, max_draft_length)
     target_lm, draft_lm = HFCausalLM(target, role="target"), HFCausalLM(draft, role="draft")
     context = max(len(p) for p in prompts)
@@ -65,6 +69,28 @@ def auto_planner(
     measured = time.perf_counter()
     probe = [list(p) for p in prompts[:PROBE_PROMPTS]]
     ks = sorted({c.num_drafts for c in candidates if c.num_drafts > 1}) or [2]
-    acceptance = measure_acceptance(target, draft, probe, PROBE_TOKENS, warp, seed, ks)
+    acceptance = measure_acceptance(target, draft, probe, PROBE_TOKENS, warp, seed + PROBE_SEED_OFFSET, ks)
     calibration = Calibration(measured - started, time.perf_counter() - measured)
     return Planner(candidates, acceptance, cost, batch_size), calibration
+
+
+def generate_auto(target, draft, prompts: Sequence[Sequence[int]], *, num_drafts: int, draft_length: int,
+                  temperature: float, top_k: int, top_p: float, seed, batch_size: int | None = None,
+                  planner: Planner | None = None, **arguments):
+    """`spectr.generate(method="auto")`: calibrate (unless a planner is given), then generate with its choice."""
+    from spectr.generate import generate
+
+    warp = SamplingWarp(float(temperature), int(top_k), float(top_p))
+    if planner is None:
+        rows = min(batch_size or len(prompts), len(prompts))
+        first_seed = seed if isinstance(seed, int) else int(seed[0])
+        planner, _ = auto_planner(target, draft, prompts, batch_size=max(rows, 1), warp=warp, seed=first_seed,
+                                  max_num_drafts=num_drafts, max_draft_length=draft_length)
+    choice = planner.choice
+    output = generate(
+        target, None if choice.method == "autoregressive" else draft, prompts, method=choice.method,
+        num_drafts=max(choice.num_drafts, 1), draft_length=max(choice.draft_length, 1), temperature=temperature,
+        top_k=top_k, top_p=top_p, seed=seed, batch_size=batch_size, **arguments,
+    )
+    output.stats.plan = planner.plan.describe()
+    return output

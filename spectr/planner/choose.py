@@ -26,7 +26,8 @@ from spectr.planner.acceptance import AUTOREGRESSIVE, AcceptanceModel
 from spectr.planner.table import COMMIT, DRAFT, DRAFT_SAMPLE, TARGET, LatencyTable, interpolate
 
 SELECTION = "selection"  # + "_<method>"; shape (K * L,) (autoregressive: (0,))
-SPECULATIVE_METHODS = ("speculative", "spectr", "specinfer")
+SPECULATIVE_METHODS = ("speculative", "block", "spectr", "specinfer")
+SINGLE_DRAFT = ("speculative", "block")
 
 
 @dataclass(frozen=True)
@@ -41,8 +42,8 @@ class Candidate:
     def label(self) -> str:
         if self.method == AUTOREGRESSIVE:
             return AUTOREGRESSIVE
-        if self.method == "speculative":
-            return f"speculative L={self.draft_length}"
+        if self.method in SINGLE_DRAFT:
+            return f"{self.method} L={self.draft_length}"
         return f"{self.method} K={self.num_drafts} L={self.draft_length}"
 
     @property
@@ -57,16 +58,18 @@ def default_candidates(
     methods: Sequence[str] = SPECULATIVE_METHODS,
     num_drafts: Sequence[int] = (2, 4, 8),
 ) -> list[Candidate]:
-    """Autoregressive, speculative L = 1..max, and each multi-draft method at K in `num_drafts` x L."""
+    """Autoregressive, the single-draft methods (speculative, block) at L = 1..max, and each multi-draft
+    method at K in `num_drafts` x L. Block verification is rated at token verification's acceptance, a
+    lower bound (it is never worse in expectation), so it is chosen when its own costs are lower."""
     if max_num_drafts < 1 or max_draft_length < 1:
         raise ValueError(
             f"max_num_drafts and max_draft_length must be >= 1, got {max_num_drafts} and {max_draft_length}"
         )
     found = [Candidate(AUTOREGRESSIVE)]
     lengths = range(1, max_draft_length + 1)
-    if "speculative" in methods:
-        found += [Candidate("speculative", 1, length) for length in lengths]
-    for method in (m for m in methods if m != "speculative"):
+    for method in (m for m in methods if m in SINGLE_DRAFT):
+        found += [Candidate(method, 1, length) for length in lengths]
+    for method in (m for m in methods if m not in SINGLE_DRAFT):
         found += [Candidate(method, k, length) for k in num_drafts if k <= max_num_drafts for length in lengths]
     return found
 

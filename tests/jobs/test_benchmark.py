@@ -101,6 +101,21 @@ def test_smoke_benchmark_end_to_end(tiny_pair, prompts_jsonl, tmp_path):
     assert "tokens_per_s/spectr_K2_L2_B2" in run.data.metrics
     artifacts = {a.path for a in client.list_artifacts(report.run_id)}
     assert {"results.md", "results.csv", "benchmark.log", "speedup_vs_k.png", "cost_model.png"} <= artifacts
+    # one child run per configuration, with its method, K, L and batch as params (MLflow's compare view)
+    experiment = client.get_experiment(run.info.experiment_id)
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+    children = client.search_runs(
+        [run.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{report.run_id}'"
+    )
+    assert len(children) == len(cases) and all(c.info.status == "FINISHED" for c in children)
+    by_label = {c.info.run_name: c for c in children}
+    spectr = by_label["spectr K=2 L=2 B=2"]
+    assert {k: spectr.data.params[k] for k in ("method", "K", "L", "batch")} == {
+        "method": "spectr", "K": "2", "L": "2", "batch": "2",
+    }  # fmt: skip
+    assert spectr.data.metrics["tokens_per_s"] == run.data.metrics["tokens_per_s/spectr_K2_L2_B2"]
+    assert spectr.data.metrics["block_efficiency"] >= 1.0 and "speedup_vs_autoregressive" in spectr.data.metrics
+    assert by_label["autoregressive B=1"].data.metrics["speedup_vs_autoregressive"] == pytest.approx(1.0)
 
 
 def _batches(config, batch_size):

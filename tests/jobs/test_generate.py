@@ -1,19 +1,22 @@
 """The generation job end to end on a real local Ray, with the tiny random pair.
 
-Covers: one row per prompt with contract types, manifest and _SUCCESS; MLflow in a local SQLite file;
-resume (only missing shards, finished ones untouched); a different config refused; every bad input
-refused before any actor starts with nothing written; per-row failures and max_failed_fraction;
-actors killed mid-shard; the CLI's one-line error.
+Covers: one row per prompt with contract types, manifest, commit log and _SUCCESS; MLflow in a local
+SQLite file; resume (only missing shards, finished ones untouched, a torn commit line cut off); a different
+config refused; every bad input refused before any actor starts with nothing written; per-row failures and
+max_failed_fraction (no _SUCCESS); actors killed mid-shard; the CLI's one-line error.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -43,6 +46,10 @@ def prompt_ids(path: Path) -> list[str]:
     return [json.loads(line)["id"] for line in path.read_text().splitlines()]
 
 
+def commit_records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "_commits.jsonl").read_text().splitlines()]
+
+
 @pytest.fixture(scope="module")
 def finished_run(tiny_pair, prompts_jsonl, tmp_path_factory, ray_local):
     """One complete job: 40 prompts, 5 shards of 8, 2 actors, MLflow in a SQLite file."""
@@ -50,7 +57,8 @@ def finished_run(tiny_pair, prompts_jsonl, tmp_path_factory, ray_local):
     overrides = [
         f"model.target={tiny_pair['target']}", f"model.draft={tiny_pair['draft']}",
         f"data.path={prompts_jsonl}", "data.limit=null", f"output_dir={folder / 'out'}", "shard_size=8",
-        "spectr.num_drafts=2", "spectr.draft_length=3", "spectr.max_new_tokens=8", "spectr.batch_size=4",
+        "spectr.method=spectr", "spectr.num_drafts=2", "spectr.draft_length=3", "spectr.max_new_tokens=8",
+        "spectr.batch_size=4",
         f"mlflow.tracking_uri=sqlite:///{folder / 'mlflow.db'}", "progress=false",
     ]  # fmt: skip
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
@@ -73,12 +81,15 @@ def test_one_row_per_prompt_with_contract_types(finished_run, prompts_jsonl):
     ]  # fmt: skip
     assert set(table.column("finish_reason").to_pylist()) <= {"eos", "length"}
     assert table.column("error").null_count == 40
-    assert sorted(p.name for p in out.iterdir()) == ["_SUCCESS", "_manifest.json"] + [
-        f"part-{i:05d}.parquet" for i in range(5)
+    assert sorted(p.name for p in out.iterdir()) == ["_SUCCESS", "_commits.jsonl", "_manifest.json", "_mlflow_run.json"] + [
+        f"part-{i:06d}.parquet" for i in range(5)
     ]
     manifest = json.loads((out / "_manifest.json").read_text())
-    assert manifest["num_rows"] == 40 and [s["rows"] for s in manifest["shards"].values()] == [8] * 5
-    settings = read_settings(out / "part-00000.parquet")
+    commits = commit_records(out)
+    assert manifest["num_rows"] == 40 and [c["rows"] for c in commits] == [8] * 5
+    assert sorted(c["shard"] for c in commits) == list(range(5))
+    assert all(c["bytes"] == (out / c["file"]).stat().st_size for c in commits)
+    settings = read_settings(out / "part-000000.parquet")
     assert settings["spectr"]["num_drafts"] == 2 and settings["spectr"]["draft_length"] == 3
     assert settings["model"]["target"] == finished_run["raw"]["model"]["target"]
     assert settings["config_hash"] == manifest["config_hash"]
@@ -119,15 +130,14 @@ def test_mlflow_sqlite_run_has_contract_metrics_params_and_artifacts(finished_ru
 def test_resume_does_only_missing_shards(finished_run, tmp_path, ray_local):
     out = tmp_path / "out"
     shutil.copytree(finished_run["out"], out)
-    # as if the driver died after shard 3's file was renamed but before the manifest listed it,
-    # with shard 4 never finished and a temporary file left behind
-    manifest = json.loads((out / "_manifest.json").read_text())
-    del manifest["shards"]["00003"], manifest["shards"]["00004"]
-    (out / "_manifest.json").write_text(json.dumps(manifest))
-    (out / "part-00004.parquet").unlink()
+    # as if the driver died after shard 3's file was renamed but before the commit log listed it (in the
+    # middle of appending its line), with shard 4 never finished and a temporary file left behind
+    kept = [line for line in (out / "_commits.jsonl").read_text().splitlines() if json.loads(line)["shard"] < 3]
+    (out / "_commits.jsonl").write_text("\n".join(kept) + '\n{"shard": 3, "fi')
+    (out / "part-000004.parquet").unlink()
     (out / "_SUCCESS").unlink()
-    (out / ".part-00004.parquet.tmp-99").write_bytes(b"half a file")
-    before = {i: digest(out / f"part-{i:05d}.parquet") for i in range(3)}
+    (out / ".part-000004.parquet.tmp-99-ab12cd34").write_bytes(b"half a file")
+    before = {i: digest(out / f"part-{i:06d}.parquet") for i in range(3)}
 
     dispatched = []
     raw = dict(finished_run["raw"], output_dir=str(out), mlflow={"enabled": False}, ray={"num_actors": 1})
@@ -135,8 +145,9 @@ def test_resume_does_only_missing_shards(finished_run, tmp_path, ray_local):
         from_dict(raw), RunHooks(on_dispatch=lambda actor, shard: dispatched.append(shard.index))
     )
     assert sorted(dispatched) == [3, 4] and report.summary.prompts_this_run == 16
-    assert {i: digest(out / f"part-{i:05d}.parquet") for i in range(3)} == before
-    assert (out / "_SUCCESS").exists() and not list(out.glob(".*tmp*"))
+    assert {i: digest(out / f"part-{i:06d}.parquet") for i in range(3)} == before
+    assert (out / "_SUCCESS").exists() and not list(out.glob(".*tmp*")) and not (out / "_lease.json").exists()
+    assert sorted(c["shard"] for c in commit_records(out)) == list(range(5))  # the torn line was cut off
     assert (
         read_output(out).column("id").to_pylist() == read_output(finished_run["out"]).column("id").to_pylist()
     )
@@ -179,6 +190,9 @@ BAD_INPUTS = {
     "missing model": ({"model.target": "{tmp}/no_model"}, "model.target: no such model directory"),
     "pickle weights": ({"model.draft": "{tmp}/pickled"}, "pickle-format weights"),
     "other config in output dir": ({"output_dir": "{tmp}/taken"}, "holds results of a different config"),
+    "unknown input scheme": ({"data.path": "nosuch://bucket/p.jsonl"}, "cannot open the URI scheme 'nosuch://'"),
+    "unknown output scheme": ({"output_dir": "nosuch://bucket/out"}, "output_dir: cannot open the URI scheme"),
+    "output dir held by a live job": ({"output_dir": "{tmp}/held"}, r"held is being written by another job \(host"),
 }
 
 
@@ -198,6 +212,10 @@ def bad_input_files(tiny_pair, tmp_path_factory):
     shutil.copytree(tiny_pair["draft"], tmp / "pickled")
     torch.save(load_file(str(tmp / "pickled" / "model.safetensors")), tmp / "pickled" / "pytorch_model.bin")
     (tmp / "pickled" / "model.safetensors").unlink()
+    (tmp / "held").mkdir()
+    from pipeline.generate.lease import this_holder
+
+    (tmp / "held" / "_lease.json").write_bytes(this_holder("live-job", time.time()).encode())  # this process
     (tmp / "taken").mkdir()
     (tmp / "taken" / "_manifest.json").write_text(
         json.dumps(
@@ -230,6 +248,8 @@ def test_bad_input_is_refused_before_any_actor_starts(
     assert not out.exists() and not db.exists()  # nothing written: no output, no MLflow run
     if case == "other config in output dir":
         assert sorted(p.name for p in (bad_input_files / "taken").iterdir()) == ["_manifest.json"]
+    if case == "output dir held by a live job":
+        assert sorted(p.name for p in (bad_input_files / "held").iterdir()) == ["_lease.json"]
 
 
 def _flat(raw: dict, prefix: str = "") -> dict:
@@ -258,13 +278,49 @@ def test_failing_rows_are_written_and_fail_the_job(tiny_pair, tmp_path, ray_loca
     assert table.column("error").null_count == 5
     assert report.exit_code == 1 and "1 of 6 prompts failed" in report.messages[0]
     assert report.summary.prompts_failed == 1 and report.summary.prompts_completed == 5
-    assert (tmp_path / "out" / "_SUCCESS").exists()  # every prompt has a row
+    assert not (tmp_path / "out" / "_SUCCESS").exists()  # every prompt has a row, but the job failed
 
     from mlflow.tracking import MlflowClient
 
     run = MlflowClient(tracking_uri=report.tracking_uri).get_run(report.run_id)
     assert run.data.metrics["prompts_failed"] == 1 and run.info.status == "FAILED"
     # (a tolerant max_failed_fraction is exercised by the MLflow server test)
+
+    # a re-run regenerates the shard with the error row (retry_failed=true), and only that one
+    dispatched = []
+    raw["mlflow"] = {"enabled": False}
+    again = run_generate(from_dict(raw), RunHooks(on_dispatch=lambda actor, shard: dispatched.append(shard.index)))
+    assert dispatched == [1] and again.exit_code == 1 and again.summary.prompts_failed == 1
+    assert read_output(tmp_path / "out").column("id").to_pylist() == list(range(6))  # still once each
+    assert not (tmp_path / "out" / "_SUCCESS").exists()
+    kept = run_generate(from_dict({**raw, "retry_failed": False, "max_failed_fraction": 0.2}))
+    assert kept.exit_code == 0 and (tmp_path / "out" / "_SUCCESS").exists()  # nothing regenerated: no Ray
+
+
+def test_a_changed_input_or_model_is_refused_on_resume(tiny_pair, tmp_path):
+    data = _write(tmp_path / "p.jsonl", [{"id": i, "prompt": "def x"} for i in range(4)])
+    shutil.copytree(tiny_pair["target"], tmp_path / "target")
+    raw = job_config(tiny_pair, data, tmp_path / "out", **{"model.target": str(tmp_path / "target")})
+    plan = prepare(from_dict(raw))
+    (tmp_path / "out").mkdir()
+    plan.manifest.save(plan.output)  # as a first run does once it starts
+    assert prepare(from_dict(raw)).manifest_on_disk  # same input, same models: resumes
+    with open(data, "a") as f:
+        f.write(json.dumps({"id": 9, "prompt": "def y"}) + "\n")
+    with pytest.raises(JobInputError, match=r"^data.path: the input changed since .*out was started \(.*p.jsonl: size"):
+        prepare(from_dict(raw))
+    data.write_text("".join(json.dumps({"id": i, "prompt": "def x"}) + "\n" for i in range(4)))
+    with pytest.raises(JobInputError, match="data.path: the input changed"):  # same size, rewritten: mtime
+        prepare(from_dict(raw))
+    plan = prepare(from_dict({**raw, "output_dir": str(tmp_path / "out2")}))
+    (tmp_path / "out2").mkdir()
+    plan.manifest.save(plan.output)
+    from tiny_pair_support import build_llama
+
+    vocab = json.loads((tmp_path / "target" / "config.json").read_text())["vocab_size"]
+    build_llama(tmp_path / "target", vocab, hidden=32, layers=2, seed=7)  # retrained: same shapes, new weights
+    with pytest.raises(JobInputError, match=r"^model.target: the model at .*target changed since .*model.safetensors"):
+        prepare(from_dict({**raw, "output_dir": str(tmp_path / "out2")}))
 
 
 def test_actors_killed_mid_shard_lose_and_duplicate_nothing(tiny_pair, prompts_jsonl, tmp_path, ray_local):
@@ -304,6 +360,42 @@ def test_actors_killed_mid_shard_lose_and_duplicate_nothing(tiny_pair, prompts_j
     assert report.exit_code == 0 and report.summary.prompts_completed == 40
 
 
+def test_an_actor_that_stops_answering_is_given_up_and_its_shards_redone(tiny_pair, prompts_jsonl, tmp_path, ray_local):
+    """SIGSTOP one actor as it gets its first shard: it answers no ping, so after heartbeat_timeout_s the
+    driver gives it up and the other actor generates its queued shards; every row comes out once."""
+    raw = job_config(
+        tiny_pair, prompts_jsonl, tmp_path / "out", shard_size=5,
+        **{"spectr.max_new_tokens": 16, "spectr.batch_size": 2, "ray.max_restarts": 0, "ray.heartbeat_s": 0.5,
+           "ray.heartbeat_timeout_s": 4},
+    )  # fmt: skip
+    pids: dict = {}
+    stopped: list[int] = []
+    written: dict[int, int] = {}
+
+    def on_ready(actors, workers):
+        pids.update({actor: worker["pid"] for actor, worker in zip(actors, workers)})
+
+    def on_dispatch(actor, shard):
+        if shard.index == 1 and not stopped:
+            stopped.append(pids[actor])
+            os.kill(pids[actor], signal.SIGSTOP)
+
+    started = time.monotonic()
+    try:
+        report = run_generate(
+            from_dict(raw), RunHooks(on_ready, on_dispatch, lambda r: written.__setitem__(r.index, r.worker["pid"]))
+        )
+    finally:
+        for pid in stopped:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert report.exit_code == 0 and stopped and time.monotonic() - started < 240
+    assert written[1] != stopped[0] and stopped[0] not in written.values()
+    assert read_output(tmp_path / "out").column("id").to_pylist() == prompt_ids(prompts_jsonl)
+
+
 def test_progress_moves_batch_by_batch_inside_a_shard(tiny_pair, prompts_jsonl, tmp_path, ray_local):
     """One shard of 40 prompts, batches of 1: the driver's polled progress shows prompts inside the shard
     before it ends, never goes back, and ends at 40."""
@@ -340,18 +432,21 @@ def test_parquet_rows_read_back_with_pyarrow_dataset(finished_run):
 
     dataset = ds.dataset(str(finished_run["out"]), format="parquet", exclude_invalid_files=True)
     assert dataset.count_rows() == 40
-    assert pq.read_metadata(finished_run["out"] / "part-00000.parquet").num_rows == 8
+    assert pq.read_metadata(finished_run["out"] / "part-000000.parquet").num_rows == 8
 
 
 def test_chat_mode_renders_messages_with_the_target_template(tiny_pair, tmp_path):
     rows = [{"id": 7, "messages": [{"role": "user", "content": "def x"}]}]
     data = _write(tmp_path / "chat.jsonl", rows)
-    plan = prepare(from_dict(job_config(tiny_pair, data, tmp_path / "out", **{"data.chat": True})))
-    (shard,) = plan.shards
-    assert shard.prompts == ["user : def x assistant :"] and shard.ids == [7]
+    config = from_dict(job_config(tiny_pair, data, tmp_path / "out", **{"data.chat": True}))
+    plan = prepare(config)
+    assert plan.num_shards == 1
+    from pipeline.generate.shards import load_shard
     from pipeline.models import load_tokenizer
 
     tokenizer = load_tokenizer(tiny_pair["target"], "model.target", False)
+    shard = load_shard(plan.shard(0), plan.source, tokenizer, config.data, config.spectr.seed)  # as a worker does
+    assert shard.prompts == ["user : def x assistant :"] and shard.ids == [7]
     assert shard.prompt_token_ids == [
         tokenizer("user : def x assistant :", add_special_tokens=False)["input_ids"]
     ]

@@ -10,9 +10,11 @@ import json
 import pytest
 from hydra import compose, initialize_config_dir
 
+import spectr
 from jobs.generate import generate
 from pipeline.config import PROJECT_ROOT
-from pipeline.generate.reader import read_output
+from pipeline.generate.reader import read_output, read_plan
+from pipeline.generate.summary import format_report
 
 ASSETS = PROJECT_ROOT / "assets"
 REQUIRED = [
@@ -43,4 +45,14 @@ def test_default_config_on_the_embedded_pair(tmp_path, ray_local):
     assert report.exit_code == 0 and report.summary.prompts_completed == 8
     assert all(reason in ("eos", "length") for reason in table.column("finish_reason").to_pylist())
     assert sum(len(c) for c in table.column("completion").to_pylist()) > 0
-    assert report.summary.block_efficiency > 1.0  # the draft earns its keep on the trained pair
+    # the default method is auto: the planner's choice is in the summary and in every part file's metadata
+    assert report.summary.plan.startswith("auto chose ")
+    parts = sorted((tmp_path / "out").glob("part-*.parquet"))
+    plans = [read_plan(part) for part in parts]
+    assert parts and all(plan is not None for plan in plans)
+    for plan in plans:
+        assert plan["method"] in spectr.known_methods() and plan["predicted_tokens_per_s"] > 0
+        assert plan["num_drafts"] <= 8 and plan["draft_length"] <= 8
+    assert "auto chose" in format_report(report)
+    if plans[-1]["method"] != "autoregressive":
+        assert report.summary.block_efficiency > 1.0  # the draft earns its keep on the trained pair

@@ -86,6 +86,15 @@ class LocalCluster:
             [str(BIN / "ray"), *args], env=self.env, capture_output=True, text=True, timeout=timeout
         )
 
+    def submit(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        """`ray job submit`, retried while the head's job agent is still starting (a loaded machine)."""
+        deadline = time.monotonic() + 120
+        while True:
+            result = self.ray("job", "submit", f"--address={self.dashboard}", *args, timeout=timeout)
+            if "No available agent" not in result.stdout + result.stderr or time.monotonic() > deadline:
+                return result
+            time.sleep(3)
+
     def wait_for_nodes(self, count: int, timeout: float = 180) -> None:
         deadline = time.monotonic() + timeout
         while True:
@@ -98,6 +107,11 @@ class LocalCluster:
                 f"cluster did not reach {count} node(s):\n{status.stdout}{status.stderr}"
             )
             time.sleep(1)
+
+    def kill_worker_node(self) -> None:
+        """SIGKILL the second node's processes (its raylet and everything it started), as if it died."""
+        os.killpg(self.nodes[1].pid, signal.SIGKILL)
+        self.nodes[1].wait(timeout=30)
 
     def stop(self) -> None:
         for node in reversed(self.nodes):  # worker first, then head
@@ -116,6 +130,20 @@ class LocalCluster:
                 pass
 
 
+def commit_records(out: Path) -> list[dict]:
+    try:
+        lines = (out / "_commits.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    records = []
+    for line in lines:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass  # being written
+    return records
+
+
 @pytest.fixture
 def cluster():
     # a short temp dir: Ray's unix socket paths must stay under ~107 characters
@@ -132,8 +160,8 @@ def cluster():
 def test_job_submitted_to_a_two_node_cluster(cluster, tiny_pair, prompts_jsonl, tmp_path):
     out = tmp_path / "out"
     db = tmp_path / "mlflow.db"
-    submitted = cluster.ray(
-        "job", "submit", f"--address={cluster.dashboard}", "--",
+    submitted = cluster.submit(
+        "--",
         "python", "-m", "jobs.generate", "ray=cluster",
         f"model.target={tiny_pair['target']}", f"model.draft={tiny_pair['draft']}",
         f"data.path={prompts_jsonl}", f"output_dir={out}", "shard_size=5", "ray.num_actors=2",
@@ -146,8 +174,7 @@ def test_job_submitted_to_a_two_node_cluster(cluster, tiny_pair, prompts_jsonl, 
     ids = [json.loads(line)["id"] for line in prompts_jsonl.read_text().splitlines()]
     assert read_output(out).column("id").to_pylist() == ids
     assert (out / "_SUCCESS").exists()
-    manifest = json.loads((out / "_manifest.json").read_text())
-    nodes = {entry["worker"]["node_id"] for entry in manifest["shards"].values()}
+    nodes = {record["worker"]["node_id"] for record in commit_records(out)}
     assert len(nodes) == 2, f"shards ran on {nodes}: expected one actor on each node"
 
     from mlflow.tracking import MlflowClient
@@ -155,3 +182,49 @@ def test_job_submitted_to_a_two_node_cluster(cluster, tiny_pair, prompts_jsonl, 
     client = MlflowClient(tracking_uri=f"sqlite:///{db}")
     (run,) = client.search_runs([client.get_experiment_by_name("spectr-generate").experiment_id])
     assert run.data.metrics["prompts_completed"] == 40 and run.data.params["ray.address"] == "auto"
+
+
+def test_a_node_lost_mid_job_its_shards_finish_on_the_other(cluster, tiny_pair, prompts_jsonl, tmp_path):
+    """Kill the worker node once both nodes have committed shards: the driver (on the head) re-queues the
+    lost node's shards on the head's actor within the heartbeat timeout, and the job ends with exit 0 and
+    every row once."""
+    out = tmp_path / "out"
+    driver = subprocess.Popen(
+        [
+            sys.executable, "-m", "jobs.generate", f"ray.address=127.0.0.1:{cluster.gcs_port}",
+            f"model.target={tiny_pair['target']}", f"model.draft={tiny_pair['draft']}",
+            f"data.path={prompts_jsonl}", f"output_dir={out}", "shard_size=2", "ray.num_actors=2",
+            "spectr.max_new_tokens=24", "spectr.batch_size=1", "ray.heartbeat_s=1", "ray.heartbeat_timeout_s=10",
+            "mlflow.enabled=false", "progress=false",
+        ],
+        env=cluster.env, cwd=tmp_path, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+    try:
+        head = json.loads(cluster.ray("list", "nodes", "--format=json", f"--address={cluster.dashboard}").stdout)
+        head_id = next(node["node_id"] for node in head if node["is_head_node"])
+        deadline = time.monotonic() + 240
+        while len({r["worker"]["node_id"] for r in commit_records(out)}) < 2:
+            assert driver.poll() is None, driver.stdout.read()[-4000:]
+            assert time.monotonic() < deadline, "both nodes did not commit a shard in time"
+            time.sleep(0.2)
+        lost = {r["worker"]["pid"] for r in commit_records(out) if r["worker"]["node_id"] != head_id}
+        cluster.kill_worker_node()
+        for pid in lost:  # its actor process too, should it have outlived its raylet
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        killed_at = len(commit_records(out))
+        logs, _ = driver.communicate(timeout=300)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+    assert driver.returncode == 0, logs[-4000:]
+    assert "handing it to another actor" in logs and "constructor arguments" not in logs
+    assert killed_at < 20, "the node was killed too late to lose anything"
+    ids = [json.loads(line)["id"] for line in prompts_jsonl.read_text().splitlines()]
+    assert read_output(out).column("id").to_pylist() == ids  # every row once
+    assert (out / "_SUCCESS").exists()
+    latest = {r["shard"]: r for r in commit_records(out)}
+    assert len(latest) == 20 and {r["worker"]["node_id"] for r in list(latest.values())[killed_at:]} == {head_id}

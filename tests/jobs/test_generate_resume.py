@@ -1,7 +1,7 @@
 """Resume after the driver is SIGKILLed mid-run: exactly one row per prompt, finished shards untouched.
 
 The job runs as a real `python -m jobs.generate` process that joins the test session's Ray instance by
-address (`ray.address=<gcs address>`, as a driver joins any running cluster). Once the manifest lists two
+address (`ray.address=<gcs address>`, as a driver joins any running cluster). Once the commit log lists two
 finished shards, the driver gets SIGKILL (no cleanup of any kind; Ray then ends the dead driver's actors);
 the same command is then run again in the same output directory.
 """
@@ -32,11 +32,24 @@ def command(tiny_pair, data: Path, out: Path, address: str) -> list[str]:
     ]  # fmt: skip
 
 
-def listed_shards(out: Path) -> dict[str, dict]:
+def listed_shards(out: Path) -> dict[int, dict]:
+    """The commit log's records by shard (a torn last line skipped)."""
     try:
-        return json.loads((out / "_manifest.json").read_text())["shards"]
-    except (FileNotFoundError, json.JSONDecodeError, KeyError):
+        lines = (out / "_commits.jsonl").read_text().splitlines()
+    except FileNotFoundError:
         return {}
+    records = {}
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        records[record["shard"]] = record
+    return records
+
+
+def job_env() -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="1", RAY_AUTH_MODE="token")
 
 
 def kill_session(process: subprocess.Popen) -> None:
@@ -50,7 +63,7 @@ def kill_session(process: subprocess.Popen) -> None:
 def test_driver_sigkill_then_rerun(tiny_pair, prompts_jsonl, tmp_path, ray_local):
     out = tmp_path / "out"
     address = ray_local.get_runtime_context().gcs_address
-    env = dict(os.environ, OMP_NUM_THREADS="1", RAY_AUTH_MODE="token")
+    env = job_env()
     driver = subprocess.Popen(
         command(tiny_pair, prompts_jsonl, out, address),
         cwd=tmp_path, env=env, start_new_session=True,

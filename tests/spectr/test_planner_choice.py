@@ -33,7 +33,7 @@ def synthetic_table(target_seconds, draft_seconds, batches=(1, 8), overhead=1e-5
         for length in (0, 8):
             table.add(COMMIT, b, (length,), overhead)
         table.add(f"{SELECTION}_autoregressive", b, (0,), overhead * b)
-        for method in ("speculative", "spectr", "specinfer"):
+        for method in ("speculative", "block", "spectr", "specinfer"):
             for nodes in (1, 64):
                 table.add(f"{SELECTION}_{method}", b, (nodes,), overhead * b * nodes)
     return table
@@ -183,3 +183,23 @@ def test_auto_planner_on_real_models_chooses_a_bounded_exact_candidate():
     greedy, _ = auto_planner(target, draft, prompts, batch_size=2, warp=SamplingWarp(0.0, 0, 1.0),
                              max_draft_length=2)
     assert {c.method for c in greedy.candidates} == {"autoregressive", "speculative"}
+
+
+def test_generate_auto_uses_the_planners_choice_and_says_so():
+    from hf_tiny import tiny_model
+
+    import spectr
+
+    target, draft = tiny_model(seed=0), tiny_model(seed=0, num_layers=1)
+    prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10]]
+    out = spectr.generate(target, draft, prompts, method="auto", num_drafts=2, draft_length=2,
+                          max_new_tokens=6, seed=3)
+    stats = out.stats
+    assert stats.plan.startswith("auto chose ")
+    assert stats.method in spectr.known_methods() and stats.num_drafts <= 2 and stats.draft_length <= 2
+    # the same rows as the chosen method run directly: auto only picks, the law is the chosen method's
+    direct = spectr.generate(target, draft if stats.method != "autoregressive" else None, prompts,
+                             method=stats.method, num_drafts=max(stats.num_drafts, 1),
+                             draft_length=max(stats.draft_length, 1), max_new_tokens=6, seed=3)
+    assert out.tokens == direct.tokens
+    assert all(len(t) == 6 for t in out.tokens)

@@ -41,8 +41,10 @@ def test_default_grid():
     cases = expand_grid(GridConfig())
     at_one = [c for c in cases if c.batch_size == 1]
     at_sixteen = [c for c in cases if c.batch_size == 16]
-    # per batch size: hf_generate, autoregressive, 3 x speculative, 3 x 3 x (spectr, specinfer); + assisted at B=1
-    assert len(at_one) == 2 + 1 + 3 + 18 and len(at_sixteen) == 1 + 1 + 3 + 18
+    # per batch size: hf_generate, autoregressive, 3 x (speculative, block), 3 x 3 x (spectr, specinfer);
+    # + assisted at B=1
+    assert len(at_one) == 2 + 1 + 6 + 18 and len(at_sixteen) == 1 + 1 + 6 + 18
+    assert {c.draft_length for c in cases if c.method == "block"} == {2, 4, 8}
     assert BenchCase("hf_assisted", 1, 1, 4) in at_one
     assert not any(c.method == "hf_assisted" for c in at_sixteen)
     assert not any(c.method in ("spectr", "specinfer") and c.num_drafts == 1 for c in cases)

@@ -39,7 +39,9 @@ def test_default_config_composes_to_the_embedded_pair_and_contract_defaults():
     assert config.model.target == str(PROJECT_ROOT / "assets/models/target")
     assert config.model.draft == str(PROJECT_ROOT / "assets/models/draft")
     assert config.data.path == str(PROJECT_ROOT / "assets/prompts.jsonl")
-    assert (config.spectr.method, config.spectr.num_drafts, config.spectr.draft_length) == ("spectr", 4, 4)
+    assert (config.spectr.method, config.spectr.num_drafts, config.spectr.draft_length) == ("auto", 4, 4)
+    assert config.spectr.max_num_drafts is None and config.spectr.max_draft_length is None
+    assert config.model.dtype == "auto"
     assert config.data.prompt_column == "prompt" and config.data.id_column == "id"
     assert config.ray.address is None and config.mlflow.enabled and config.mlflow.tracking_uri is None
     assert config.max_failed_fraction == 0.0 and config.model.allow_pickle is False
@@ -52,6 +54,14 @@ def test_overrides_and_groups():
     )
     assert config.ray.address == "auto" and not config.mlflow.enabled
     assert config.spectr.num_drafts == 2 and config.data.limit is None
+
+
+def test_data_path_defaults():
+    config = from_omegaconf(compose_generate([]))
+    assert config.retry_failed is True and config.lease_timeout_s == 60
+    assert (config.ray.shards_per_actor, config.ray.max_task_retries, config.ray.shard_timeout_s) == (2, 0, None)
+    assert config.ray.heartbeat_s < config.ray.heartbeat_timeout_s
+    assert from_omegaconf(compose_generate(["output_dir=s3://bucket/runs/a"])).output_dir == "s3://bucket/runs/a"
 
 
 def test_speculative_means_one_draft():
@@ -72,6 +82,8 @@ def test_speculative_means_one_draft():
         ("spectr.method", "beam", "spectr.method must be one of"),
         ("spectr.max_new_tokens", 0, "spectr.max_new_tokens"),
         ("spectr.batch_size", 0, "spectr.batch_size"),
+        ("spectr.max_num_drafts", 0, "spectr.max_num_drafts must be >= 1 or null"),
+        ("spectr.max_draft_length", -2, "spectr.max_draft_length must be >= 1 or null"),
         ("spectr.num_drafts", "four", "spectr.num_drafts must be int"),
         ("spectr.num_drafts", True, "spectr.num_drafts must be int"),
         ("data.format", "xml", "data.format must be one of"),
@@ -81,6 +93,11 @@ def test_speculative_means_one_draft():
         ("shard_size", 0, "shard_size must be >= 1"),
         ("max_failed_fraction", 2.0, "max_failed_fraction must be in [0, 1]"),
         ("mlflow.enabled", "yes", "mlflow.enabled must be bool"),
+        ("retry_failed", "no", "retry_failed must be bool"),
+        ("lease_timeout_s", 0, "lease_timeout_s must be > 0 seconds"),
+        ("ray.shards_per_actor", 0, "ray.shards_per_actor must be >= 1"),
+        ("ray.heartbeat_timeout_s", 1.0, "ray.heartbeat_timeout_s must be >= ray.heartbeat_s (5)"),
+        ("ray.shard_timeout_s", -1.0, "ray.shard_timeout_s must be > 0 seconds or null"),
     ],
 )
 def test_out_of_range_values_are_named(key, value, words):
@@ -129,3 +146,8 @@ def test_actor_resources_one_per_gpu_else_per_cpus():
         actor_resources(RayConfig(num_actors=3), {"CPU": 2.0}, shards_to_do=10)
     with pytest.raises(JobInputError, match="do not fit"):
         actor_resources(RayConfig(gpus_per_actor=1), {"CPU": 2.0}, shards_to_do=10)
+
+
+def test_block_verification_means_one_draft():
+    config = from_dict(base(**{"spectr.method": "block", "spectr.num_drafts": 4}))
+    assert config.spectr.method == "block" and config.spectr.num_drafts == 1

@@ -1,10 +1,10 @@
-"""Shards are cut in row order; a row's seed depends only on the job seed and its id."""
+"""Shards are row ranges cut in row order; a row's seed depends only on the job seed and its id."""
 
 from __future__ import annotations
 
 import pytest
 
-from pipeline.generate.shards import cut_shards, num_shards, row_seed
+from pipeline.generate.shards import cut_shards, num_shards, row_seed, shard_task
 
 
 def test_fixed_shards_in_row_order():
@@ -13,6 +13,8 @@ def test_fixed_shards_in_row_order():
     assert [s.index for s in shards] == [0, 1, 2] and num_shards(10, 4) == 3
     assert [s.ids for s in shards] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
     assert [t for s in shards for t in s.prompt_token_ids] == [[i] for i in ids]
+    tasks = [shard_task(i, 10, 4) for i in range(3)]
+    assert [(t.start, t.stop, len(t)) for t in tasks] == [(0, 4, 4), (4, 8, 4), (8, 10, 2)]
 
 
 def test_seed_is_stable_across_shardings_and_distinct_per_row():

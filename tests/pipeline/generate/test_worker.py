@@ -18,7 +18,7 @@ PROMPTS = ["def x", "return the value", "for item in list", "import data", "clas
 @pytest.fixture(scope="module")
 def generator(tiny_pair):
     model = ModelConfig(target=str(tiny_pair["target"]), draft=str(tiny_pair["draft"]))
-    spectr = SpectrConfig(num_drafts=2, draft_length=3, max_new_tokens=10, batch_size=4, seed=0)
+    spectr = SpectrConfig(method="spectr", num_drafts=2, draft_length=3, max_new_tokens=10, batch_size=4, seed=0)
     return ShardGenerator(model, spectr, num_threads=1)
 
 
@@ -52,7 +52,7 @@ def test_rows_follow_the_contract(generator, tiny_pair):
 
 def test_a_failing_row_does_not_sink_its_batch(tiny_pair):
     model = ModelConfig(target=str(tiny_pair["target"]), draft=str(tiny_pair["draft"]))
-    greedy = SpectrConfig(num_drafts=2, draft_length=3, max_new_tokens=10, temperature=0.0, batch_size=8)
+    greedy = SpectrConfig(method="spectr", num_drafts=2, draft_length=3, max_new_tokens=10, temperature=0.0, batch_size=8)
     generator = ShardGenerator(model, greedy, num_threads=1)
     too_long = " ".join(["x"] * 60)  # 61 tokens + 10 new > the tiny model's 64 positions
     result = generator(shard_of(tiny_pair, PROMPTS[:3] + [too_long] + PROMPTS[3:]))

@@ -1,0 +1,442 @@
+"""The driver's pass over the input, per format: row counts, shard offsets, and the up-front row checks.
+
+    source = scan_source(data, list_source(data), shard_size)
+
+- Parquet: row counts from the footers; prompt nulls from the column statistics; the id column streamed.
+- Arrow (`datasets.save_to_disk`): the record batches' lengths and null counts (memory-mapped when local);
+  the id column streamed.
+- JSON lines: one streaming pass (`pipeline.linescan`) keeps every `shard_size`-th record's byte offset
+  and hands each block to pyarrow's JSON reader for the ids and prompts; a block pyarrow rejects (or
+  counts differently) is read again line by line in Python, which names the exact line and row.
+- CSV: the same, quote-aware, with pyarrow's CSV reader; the header is the first record of each file.
+
+Every id goes through `IdChecker` (null, type, mixed, duplicates). What the checks say is in
+`pipeline.source`'s docstring. Not here: reading a shard's rows for generation (`pipeline.prompts`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from pipeline import fs
+from pipeline.config import DataConfig
+from pipeline.errors import JobInputError
+from pipeline.linescan import Block, ScanError, scan_records
+from pipeline.prompts import csv_options, jsonl_record, read_arrow_table
+from pipeline.rowcheck import IdChecker, id_kind_of_type, id_value_problem, prompt_problem, row_where
+from pipeline.source import (
+    ID_BATCH_ROWS,
+    InputFile,
+    ScanResult,
+    Source,
+    SourceListing,
+    check_columns,
+    scan_error,
+    text_column,
+)
+
+
+def scan_source(data: DataConfig, listing: SourceListing, shard_size: int) -> Source:
+    """Row counts, shard offsets and every up-front check; see the module docstring."""
+    scan = {"parquet": scan_parquet, "hf_disk": scan_arrow, "jsonl": scan_jsonl, "csv": scan_csv}
+    if listing.format not in scan:
+        raise JobInputError(f"data.format: unknown format {listing.format!r}")
+    result = scan[listing.format](data, listing, shard_size)
+    if result.num_rows == 0:
+        raise JobInputError(f"data.path: {listing.path} holds no rows")
+    column, _ = text_column(data)
+    files = tuple(f for f in result.files if f.num_rows)
+    return Source(
+        path=listing.path,
+        format=listing.format,
+        files=files,
+        num_rows=result.num_rows,
+        shard_size=shard_size,
+        text_column=column,
+        id_column=data.id_column if result.has_id else None,
+        id_kind=result.id_kind if result.has_id else "int",
+        chat=data.chat,
+        csv_header=result.csv_header,
+        first_rows=tuple(f.first_row for f in files),
+    )
+
+
+def _remaining(data: DataConfig, total: int) -> int | None:
+    return None if data.limit is None else max(0, data.limit - total)
+
+
+def _same_id_presence(before: bool | None, now: bool, where: str, data: DataConfig) -> bool:
+    if before is not None and before != now:
+        raise JobInputError(
+            f"data.id_column: column '{data.id_column}' is in some input files and not in others ({where})"
+        )
+    return now
+
+
+def _null_prompt(texts: pa.Array, ids: pa.Array | None, first_row: int, key: str, where: str) -> None:
+    """Raise for the first null prompt of a batch."""
+    if not texts.null_count:
+        return
+    position = int(pc.index(pc.is_null(texts), True).as_py())
+    row_id = ids[position].as_py() if ids is not None else first_row + position
+    raise JobInputError(f"{row_where(key, first_row + position, row_id, where)}: {prompt_problem(None)}")
+
+
+# --- Parquet -------------------------------------------------------------------------------------------
+
+
+def _open_parquet(uri: str) -> Any:
+    import pyarrow.parquet as pq
+
+    location = fs.resolve(uri, "data.path")
+    try:
+        return pq.ParquetFile(location.filesystem.open_input_file(location.path))
+    except Exception as err:  # noqa: BLE001 - pyarrow raises several types for a bad file
+        raise JobInputError(f"data.path: cannot read {uri} as Parquet: {str(err).splitlines()[0]}") from None
+
+
+def scan_parquet(data: DataConfig, listing: SourceListing, shard_size: int) -> ScanResult:
+    checker = IdChecker(data.id_column, listing.path)
+    files: list[InputFile] = []
+    total, has_id = 0, None
+    for f in listing.files:
+        remaining = _remaining(data, total)
+        if remaining == 0:
+            break
+        parquet = _open_parquet(f.uri)
+        schema = parquet.schema_arrow
+        has_id = _same_id_presence(has_id, check_columns(schema.names, schema, data, f.uri), f.uri, data)
+        rows = parquet.metadata.num_rows if remaining is None else min(remaining, parquet.metadata.num_rows)
+        if not data.chat:
+            _parquet_null_prompts(parquet, data, rows, total, f.uri, has_id)
+        if has_id:
+            for ids, first in _parquet_ids(parquet, data.id_column, rows, total):
+                checker.add(ids, first)
+        files.append(dataclasses.replace(f, num_rows=rows, first_row=total))
+        total += rows
+
+    def reread() -> Iterator[tuple[pa.Array, int]]:
+        for f in files:
+            yield from _parquet_ids(_open_parquet(f.uri), data.id_column, f.num_rows, f.first_row)
+
+    if has_id:
+        checker.finish(reread)
+    return ScanResult(files, total, bool(has_id), checker.kind or "int")
+
+
+def _parquet_ids(parquet: Any, column: str, rows: int, first_row: int) -> Iterator[tuple[pa.Array, int]]:
+    done = 0
+    for batch in parquet.iter_batches(batch_size=ID_BATCH_ROWS, columns=[column]):
+        take = min(batch.num_rows, rows - done)
+        yield batch.column(0).slice(0, take), first_row + done
+        done += take
+        if done >= rows:
+            return
+
+
+def _parquet_null_prompts(
+    parquet: Any, data: DataConfig, rows: int, first_row: int, where: str, has_id: bool
+) -> None:
+    """Null prompts, from the row groups' statistics (files without statistics: the workers check)."""
+    column, key = text_column(data)
+    leaf = next(
+        (i for i in range(parquet.metadata.num_columns) if parquet.schema.column(i).path == column), None
+    )
+    start = 0
+    for group in range(parquet.metadata.num_row_groups):
+        meta = parquet.metadata.row_group(group)
+        if start >= rows or leaf is None:
+            return
+        stats = meta.column(leaf).statistics
+        if stats is not None and stats.has_null_count and stats.null_count:
+            table = parquet.read_row_group(group, columns=[column] + ([data.id_column] if has_id else []))
+            used = table.slice(0, rows - start)
+            ids = used.column(data.id_column).combine_chunks() if has_id else None
+            _null_prompt(used.column(column).combine_chunks(), ids, first_row + start, key, where)
+        start += meta.num_rows
+
+
+# --- Arrow (datasets.save_to_disk) ---------------------------------------------------------------------
+
+
+def scan_arrow(data: DataConfig, listing: SourceListing, shard_size: int) -> ScanResult:
+    checker = IdChecker(data.id_column, listing.path)
+    column, key = text_column(data)
+    files: list[InputFile] = []
+    total, has_id = 0, None
+    for f in listing.files:
+        remaining = _remaining(data, total)
+        if remaining == 0:
+            break
+        table = _arrow_table(f.uri)
+        has_id = _same_id_presence(
+            has_id, check_columns(table.schema.names, table.schema, data, f.uri), f.uri, data
+        )
+        rows = table.num_rows if remaining is None else min(remaining, table.num_rows)
+        for start in range(0, rows, ID_BATCH_ROWS):
+            batch = table.slice(start, min(ID_BATCH_ROWS, rows - start))
+            ids = batch.column(data.id_column).combine_chunks() if has_id else None
+            if not data.chat:
+                _null_prompt(batch.column(column).combine_chunks(), ids, total + start, key, f.uri)
+            if ids is not None:
+                checker.add(ids, total + start)
+        files.append(dataclasses.replace(f, num_rows=rows, first_row=total))
+        total += rows
+
+    def reread() -> Iterator[tuple[pa.Array, int]]:
+        for f in files:
+            ids = _arrow_table(f.uri).column(data.id_column).slice(0, f.num_rows).combine_chunks()
+            yield ids, f.first_row
+
+    if has_id:
+        checker.finish(reread)
+    return ScanResult(files, total, bool(has_id), checker.kind or "int")
+
+
+def _arrow_table(uri: str) -> pa.Table:
+    try:
+        return read_arrow_table(fs.resolve(uri, "data.path"))
+    except Exception as err:  # noqa: BLE001
+        raise JobInputError(
+            f"data.path: cannot read {uri} as a `datasets` Arrow file: {str(err).splitlines()[0]}"
+        ) from None
+
+
+# --- JSON lines and CSV --------------------------------------------------------------------------------
+
+
+def _first_record(uri: str, quoted: bool) -> Block | None:
+    found: list[Block] = []
+    location = fs.resolve(uri, "data.path")
+    with location.filesystem.open_input_stream(location.path) as stream:
+        try:
+            scan_records(stream, every=1, limit=1, quoted=quoted, on_block=found.append, block_bytes=1 << 16)
+        except ScanError as err:
+            raise scan_error(uri, err) from None
+    return found[0] if found else None
+
+
+def _scan_text_files(
+    data: DataConfig,
+    listing: SourceListing,
+    shard_size: int,
+    quoted: bool,
+    check: Callable[[Block, str], None],
+) -> tuple[list[InputFile], int]:
+    """One streaming pass per file: record offsets, each block to `check(block, uri)`."""
+    files: list[InputFile] = []
+    total = 0
+    for f in listing.files:
+        remaining = _remaining(data, total)
+        if remaining == 0:
+            break
+        location = fs.resolve(f.uri, "data.path")
+        with location.filesystem.open_input_stream(location.path) as stream:
+            try:
+                scan = scan_records(
+                    stream, every=shard_size, first_row=total, limit=remaining, quoted=quoted, header=quoted,
+                    on_block=lambda block, uri=f.uri: check(block, uri),
+                )  # fmt: skip
+            except ScanError as err:
+                raise scan_error(f.uri, err) from None
+        files.append(
+            dataclasses.replace(
+                f, num_rows=scan.rows, first_row=total, data_start=scan.data_start, data_end=scan.data_end,
+                offsets=scan.offsets,
+            )
+        )  # fmt: skip
+        total += scan.rows
+    return files, total
+
+
+def _reread_text(files: list[InputFile], quoted: bool, ids_of: Callable[[Block, str], pa.Array]):
+    """The id batches of every file again (only after a duplicate hash: the error path)."""
+    for f in files:
+        blocks: list[Block] = []
+        location = fs.resolve(f.uri, "data.path")
+        with location.filesystem.open_input_stream(location.path) as stream:
+            scan_records(stream, every=1 << 40, first_row=f.first_row, limit=f.num_rows, quoted=quoted,
+                         header=quoted, on_block=blocks.append)  # fmt: skip
+        for block in blocks:
+            yield ids_of(block, f.uri), block.first_row
+
+
+class JsonlChecker:
+    """Each JSONL block: ids and prompts through pyarrow's JSON reader, or line by line when it objects."""
+
+    def __init__(self, data: DataConfig, checker: IdChecker, has_id: bool, id_kind: str | None):
+        self.data, self.checker, self.has_id = data, checker, has_id
+        self.column, self.key = text_column(data)
+        fields = [(data.id_column, pa.int64() if id_kind == "int" else pa.string())] if has_id else []
+        if not data.chat:
+            fields.append((self.column, pa.string()))
+        self.schema = pa.schema(fields)
+
+    def parse(self, block: Block) -> pa.Table | None:
+        import pyarrow.json as pj
+
+        try:
+            table = pj.read_json(
+                pa.BufferReader(block.data),
+                read_options=pj.ReadOptions(block_size=4 << 20),
+                parse_options=pj.ParseOptions(
+                    explicit_schema=self.schema, unexpected_field_behavior="ignore"
+                ),
+            )
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            return None
+        return table if table.num_rows == block.rows else None
+
+    def __call__(self, block: Block, where: str) -> None:
+        table = self.parse(block)
+        if table is None:
+            ids = self.python_ids(block, where)
+        else:
+            ids = table.column(self.data.id_column).combine_chunks() if self.has_id else None
+            if not self.data.chat:
+                _null_prompt(
+                    table.column(self.column).combine_chunks(), ids, block.first_row, self.key, where
+                )
+        if self.has_id:
+            self.checker.add(ids, block.first_row)
+
+    def ids(self, block: Block, where: str) -> pa.Array:
+        table = self.parse(block)
+        return (
+            table.column(self.data.id_column).combine_chunks()
+            if table is not None
+            else self.python_ids(block, where)
+        )
+
+    def python_ids(self, block: Block, where: str) -> pa.Array:
+        """The block line by line, with the exact line and row of the first problem."""
+        ids: list[Any] = []
+        row = block.first_row
+        for offset, raw in enumerate(block.data.split(b"\n")):
+            if not raw.strip():
+                continue
+            record = jsonl_record(raw, where, line=block.first_line + offset)
+            row_id = record.get(self.data.id_column) if self.has_id else row
+            if self.has_id:
+                self._check_id(row_id, row, where)
+                ids.append(row_id)
+            problem = None if self.data.chat else prompt_problem(record.get(self.column))
+            if problem:
+                raise JobInputError(f"{row_where(self.key, row, row_id, where)}: {problem}")
+            row += 1
+        return pa.array(ids, type=self.schema.field(0).type) if self.has_id else pa.array([], pa.int64())
+
+    def _check_id(self, value: Any, row: int, where: str) -> None:
+        kind = check_id_value(value, row, where, self.data.id_column)
+        if kind != ("int" if self.schema.field(0).type == pa.int64() else "str"):
+            self.checker.mixed()
+
+
+def check_id_value(value: Any, row: int, where: str, column: str) -> str:
+    """'int' or 'str' for a valid id; raises JobInputError for a null or non-int, non-string one."""
+    problem = id_value_problem(value)
+    if problem == "null":
+        raise JobInputError(f"data.id_column: row {row} of {where} has a null id in column '{column}'")
+    if problem:
+        raise JobInputError(
+            f"data.id_column: row {row} of {where}: id {problem}, expected an int or a string"
+        )
+    return "str" if isinstance(value, str) else "int"
+
+
+def scan_jsonl(data: DataConfig, listing: SourceListing, shard_size: int) -> ScanResult:
+    first = _first_record(listing.files[0].uri, quoted=False)
+    if first is None:
+        raise JobInputError(f"data.path: {listing.path} holds no rows")
+    record = jsonl_record(first.data.rstrip(b"\r\n"), listing.files[0].uri, line=first.first_line)
+    has_id = check_columns(list(record), None, data, listing.files[0].uri)
+    id_kind = None
+    if has_id:
+        id_kind = check_id_value(
+            record[data.id_column], first.first_row, listing.files[0].uri, data.id_column
+        )
+    checker = IdChecker(data.id_column, listing.path)
+    check = JsonlChecker(data, checker, has_id, id_kind)
+    files, total = _scan_text_files(data, listing, shard_size, quoted=False, check=check)
+    if has_id:
+        checker.finish(lambda: _reread_text(files, False, check.ids))
+    return ScanResult(files, total, has_id, id_kind or "int")
+
+
+class CsvChecker:
+    """Each CSV block through pyarrow's CSV reader with the header's names; the first block decides
+    whether the ids are ints or strings, as pyarrow's own type inference would."""
+
+    def __init__(self, data: DataConfig, checker: IdChecker, header: tuple[str, ...], has_id: bool):
+        self.data, self.checker, self.header, self.has_id = data, checker, header, has_id
+        self.column, self.key = text_column(data)
+        self.id_type: pa.DataType | None = None
+
+    def table(self, block: Block, where: str) -> pa.Table:
+        import pyarrow.csv as pacsv
+
+        id_column = self.data.id_column if self.has_id else None
+        read, parse, convert = csv_options(self.header, self.column, id_column, self.id_type)
+        try:
+            table = pacsv.read_csv(
+                pa.BufferReader(block.data), read_options=read, parse_options=parse, convert_options=convert
+            )
+        except pa.ArrowInvalid as err:
+            if self.id_type is not None and "conversion error" in str(err).lower():
+                self.checker.mixed()
+            raise JobInputError(
+                f"data.path: cannot read {where} as CSV near line {block.first_line}: {err}"
+            ) from None
+        if table.num_rows != block.rows:
+            raise JobInputError(
+                f"data.path: cannot read {where} as CSV near line {block.first_line}: pyarrow read {table.num_rows} "
+                f"rows where {block.rows} records were found"
+            )
+        return table
+
+    def __call__(self, block: Block, where: str) -> None:
+        table = self.table(block, where)
+        ids = table.column(self.data.id_column).combine_chunks() if self.has_id else None
+        if ids is not None and self.id_type is None:
+            self.id_type = ids.type if id_kind_of_type(ids.type) else None
+        if not self.data.chat:
+            _null_prompt(table.column(self.column).combine_chunks(), ids, block.first_row, self.key, where)
+        if ids is not None:
+            self.checker.add(ids, block.first_row)
+
+    def ids(self, block: Block, where: str) -> pa.Array:
+        return self.table(block, where).column(self.data.id_column).combine_chunks()
+
+
+def _csv_header(uri: str) -> tuple[str, ...]:
+    import pyarrow.csv as pacsv
+
+    first = _first_record(uri, quoted=True)
+    if first is None:
+        raise JobInputError(f"data.path: {uri} holds no rows")
+    try:
+        names = pacsv.read_csv(
+            pa.BufferReader(first.data), read_options=pacsv.ReadOptions(block_size=4 << 20)
+        ).column_names
+    except pa.ArrowInvalid as err:
+        raise JobInputError(f"data.path: cannot read {uri} as CSV: {err}") from None
+    return tuple(names)
+
+
+def scan_csv(data: DataConfig, listing: SourceListing, shard_size: int) -> ScanResult:
+    header = _csv_header(listing.files[0].uri)
+    for f in listing.files[1:]:
+        if _csv_header(f.uri) != header:
+            raise JobInputError(f"data.path: {f.uri} has other CSV columns than {listing.files[0].uri}")
+    has_id = check_columns(list(header), None, data, listing.files[0].uri)
+    checker = IdChecker(data.id_column, listing.path)
+    check = CsvChecker(data, checker, header, has_id)
+    files, total = _scan_text_files(data, listing, shard_size, quoted=True, check=check)
+    if has_id:
+        checker.finish(lambda: _reread_text(files, True, check.ids))
+    return ScanResult(files, total, has_id, checker.kind or "int", csv_header=header)

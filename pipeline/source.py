@@ -1,0 +1,273 @@
+"""The prompt dataset as the driver plans it: its files, their identity, row counts and shard offsets.
+
+    listing = list_source(data)      # the files and their identity (path, size, mtime); reads no rows
+    source.pieces(start, stop)       # the files, rows and bytes that hold rows [start, stop)
+
+`data.path` is a file, a directory of files of one format, or a `datasets.save_to_disk` directory, on any
+filesystem `pipeline.fs` opens. Row counts come from metadata where there is some: Parquet footers (and
+their null counts), the record batches of Arrow files. JSON-lines and CSV files get one streaming pass
+(`pipeline.linescan`) that keeps the byte offset of every `shard_size`-th record, so a worker seeks straight
+to its shard. The same pass parses the id and prompt fields in C++ (pyarrow) to check them; the id column of
+every format is streamed once through `pipeline.rowcheck.IdChecker` (8 bytes per row). Driver memory is
+O(number of shards) plus those 8 bytes per row; no prompt text is kept.
+
+Checks here, before anything is written: a missing file or bucket, an unknown format, an empty input, a
+missing prompt or messages column, a prompt column that is not text, null/typed/mixed/duplicate ids, and
+for JSONL and CSV every row's JSON and prompt. Left to the workers (error rows): Parquet prompts that are
+null when the file has no statistics, chat messages that are malformed, and prompts the model cannot take.
+
+This module holds the listing and the types; the per-format scans that fill in a `Source` are in
+`pipeline.scanners`. Not here: reading a shard's rows (`pipeline.prompts`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from pipeline import fs
+from pipeline.config import DataConfig
+from pipeline.errors import JobInputError
+from pipeline.linescan import ScanError
+from pipeline.rowcheck import id_kind_of_type, is_text_type
+
+FORMAT_EXTENSIONS = {
+    ".parquet": "parquet",
+    ".pq": "parquet",
+    ".jsonl": "jsonl",
+    ".ndjson": "jsonl",
+    ".json": "jsonl",
+    ".csv": "csv",
+    ".arrow": "hf_disk",
+}
+_HF_MARKERS = ("state.json", "dataset_info.json")
+ID_BATCH_ROWS = 1 << 16
+
+
+@dataclass(frozen=True)
+class InputFile:
+    uri: str
+    size: int
+    mtime_ns: int | None
+    num_rows: int = 0  # rows the job uses from it (after data.limit)
+    first_row: int = 0  # global index of its first row
+    data_start: int = 0  # JSONL/CSV: byte offset of its first record
+    data_end: int = 0  # JSONL/CSV: just past its last record used
+    offsets: np.ndarray | None = None  # JSONL/CSV: start of each record whose global index % shard_size == 0
+
+    def identity(self) -> dict[str, Any]:
+        return {"path": self.uri, "size": self.size, "mtime_ns": self.mtime_ns}
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows [start, stop) of files[file] (local row numbers); bytes [byte_start, byte_stop) for JSONL/CSV."""
+
+    file: int
+    start: int
+    stop: int
+    byte_start: int = 0
+    byte_stop: int = 0
+
+
+@dataclass(frozen=True)
+class SourceListing:
+    path: str  # data.path as resolved (for messages)
+    format: str
+    files: tuple[InputFile, ...]
+    extra: tuple[InputFile, ...] = ()  # files that are part of the identity but hold no rows (state.json)
+
+    def identity(self) -> list[dict[str, Any]]:
+        return [f.identity() for f in (*self.files, *self.extra)]
+
+
+@dataclass(frozen=True)
+class Source:
+    """What a worker needs to read any row range: the files, the columns, the id rule."""
+
+    path: str
+    format: str
+    files: tuple[InputFile, ...]
+    num_rows: int
+    shard_size: int
+    text_column: str
+    id_column: str | None  # None: the row number is the id
+    id_kind: str  # 'int' or 'str': the Parquet type of the output `id` column
+    chat: bool
+    csv_header: tuple[str, ...] | None = None
+    first_rows: tuple[int, ...] = field(default=())
+
+    def pieces(self, start: int, stop: int) -> list[Piece]:
+        found = []
+        i = max(0, bisect.bisect_right(self.first_rows, start) - 1)
+        while i < len(self.files) and self.files[i].first_row < stop:
+            f = self.files[i]
+            local_start, local_stop = (
+                max(start, f.first_row) - f.first_row,
+                min(stop, f.first_row + f.num_rows) - f.first_row,
+            )
+            if local_stop > local_start:
+                found.append(Piece(i, local_start, local_stop, *self._bytes(f, local_start, local_stop)))
+            i += 1
+        return found
+
+    def _bytes(self, f: InputFile, start: int, stop: int) -> tuple[int, int]:
+        if f.offsets is None:
+            return 0, 0
+        first = (-f.first_row) % self.shard_size  # the local row of offsets[0]
+
+        def offset(row: int) -> int:
+            if row == 0:
+                return f.data_start
+            if row == f.num_rows:
+                return f.data_end
+            return int(f.offsets[(row - first) // self.shard_size])
+
+        return offset(start), offset(stop)
+
+
+def text_column(data: DataConfig) -> tuple[str, str]:
+    """(column, config key) of the prompt text, or of the chat messages in chat mode."""
+    return (
+        (data.messages_column, "data.messages_column")
+        if data.chat
+        else (data.prompt_column, "data.prompt_column")
+    )
+
+
+def format_of(name: str, data_format: str) -> str:
+    if data_format != "auto":
+        return data_format
+    suffix = "." + name.rsplit(".", 1)[-1].lower() if "." in name else ""
+    if suffix in FORMAT_EXTENSIONS and suffix != ".arrow":
+        return FORMAT_EXTENSIONS[suffix]
+    raise JobInputError(
+        f"data.format: cannot tell the format of {name} from its extension '{suffix}'; known extensions: "
+        f"{', '.join(sorted(k for k in FORMAT_EXTENSIONS if k != '.arrow'))}; or set data.format to parquet, "
+        "jsonl, csv or hf_disk"
+    )
+
+
+def list_source(data: DataConfig) -> SourceListing:
+    """The input files and their identity; reads no rows. Raises JobInputError naming data.path."""
+    location = fs.resolve(data.path, "data.path")
+    fs.check_bucket(location, "data.path")
+    found = fs.info(location, "data.path")
+    if found.type == pafs.FileType.NotFound:
+        raise JobInputError(f"data.path: no such file or directory: {location.uri}")
+    if found.type == pafs.FileType.File:
+        data_format = format_of(location.name, data.format)
+        if data_format == "hf_disk":
+            raise JobInputError(
+                f"data.format: hf_disk needs a `datasets.save_to_disk` directory, {location.uri} is a file"
+            )
+        return SourceListing(location.uri, data_format, (_input_file(location.uri, found),))
+    return _list_directory(location, data)
+
+
+def _input_file(uri: str, info: pafs.FileInfo) -> InputFile:
+    return InputFile(uri=uri, size=int(info.size or 0), mtime_ns=info.mtime_ns)
+
+
+def _uri_of(location: fs.Location, info: pafs.FileInfo) -> str:
+    relative = info.path[len(location.path) :].lstrip("/")
+    return location.child(relative).uri
+
+
+def _list_directory(location: fs.Location, data: DataConfig) -> SourceListing:
+    names = {f.base_name: f for f in fs.list_files(location, "data.path")}
+    if "dataset_dict.json" in names:
+        splits = json.loads(fs.read_bytes(location.child("dataset_dict.json"))).get("splits", [])
+        raise JobInputError(
+            f"data.path: {location.uri} holds a DatasetDict with splits {', '.join(splits)}; "
+            "point data.path at one split's directory"
+        )
+    if data.format == "hf_disk" or (data.format == "auto" and any(m in names for m in _HF_MARKERS)):
+        return _list_hf_disk(location, names)
+    files = [
+        f
+        for f in fs.list_files(location, "data.path", recursive=True)
+        if not any(part.startswith((".", "_")) for part in f.path[len(location.path) :].split("/"))
+    ]
+    formats = {FORMAT_EXTENSIONS.get("." + f.base_name.rsplit(".", 1)[-1].lower()) for f in files}
+    formats.discard(None)
+    formats.discard("hf_disk")
+    wanted = data.format if data.format != "auto" else (formats.pop() if len(formats) == 1 else None)
+    if wanted is None:
+        what = (
+            f"holds files of several formats ({', '.join(sorted(formats))})"
+            if formats
+            else (
+                "is not a `datasets.save_to_disk` directory (no state.json) and holds no .parquet, .jsonl or .csv files"
+            )
+        )
+        raise JobInputError(
+            f"data.path: cannot tell the format of directory {location.uri}: it {what}; set data.format or point data.path at a file"
+        )
+    chosen = [
+        f for f in files if FORMAT_EXTENSIONS.get("." + f.base_name.rsplit(".", 1)[-1].lower()) == wanted
+    ]
+    if not chosen:
+        raise JobInputError(f"data.path: directory {location.uri} holds no {wanted} files")
+    return SourceListing(location.uri, wanted, tuple(_input_file(_uri_of(location, f), f) for f in chosen))
+
+
+def _list_hf_disk(location: fs.Location, names: dict[str, pafs.FileInfo]) -> SourceListing:
+    if "state.json" not in names:
+        raise JobInputError(
+            f"data.path: {location.uri} has no state.json; expected a `datasets.save_to_disk` directory"
+        )
+    state = json.loads(fs.read_bytes(location.child("state.json")))
+    data_files = [entry["filename"] for entry in state.get("_data_files", [])]
+    missing = [name for name in data_files if name not in names]
+    if missing or not data_files:
+        raise JobInputError(
+            f"data.path: {location.uri} lists data files it does not hold: {', '.join(missing) or '(none)'}"
+        )
+    files = tuple(_input_file(location.child(n).uri, names[n]) for n in data_files)
+    extra = tuple(_input_file(location.child(n).uri, names[n]) for n in _HF_MARKERS if n in names)
+    return SourceListing(location.uri, "hf_disk", files, extra)
+
+
+@dataclass
+class ScanResult:
+    files: list[InputFile]
+    num_rows: int
+    has_id: bool
+    id_kind: str
+    csv_header: tuple[str, ...] | None = None
+
+
+def check_columns(names: list[str], schema: pa.Schema | None, data: DataConfig, where: str) -> bool:
+    """The text column is there (and is text, outside chat mode); returns whether the id column is."""
+    column, key = text_column(data)
+    if column not in names:
+        raise JobInputError(
+            f"{key}: column '{column}' not found in {where}; columns are: {', '.join(sorted(names)) or '(none)'}"
+        )
+    if schema is not None and not data.chat and not is_text_type(schema.field(column).type):
+        raise JobInputError(
+            f"{key}: column '{column}' of {where} holds {schema.field(column).type}, expected strings"
+        )
+    if (
+        schema is not None
+        and data.id_column in names
+        and id_kind_of_type(schema.field(data.id_column).type) is None
+    ):
+        raise JobInputError(
+            f"data.id_column: column '{data.id_column}' of {where} holds {schema.field(data.id_column).type}, expected ints or strings"
+        )
+    return data.id_column in names
+
+
+def scan_error(where: str, err: Exception) -> JobInputError:
+    kind = "cannot split into records" if isinstance(err, ScanError) else "cannot read"
+    return JobInputError(
+        f"data.path: {kind} {where}: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
+    )

@@ -1,0 +1,231 @@
+"""The MLflow pieces of the generation job without Ray: live metrics, the summary's arithmetic, the run
+file, resource usage, sweep naming and outcomes, and `MlflowRun` on a SQLite store (experiment kind,
+reopening a run, the dataset input)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jobs.sweep import parse_overrides
+from pipeline.config import MlflowConfig
+from pipeline.generate.live import LiveMetrics, merge_usage
+from pipeline.generate.stats import ResourceMeter, empty_stats, merge_stats
+from pipeline.generate.summary import LIVE_METRICS, JobSummary, acceptance_by_position, progress_metrics
+from pipeline.generate.sweep import SweepRun, cell_output_dir, read_sweep
+from pipeline.generate.tracking import RunRecord, model_name, read_run_record, write_run_record
+from pipeline.tracking import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, MlflowRun
+
+
+def shard(prompts: int, tokens: int, calls: int, accepted: list[int], tested: int, failed: int = 0) -> dict:
+    stats = empty_stats()
+    stats.update(
+        prompts_completed=prompts, prompts_failed=failed, generated_tokens=tokens, target_calls=calls
+    )
+    stats.update(accepted_per_position=accepted, tested_positions=tested)
+    return stats
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def live_logger(
+    sent: list, earlier=(), earlier_s=0.0, num_prompts=8, every_s=5.0, clock=None, heartbeat_s=30.0
+):
+    clock = clock or Clock()
+    return LiveMetrics(sent.extend, list(earlier), earlier_s, num_prompts, every_s, started=clock(),
+                       clock=clock,
+                       heartbeat_s=heartbeat_s)  # fmt: skip
+
+
+def test_acceptance_by_position_is_conditional_on_reaching_the_position():
+    # 10 target calls; position 1 accepted 8 times, position 2 4 of those 8, position 3 1 of those 4
+    assert acceptance_by_position([8, 4, 1], 10) == [0.8, 0.5, 0.25]
+    assert acceptance_by_position([], 10) == [] and acceptance_by_position([0, 0], 0) == [0.0, 0.0]
+
+
+def test_live_points_are_rate_limited_and_stepped_by_prompts_completed():
+    sent: list = []
+    clock = Clock()
+    live = live_logger(sent, clock=clock)
+    clock.now += 1.0
+    live.tick()  # nothing of this run yet: no point at step 0
+    live.flush()
+    assert sent == []
+    live.shard_written(shard(2, 20, 10, [8, 4], 14), {"host": "h", "pid": 1})
+    live.flush()
+    first = list(sent)  # the first shard is logged at once
+    clock.now += 1.0
+    live.tick()  # 1 s later: too soon
+    live.shard_written(shard(2, 10, 5, [3, 1], 6), {"host": "h", "pid": 1})
+    live.stop()
+    assert {m.key for m in first} == {
+        *LIVE_METRICS, "target_calls", "prompts_failed",
+        "acceptance_at_position_1", "acceptance_at_position_2",
+    }  # fmt: skip
+    values = {m.key: m.value for m in first}
+    assert all(m.step == 2 for m in first) and values["prompts_completed"] == 2
+    assert values["throughput_tokens_per_s"] == 20.0 and values["block_efficiency"] == 2.0
+    assert values["acceptance_rate"] == pytest.approx(12 / 14)
+    assert len(sent) == len(first)  # nothing more within every_s
+
+
+def test_live_heartbeat_repeats_the_step_and_the_end_is_left_to_the_final_point():
+    sent: list = []
+    clock = Clock()
+    live = live_logger(sent, num_prompts=4, every_s=5.0, clock=clock, heartbeat_s=30.0)
+    clock.now += 2.0
+    live.shard_written(shard(2, 20, 10, [5], 10), None)
+    clock.now += 6.0
+    live.tick()  # 6 s without a shard: no heartbeat yet
+    clock.now += 30.0
+    live.tick()  # 36 s: a point at the same step, throughput over the longer time
+    live.flush()
+    beats = [m for m in sent if m.key == "throughput_tokens_per_s"]
+    assert [m.step for m in beats] == [2, 2] and beats[0].value == 10.0 and beats[1].value == 20 / 38
+    clock.now += 6.0
+    live.shard_written(shard(2, 20, 10, [5], 10), None)  # the job is complete: no live point
+    live.stop()
+    assert len([m for m in sent if m.key == "throughput_tokens_per_s"]) == 2
+
+
+def test_live_metrics_cover_the_whole_job_when_resumed():
+    sent: list = []
+    clock = Clock()
+    earlier = [shard(4, 40, 20, [10], 20)]
+    live = live_logger(sent, earlier=earlier, earlier_s=10.0, num_prompts=12, clock=clock)
+    clock.now += 10.0
+    live.shard_written(shard(4, 40, 20, [10], 20), None)
+    live.stop()
+    values = {m.key: m.value for m in sent}
+    assert values["prompts_completed"] == 8 and values["generated_tokens"] == 80
+    assert values["throughput_tokens_per_s"] == 4.0  # 80 tokens / (10 s earlier + 10 s now)
+    assert {m.step for m in sent} == {8}
+
+
+def test_worker_usage_is_logged_per_worker_as_its_peak_over_the_interval():
+    sent: list = []
+    clock = Clock()
+    live = live_logger(sent, num_prompts=100, clock=clock)
+    usage = {"wall_s": 1.0, "cpu_s": 1.0, "cpu_utilization_percentage": 90.0, "peak_rss_megabytes": 300.0}
+    live.shard_written({**shard(1, 5, 2, [1], 2), "resources": usage}, {"host": "a", "pid": 1})
+    live.shard_written({**shard(1, 5, 2, [1], 2), "resources": dict(usage, peak_rss_megabytes=350.0)},
+                       {"host": "a", "pid": 1})  # fmt: skip
+    live.shard_written({**shard(1, 5, 2, [1], 2), "resources": usage}, {"host": "b", "pid": 7})
+    live.stop()
+    rss = {(m.key, m.value) for m in sent if m.key.endswith("peak_rss_megabytes")}
+    assert rss == {("system/worker_0/peak_rss_megabytes", 300.0),
+                   ("system/worker_0/peak_rss_megabytes", 350.0),
+                   ("system/worker_1/peak_rss_megabytes", 300.0)}  # fmt: skip
+    assert not any(m.key.endswith(("wall_s", "cpu_s")) for m in sent)
+    assert merge_usage({"a": 1.0, "b": 5.0}, {"a": 3.0}) == {"a": 3.0, "b": 5.0}
+
+
+def test_summary_throughput_and_wall_time_cover_the_whole_job():
+    earlier, now = shard(4, 40, 20, [10, 5], 25), shard(4, 60, 20, [12, 6], 26)
+    common = dict(
+        num_prompts=8, startup_s=1.0, num_actors=2, actor_device="cpu", output_dir="o", num_shards=2
+    )
+    resumed = JobSummary.build([earlier, now], [now], wall_time_s=12.0, generation_s=10.0,
+                               earlier_generation_s=15.0, earlier_wall_s=20.0, **common)  # fmt: skip
+    assert resumed.throughput_tokens_per_s == 100 / 25 and resumed.wall_time_s == 32.0
+    assert resumed.generated_tokens == 100 and resumed.block_efficiency == 2.5
+    assert "whole job 32.0 s" in resumed.table()
+    unknown = JobSummary.build([earlier, now], [now], wall_time_s=12.0, generation_s=10.0, **common)
+    assert unknown.throughput_tokens_per_s == 6.0  # earlier time unknown: this run's tokens / time
+    metrics = resumed.metrics()
+    assert "num_actors" not in metrics and metrics["acceptance_at_position_1"] == 22 / 40
+    live = progress_metrics(merge_stats(merge_stats(empty_stats(), earlier), now), now, 10.0, 15.0)
+    assert all(live[name] == pytest.approx(metrics[name]) for name in live)  # the live series ends here
+
+
+def test_run_record_round_trip_and_a_broken_file(tmp_path):
+    assert read_run_record(tmp_path) is None
+    write_run_record(tmp_path, RunRecord("r1", "0", "http://x", 12.5, 30.0, 2))
+    assert read_run_record(tmp_path) == RunRecord("r1", "0", "http://x", 12.5, 30.0, 2)
+    assert not list(tmp_path.glob(".*tmp*"))
+    (tmp_path / "_mlflow_run.json").write_text("{not json")
+    assert read_run_record(tmp_path) is None
+
+
+def test_resource_meter_on_cpu():
+    meter = ResourceMeter("cpu")
+    sum(i * i for i in range(200_000))
+    usage = meter.usage()
+    assert set(usage) == {"wall_s", "cpu_s", "cpu_utilization_percentage", "peak_rss_megabytes"}
+    assert usage["peak_rss_megabytes"] > 10 and usage["cpu_s"] > 0
+    total = merge_stats(empty_stats(), {**shard(1, 1, 1, [], 0), "resources": usage})
+    assert "resources" not in total  # per worker, never summed
+
+
+def test_model_names_for_tags(tmp_path):
+    assert model_name(str(tmp_path / "models" / "big")) == "big"
+    assert model_name("meta-llama/Llama-3.1-8B") == "meta-llama/Llama-3.1-8B"
+
+
+def test_sweep_overrides_cell_dirs_and_outcomes(tmp_path):
+    values, swept = parse_overrides(
+        ["spectr.num_drafts=1,2", "data.limit=4", "spectr.draft_length=range(2,4)"]
+    )
+    assert values == {"spectr.num_drafts": "1,2", "data.limit": "4", "spectr.draft_length": "range(2,4)"}
+    assert swept == ["spectr.num_drafts", "spectr.draft_length"]
+    cell = {"spectr.num_drafts": "2", "data.limit": "4", "spectr.draft_length": "3"}
+    assert cell_output_dir("/o/", cell, swept) == "/o/spectr.num_drafts=2,spectr.draft_length=3"
+    assert (
+        cell_output_dir("s3://b/o", {"model.target": "/m/big"}, ["model.target"])
+        == "s3://b/o/model.target=_m_big"
+    )
+    sweep = SweepRun(MlflowConfig(enabled=False), tmp_path / "sweep")
+    sweep.start(values, swept)
+    assert (
+        read_sweep(tmp_path / "sweep").swept_keys == swept and read_sweep(tmp_path / "sweep").run_id is None
+    )
+    for number, code in enumerate((0, 2, 1)):
+        sweep.cell_ended(number, f"cell {number}", code)
+    assert sweep.finish() == 2 and "3 cell(s), 2 failed" in sweep.report()
+
+
+def test_mlflow_run_experiment_kind_reopen_and_dataset(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    old = client.create_experiment("old")  # made before the kind tag existed: it gets one
+    run = MlflowRun(MlflowConfig(tracking_uri=uri, experiment="old"))
+    run_id = run.start({"a": {"b": 1}}, {"t": "x"})
+    assert client.get_experiment(old).tags[EXPERIMENT_KIND_TAG] == EXPERIMENT_KIND
+    for _ in range(2):  # logged twice (a resumed job): one input
+        run.log_dataset("prompts", "/data/p.jsonl", "ab" * 40, 12)
+    run.terminate("KILLED")
+    again = MlflowRun(MlflowConfig(tracking_uri=uri, experiment="old"))
+    again.reopen(run_id, {"a": {"b": 2}, "c": 3}, {"t": "y"})
+    got = client.get_run(run_id)
+    assert got.info.status == "RUNNING" and got.data.params == {
+        "a.b": "1",
+        "c": "3",
+    }  # params keep their first value
+    assert got.data.tags["t"] == "y"
+    (dataset_input,) = got.inputs.dataset_inputs
+    assert dataset_input.dataset.digest == ("ab" * 40)[:36]
+    assert json.loads(dataset_input.dataset.profile) == {"num_rows": 12}
+    again.terminate()
+    assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def test_planner_choice_is_passed_on_when_it_changes():
+    sent: list = []
+    plans: list = []
+    clock = Clock()
+    live = LiveMetrics(sent.extend, [], 0.0, 10, 5.0, started=clock(), clock=clock, on_plan=plans.append)
+    for plan in ("speculative L=4", "speculative L=4", "spectr K=2 L=3", ""):
+        live.shard_written({**shard(1, 4, 2, [1], 2), "plan": plan}, None)
+    live.stop()
+    assert plans == ["speculative L=4", "spectr K=2 L=3"]
+    total = merge_stats(merge_stats(empty_stats(), {"plan": "a"}), {"plan": ""})
+    assert total["plan"] == "a"

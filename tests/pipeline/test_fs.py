@@ -1,0 +1,44 @@
+"""Locations: local paths and URIs through pyarrow.fs (and fsspec), whole-file writes, one-line errors."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from pipeline import fs
+from pipeline.errors import JobInputError
+
+
+def test_local_paths_and_file_uris_are_the_same_location(tmp_path):
+    plain = fs.resolve(str(tmp_path / "a"), "output_dir")
+    uri = fs.resolve(f"file://{tmp_path}/a", "output_dir")
+    assert plain.is_local and plain.path == uri.path == str(tmp_path / "a") and plain.renames_atomically
+    assert fs.resolve("rel/dir", "output_dir").path == os.path.abspath("rel/dir")
+
+
+def test_whole_file_writes_leave_no_temporary_behind(tmp_path):
+    target = fs.resolve(str(tmp_path / "x.bin"), "output_dir")
+    fs.write_bytes(target, b"one")
+    fs.write_bytes(target, b"two")
+    assert fs.read_bytes(target) == b"two" and [p.name for p in tmp_path.iterdir()] == ["x.bin"]
+    assert fs.read_range(target, 1, 3) == b"wo"
+    fs.delete(target)
+    fs.delete(target)  # a missing file is fine
+    assert not fs.exists(target)
+
+
+def test_fsspec_schemes_go_through_pyarrows_handler():
+    folder = fs.resolve("memory://bucket/fs-test", "output_dir")
+    assert not folder.is_local and not folder.renames_atomically
+    fs.write_bytes(folder.child("a.txt"), b"hello")
+    assert fs.read_bytes(folder.child("a.txt")) == b"hello"
+    assert [info.base_name for info in fs.list_files(folder, "output_dir")] == ["a.txt"]
+
+
+def test_unknown_scheme_and_missing_bucket_name_are_one_line_errors():
+    with pytest.raises(JobInputError, match=r"^data.path: cannot open the URI scheme 'nosuch://'") as caught:
+        fs.resolve("nosuch://x/y", "data.path")
+    assert "\n" not in str(caught.value)
+    with pytest.raises(JobInputError, match="names no bucket"):
+        fs.resolve("s3:///x", "output_dir")

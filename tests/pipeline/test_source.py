@@ -1,0 +1,138 @@
+"""Planning from metadata: record offsets, row counts, pieces, and the rows a worker reads for a range."""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+import re
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.config import DataConfig
+from pipeline.errors import JobInputError
+from pipeline.linescan import ScanError, scan_records, split_records
+from pipeline.prompts import read_rows
+from pipeline.scanners import scan_source
+from pipeline.source import list_source
+
+ROWS = [{"id": f"r{i:02d}", "prompt": f"def f{i}(x):\n    return {i}", "extra": i} for i in range(23)]
+
+
+def plan(path, shard_size=4, **data):
+    config = DataConfig(path=str(path), **data)
+    return scan_source(config, list_source(config), shard_size)
+
+
+def all_rows(source, shard_size):
+    """Every shard's rows read as a worker reads them, concatenated."""
+    rows = [read_rows(source, s, min(s + shard_size, source.num_rows)) for s in range(0, source.num_rows, shard_size)]
+    return [i for r in rows for i in r.ids], [t for r in rows for t in r.texts]
+
+
+def test_record_offsets_match_a_line_by_line_reference():
+    rng = random.Random(0)
+    for _ in range(200):
+        lines = [rng.choice(["", "  \t", json.dumps({"i": i, "p": "x" * rng.randint(0, 40)})]) for i in range(30)]
+        data = "\n".join(lines).encode() + rng.choice([b"", b"\n"])
+        every, first_row = rng.randint(1, 5), rng.randint(0, 7)
+        limit = rng.choice([None, rng.randint(1, 25)])
+        scan = scan_records(io.BytesIO(data), every=every, first_row=first_row, limit=limit, block_bytes=rng.randint(1, 64))
+        starts, position = [], 0
+        for raw in data.split(b"\n"):
+            if raw.strip():
+                starts.append(position)
+            position += len(raw) + 1
+        starts = starts[:limit]
+        assert scan.rows == len(starts)
+        assert scan.offsets.tolist() == [s for k, s in enumerate(starts) if (first_row + k) % every == 0]
+        assert len(split_records(data[scan.data_start : scan.data_end])) == scan.rows
+
+
+def test_csv_records_keep_quoted_newlines_and_an_unclosed_quote_is_refused():
+    data = b'id,prompt\n1,"a\nb"\n\n2,"say ""hi""\n"\n3,c'
+    scan = scan_records(io.BytesIO(data), every=1, quoted=True, header=True, block_bytes=3)
+    assert scan.rows == 3 and scan.header == b"id,prompt" and len(scan.offsets) == 3
+    with pytest.raises(ScanError, match="never closed"):
+        scan_records(io.BytesIO(b'id,prompt\n1,"open\n'), every=1, quoted=True, header=True)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv", "parquet", "hf_disk"])
+def test_every_format_plans_the_same_shards_and_rows(tmp_path, fmt):
+    import datasets
+    import pyarrow.csv as pacsv
+
+    path = {"jsonl": tmp_path / "p.jsonl", "csv": tmp_path / "p.csv", "parquet": tmp_path / "p.parquet", "hf_disk": tmp_path / "hf"}[fmt]
+    table = pa.Table.from_pylist(ROWS)
+    if fmt == "jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" + ("\n" if i % 5 == 0 else "") for i, r in enumerate(ROWS)))
+    elif fmt == "csv":
+        pacsv.write_csv(table, path)
+    elif fmt == "parquet":
+        pq.write_table(table, path, row_group_size=5)
+    else:
+        datasets.Dataset.from_list(ROWS).save_to_disk(str(path), max_shard_size="1KB")
+    source = plan(path, shard_size=4)
+    assert source.num_rows == 23 and source.id_kind == "str" and source.format == fmt
+    ids, texts = all_rows(source, 4)
+    assert ids == [r["id"] for r in ROWS] and texts == [r["prompt"] for r in ROWS]
+    limited = plan(path, shard_size=4, limit=10)
+    assert limited.num_rows == 10 and all_rows(limited, 4)[0] == [r["id"] for r in ROWS[:10]]
+
+
+def test_a_directory_of_files_is_one_input_and_shards_span_files(tmp_path):
+    for part, rows in enumerate((ROWS[:7], ROWS[7:8], ROWS[8:])):
+        pq.write_table(pa.Table.from_pylist(rows), tmp_path / f"part-{part}.parquet", row_group_size=3)
+    (tmp_path / "_SUCCESS").write_text("")  # marker files are not data
+    source = plan(tmp_path, shard_size=5)
+    assert [f.num_rows for f in source.files] == [7, 1, 15] and source.num_rows == 23
+    pieces = source.pieces(5, 10)
+    assert [(p.file, p.start, p.stop) for p in pieces] == [(0, 5, 7), (1, 0, 1), (2, 0, 2)]
+    assert all_rows(source, 5)[0] == [r["id"] for r in ROWS]
+    identity = list_source(DataConfig(path=str(tmp_path))).identity()
+    assert [f["path"].rsplit("/", 1)[-1] for f in identity] == ["part-0.parquet", "part-1.parquet", "part-2.parquet"]
+    assert all(f["size"] > 0 and f["mtime_ns"] for f in identity)
+
+
+def test_duplicate_ids_across_files_are_named(tmp_path):
+    pq.write_table(pa.Table.from_pylist(ROWS[:5]), tmp_path / "a.parquet")
+    pq.write_table(pa.Table.from_pylist(ROWS[3:9]), tmp_path / "b.parquet")
+    with pytest.raises(JobInputError, match=r"duplicate ids .*'r03' at rows 3 and 5 \(2 duplicate row\(s\) in all\)"):
+        plan(tmp_path)
+
+
+def test_parquet_null_prompts_from_statistics_or_from_the_workers(tmp_path):
+    rows = [{"id": i, "prompt": None if i == 6 else "x"} for i in range(9)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "stats.parquet", row_group_size=4)
+    with pytest.raises(JobInputError, match=r"data.prompt_column: row 6 \(id 6\) of .*stats.parquet: prompt is null"):
+        plan(tmp_path / "stats.parquet")
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "bare.parquet", write_statistics=False)
+    source = plan(tmp_path / "bare.parquet", shard_size=4)  # no statistics: the worker finds it
+    problems = read_rows(source, 4, 8).problems
+    assert problems[:2] == [None, None] and "row 6 (id 6)" in problems[2] and "prompt is null" in problems[2]
+
+
+def test_jsonl_problems_are_found_up_front_with_line_and_row(tmp_path):
+    def error(text):
+        (tmp_path / "p.jsonl").write_text(text)
+        with pytest.raises(JobInputError) as caught:
+            plan(tmp_path / "p.jsonl")
+        return str(caught.value)
+
+    good = "".join(json.dumps({"id": i, "prompt": "x"}) + "\n" for i in range(50))
+    assert "line 52 is not valid JSON" in error(good + "\n{oops\n")
+    assert "row 50 (id 50)" in error(good + '{"id": 50, "prompt": 7}\n') and "prompt is int 7" in error(good + '{"id": 50, "prompt": 7}\n')
+    assert re.search(r"row 50 of .*p.jsonl has a null id", error(good + '{"id": null, "prompt": "x"}\n'))
+    assert "mixes int and string ids" in error(good + '{"id": "50", "prompt": "x"}\n')
+    assert "id 1.5 is float" in error(good + '{"id": 1.5, "prompt": "x"}\n')
+
+
+def test_chat_messages_are_checked_per_row_by_the_reader(tmp_path):
+    rows = [{"id": 1, "messages": [{"role": "user", "content": "hi"}]}, {"id": 2, "messages": [{"role": "user"}]}]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    source = plan(tmp_path / "chat.jsonl", chat=True)
+    rows_read = read_rows(source, 0, 2)
+    assert rows_read.messages[0] == [{"role": "user", "content": "hi"}] and rows_read.problems[0] is None
+    assert rows_read.messages[1] is None and "row 1 (id 2)" in rows_read.problems[1]
