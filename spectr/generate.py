@@ -46,7 +46,7 @@ from spectr.hf import HFCausalLM
 from spectr.kv_cache import tree_attention
 from spectr.records import DRAFT_NONFINITE, TARGET_NONFINITE, Records
 from spectr.rng import IterationSlots, counter_uniforms, row_keys, sample_categorical
-from spectr.sequence import select_tree, sequence_methods
+from spectr.sequence import row_splits, select_tree, sequence_methods
 from spectr.settings import AUTOREGRESSIVE, Settings, check_prompts, check_prompts_fit
 from spectr.stats import GenerationStats, PhaseTimer
 from spectr.tree import verify_layout
@@ -298,10 +298,7 @@ class Generation:
         draft_uniforms, selection_uniforms = self.slots.split(uniforms)  # [B, L, K], [B, L+1, K+1]
         with self.timer.phase("draft"):
             tree = self.drafter.propose(draft_uniforms, self.draft_extent, self.running)
-        if self.num_drafts == 1:
-            width = 1 + self.draft_length  # one draft is a chain: every tree has L + 1 nodes
-        else:  # host sync 1 of 2: the widest tree sets the verify forward's width
-            width = int(tree.num_nodes.max().tolist())
+        width, row_splits = self._tree_extent(tree)
         with self.timer.phase("target"):
             logits = self._verify(tree, width)  # [B, W, V]
         with self.timer.phase("selection"):
@@ -309,13 +306,25 @@ class Generation:
             target_nonfinite = (nonfinite_rows(logits) & real).any(1)  # [B]
             target_probs = self.warp.probs(logits)  # [B, W, V]
             selection = select_tree(tree.tokens, tree.draft_probs, target_probs, tree.node_of, selection_uniforms,
-                                    method=self.method)
+                                    method=self.method, row_splits=row_splits)
         errors = target_nonfinite.to(torch.int64) * TARGET_NONFINITE + tree.nonfinite.to(torch.int64) * DRAFT_NONFINITE
         accepted = selection.num_accepted  # [B]
         self.records.record_acceptance(self.running, accepted, tree.num_nodes)
         still = self.records.record(self.row_prompt, self.running, selection.tokens, accepted + 1, errors)
         self.stats.verify_tokens += width
         self._commit(tree, selection, still)
+
+    def _tree_extent(self, tree) -> tuple[int, list | None]:
+        """The verify width and, per draft position, the rows that may meet several alive drafts there.
+
+        One draft is a chain of L + 1 nodes and needs no device read. With K > 1 this is the
+        iteration's first host sync: the widest tree, and how many rows share a node at each depth.
+        """
+        if self.num_drafts == 1:
+            return 1 + self.draft_length, None
+        extent = torch.cat([tree.num_nodes.max()[None], tree.shared.sum(0)])  # [1 + L]
+        host = extent.tolist()  # host sync 1 of 2
+        return host[0], row_splits(tree.shared, host[1:])
 
     def _verify(self, tree, width: int) -> torch.Tensor:
         """The target forward over every row's tree, padded to `width` nodes -> logits [B, W, V]."""

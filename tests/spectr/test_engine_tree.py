@@ -151,6 +151,36 @@ def test_near_greedy_drafts_make_a_chain_of_about_l_plus_1_verified_tokens(pair)
     assert warm.stats.mean_verify_width == 1 + num_drafts * length or warm.stats.mean_verify_width > 15
 
 
+def _without_row_splits(monkeypatch, generation):
+    original = generation._tree_extent
+    monkeypatch.setattr(generation, "_tree_extent", lambda tree: (original(tree)[0], None))
+
+
+@pytest.mark.parametrize("method", ["spectr", "specinfer"])
+def test_rows_without_shared_nodes_selected_as_one_draft_give_the_same_tokens(monkeypatch, method):
+    """The walk's shortcut (rows with no node of two drafts at a depth are selected as one-draft
+    nodes there) changes nothing: same tokens as the full masked walk, on splits that really split."""
+    target = tiny_model(vocab_size=16, hidden_size=16, num_heads=2, num_kv_heads=1, init_std=0.6, seed=8)
+    draft = noisy_copy(target, 0.3, 9)
+    prompts = [[1, 2], [3], [4, 5, 6], [7, 8, 9, 10, 11]] * 4
+    outputs, split_sizes = [], []
+    for split in (True, False):
+        generation = Generation(target, draft, prompts, method=method, num_drafts=4, draft_length=4,
+                                max_new_tokens=40, seed=3)
+        original = generation._tree_extent
+
+        def recording(tree, original=original):
+            width, splits = original(tree)
+            split_sizes.extend(len(s[0]) for s in splits[1:])
+            return width, splits
+
+        full_walk = lambda tree, original=original: (original(tree)[0], None)  # noqa: E731
+        monkeypatch.setattr(generation, "_tree_extent", recording if split else full_walk)
+        outputs.append(run_generation(generation).tokens)
+    assert outputs[0] == outputs[1]
+    assert any(0 < size < len(prompts) for size in split_sizes)  # both kinds of rows were selected
+
+
 def _recording_selector(records):
     def selector(draft_tokens, alive, draft_probs, target_probs, uniforms):
         records.append((draft_tokens.clone(), alive.clone(), draft_probs.clone()))
@@ -170,6 +200,7 @@ def test_every_draft_token_at_a_node_is_drawn_from_the_row_the_selection_reads(m
                             num_drafts=4, draft_length=4, max_new_tokens=40, seed=3)
     records = []
     monkeypatch.setitem(selection.TOKEN_SELECTORS, "spectr", _recording_selector(records))
+    _without_row_splits(monkeypatch, generation)  # one selector call per position, over every row
     shared_nodes = differing_duplicates = 0
     trees = []
     with torch.inference_mode():
