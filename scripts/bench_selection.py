@@ -1,7 +1,9 @@
 """Benchmark of sequence-level selection on the CPU, as a ratio to one softmax.
 
-Times `spectr.sequence.select_sequences` at B = 64, K = 8, L = 8, V = 32000 (defaults) and,
-in the same run, one `torch.softmax` over the [B, K, L + 1, V] target logits; reports the
+Times `spectr.sequence.select_sequences` at B = 64, K = 8, L = 8, V = 32000 (defaults), the
+engine's own call of the same walk ("engine select": `select_tree` with counter-based uniforms
+and the row splits of the drafts' shared prefixes) and, in the same run, one `torch.softmax`
+over the [B, K, L + 1, V] target logits; reports the
 ratio of medians (the steps are interleaved), and the peak resident memory each step adds
 above what is already held (Linux VmHWM, reset before each step).
 
@@ -25,8 +27,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from spectr.rng import make_generators, sample_categorical  # noqa: E402
-from spectr.sequence import select_sequences  # noqa: E402
+from spectr.rng import counter_uniforms, make_generators, row_keys, sample_categorical  # noqa: E402
+from spectr.sequence import row_splits, select_sequences, select_tree  # noqa: E402
+from spectr.tree import prefix_leaders, shared_depths  # noqa: E402
 
 
 def build_inputs(batch: int, drafts: int, length: int, vocab: int, seed: int, dtype: torch.dtype):
@@ -44,6 +47,19 @@ def build_inputs(batch: int, drafts: int, length: int, vocab: int, seed: int, dt
     share = torch.rand(batch, generator=g) < 0.5
     draft_tokens[share, :, 0] = draft_tokens[share, :1, 0]
     return draft_tokens, draft_probs, target_logits
+
+
+def engine_selection(draft_tokens, draft_probs, target_probs, method: str):
+    """The engine's call: select_tree on per-draft nodes, counter-based uniforms, and row splits from
+    the drafts' shared prefixes (the engine reads their sizes with its tree-width host copy)."""
+    batch, num_drafts, length = draft_tokens.shape
+    node_of = torch.arange(num_drafts * (length + 1)).view(1, num_drafts, length + 1).expand(batch, -1, -1)
+    node_probs = target_probs.reshape(batch, num_drafts * (length + 1), -1)  # [B, K * (L + 1), V]
+    uniforms = counter_uniforms(row_keys(range(batch)), torch.zeros(batch, dtype=torch.int64),
+                                (length + 1) * (num_drafts + 1)).view(batch, length + 1, num_drafts + 1)
+    shared = shared_depths(prefix_leaders(draft_tokens))  # [B, L]
+    splits = row_splits(shared, shared.sum(0).tolist())
+    return select_tree(draft_tokens, draft_probs, node_probs, node_of, uniforms, method=method, row_splits=splits)
 
 
 def _status_kib(field: str) -> int:
@@ -111,6 +127,7 @@ def main() -> None:
         "softmax": softmax,
         "select": lambda: select(False),
         "select+validate": lambda: select(True),
+        "engine select": lambda: engine_selection(draft_tokens, draft_probs, target_probs, args.method),
     }
     for fn in steps.values():  # warm up (lazy initialisation, allocator pools)
         fn()

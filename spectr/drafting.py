@@ -37,7 +37,7 @@ import torch
 
 from spectr.kv_cache import tree_attention
 from spectr.rng import sample_categorical_many
-from spectr.tree import DraftTree, compact_nodes, extend_same_prefix, leaders_of
+from spectr.tree import DraftTree, compact_nodes, extend_same_prefix, leaders_of, shared_depths
 from spectr.warps import SamplingWarp
 
 
@@ -128,7 +128,7 @@ class TreeDrafter:
         leader = torch.stack(leaders, -1).masked_fill(stopped, 0)  # [B, K, L + 1]
         node_of, num_nodes = compact_nodes(leader)
         return DraftTree(tokens=tokens, draft_probs=probs, leader=leader, node_of=node_of, num_nodes=num_nodes,
-                         nonfinite=nonfinite & running)
+                         nonfinite=nonfinite & running, shared=shared_depths(leader) & running[:, None])
 
     def commit(self, tree: DraftTree, draft_index: torch.Tensor, num_accepted: torch.Tensor,
                next_tokens: torch.Tensor, running: torch.Tensor) -> None:

@@ -41,7 +41,7 @@ from spectr.kv_cache import tree_attention
 from spectr.records import DRAFT_NONFINITE, TARGET_NONFINITE, Records
 from spectr.rng import IterationSlots, counter_uniforms, sample_categorical
 from spectr.rows import RowState
-from spectr.sequence import select_tree
+from spectr.sequence import row_splits, select_tree
 from spectr.stats import GenerationStats, PhaseTimer
 from spectr.tree import verify_layout
 from spectr.warps import SamplingWarp
@@ -98,10 +98,7 @@ def speculative_step(loop: Loop, rows: RowState) -> None:
     draft_uniforms, selection_uniforms = loop.slots.split(uniforms)  # [R, L, K], [R, L+1, K+1]
     with loop.timer.phase("draft"):
         tree = rows.drafter.propose(draft_uniforms, loop.draft_extent, rows.running)
-    if loop.num_drafts == 1:
-        width = 1 + loop.draft_length  # one draft is a chain: every tree has L + 1 nodes
-    else:  # host sync 1 of 2: the widest tree sets the verify forward's width
-        width = int(tree.num_nodes.max().tolist())
+    width, splits = _tree_extent(loop, tree)
     with loop.timer.phase("target"):
         logits = _verify(loop, rows, tree, width)  # [R, W, V]
     with loop.timer.phase("selection"):
@@ -109,7 +106,7 @@ def speculative_step(loop: Loop, rows: RowState) -> None:
         target_nonfinite = (nonfinite_rows(logits) & real).any(1)  # [R]
         target_probs = loop.warp.probs(logits)  # [R, W, V]
         selection = select_tree(tree.tokens, tree.draft_probs, target_probs, tree.node_of, selection_uniforms,
-                                method=loop.method)
+                                method=loop.method, row_splits=splits)
     errors = target_nonfinite.to(torch.int64) * TARGET_NONFINITE + tree.nonfinite.to(torch.int64) * DRAFT_NONFINITE
     accepted = selection.num_accepted  # [R]
     loop.records.record_acceptance(rows.slots, rows.running, accepted, tree.num_nodes)
@@ -117,6 +114,19 @@ def speculative_step(loop: Loop, rows: RowState) -> None:
     loop.stats.verify_tokens += width
     _commit(loop, rows, tree, selection, still)
     rows.iteration = rows.iteration + 1
+
+
+def _tree_extent(loop: Loop, tree) -> tuple[int, list | None]:
+    """The verify width and, per draft position, the rows that may meet several alive drafts there.
+
+    One draft is a chain of L + 1 nodes and needs no device read. With K > 1 this is the
+    iteration's first host sync: the widest tree, and how many rows share a node at each depth.
+    """
+    if loop.num_drafts == 1:
+        return 1 + loop.draft_length, None
+    extent = torch.cat([tree.num_nodes.max()[None], tree.shared.sum(0)])  # [1 + L]
+    host = extent.tolist()  # host sync 1 of 2
+    return host[0], row_splits(tree.shared, host[1:])
 
 
 def _verify(loop: Loop, rows: RowState, tree, width: int) -> torch.Tensor:

@@ -41,10 +41,11 @@ from spectr.block import block_rule, block_stop_probabilities
 from spectr.outcome import PAD_TOKEN, SequenceSelection
 from spectr.rng import draw_uniforms, sample_categorical
 from spectr.selection import TOKEN_SELECTORS, get_token_selector
+from spectr.tree import prefix_leaders, shared_depths
 from spectr.validation import check_probabilities, check_shape, check_token_ids, check_uniforms
 
-__all__ = ["PAD_TOKEN", "SEQUENCE_RULES", "SequenceSelection", "select_sequences", "select_sequences_with_uniforms",
-           "select_tree", "sequence_methods", "uniforms_shape"]
+__all__ = ["PAD_TOKEN", "SEQUENCE_RULES", "SequenceSelection", "row_splits", "select_sequences",
+           "select_sequences_with_uniforms", "select_tree", "sequence_methods", "uniforms_shape"]
 
 # Sequence-level rules that are not a walk of a token-level rule; same signature as the walk
 # (draft_tokens, draft_probs, node_target_probs, node_of, uniforms) -> SequenceSelection.
@@ -109,11 +110,31 @@ def select_sequences_with_uniforms(
         )
         check_uniforms("uniforms", uniforms)
     batch_size, num_drafts, draft_length = draft_tokens.shape
+    splits = None
+    if num_drafts > 1 and method not in SEQUENCE_RULES:
+        shared = shared_depths(prefix_leaders(draft_tokens))  # [B, L]
+        splits = row_splits(shared, shared.sum(0).tolist())  # this API reads the split sizes on the host
     # Each draft's own rows as "nodes": draft k's prefix of length i is node k * (L + 1) + i.
     per_draft = torch.arange(num_drafts * (draft_length + 1), device=draft_tokens.device)
     node_of = per_draft.view(1, num_drafts, draft_length + 1).expand(batch_size, -1, -1)  # [B, K, L + 1]
     node_probs = target_probs.reshape(batch_size, num_drafts * (draft_length + 1), -1)  # [B, K * (L + 1), V]
-    return select_tree(draft_tokens, draft_probs, node_probs, node_of, uniforms, method=method)
+    return select_tree(draft_tokens, draft_probs, node_probs, node_of, uniforms, method=method, row_splits=splits)
+
+
+RowSplit = tuple[torch.Tensor, torch.Tensor]  # (rows that may have several alive drafts [R], the others [B - R])
+
+
+def row_splits(shared: torch.Tensor, counts: Sequence[int]) -> list[RowSplit | None]:
+    """Per draft position, the rows with a node of two or more drafts at that depth and the others.
+
+    shared: [B, L] bool (`spectr.tree.shared_depths`); counts[i] = shared[:, i].sum(), read on the
+    host. Position 0 is None (every row's drafts are all alive at the root).
+    """
+    splits: list[RowSplit | None] = [None]
+    for position in range(1, shared.shape[1]):
+        order = torch.argsort((~shared[:, position]).to(torch.int8), stable=True)  # sharing rows first
+        splits.append((order[: counts[position]], order[counts[position] :]))
+    return splits
 
 
 def select_tree(
@@ -124,9 +145,16 @@ def select_tree(
     uniforms: torch.Tensor,  # [B, L + 1, K + 1] float64
     *,
     method: str = "spectr",
+    row_splits: Sequence[RowSplit | None] | None = None,
 ) -> SequenceSelection:
     """One call's selection on a tree (unchecked: the engine's hot path): a sequence-level rule
-    (`SEQUENCE_RULES`, e.g. block verification) or the masked walk of a token-level rule."""
+    (`SEQUENCE_RULES`, e.g. block verification) or the masked walk of a token-level rule.
+
+    row_splits[i] (optional, per position): rows that may reach position i with several alive
+    drafts, and the rows that cannot (no node of depth i with two drafts, see
+    `spectr.tree.shared_depths`). The latter are selected as one-draft nodes (their alive draft's
+    column, and the correction column), which gives the same tokens for less work.
+    """
     if method in SEQUENCE_RULES:
         return SEQUENCE_RULES[method](draft_tokens, draft_probs, node_target_probs, node_of, uniforms)
     selector = get_token_selector(method)
@@ -142,12 +170,16 @@ def select_tree(
         # Invariant: a walking row's alive drafts all carry the accepted prefix (one tree node);
         # a row that stopped has no alive draft and its outputs below are masked out.
         first_alive = alive.to(torch.int8).argmax(1)  # [B]
-        node_p = draft_probs[rows, first_alive, position]  # [B, V]
-        node_q = node_target_probs[rows, node_of[rows, first_alive, position]]  # [B, V]
-        node_drafts = draft_tokens[:, :, position]  # [B, K]
-        token, _ = selector(node_drafts, alive, node_p, node_q, uniforms[:, position])  # [B]
+        node = (draft_probs[:, :, position], node_target_probs, node_of[:, :, position])
+        split = row_splits[position] if row_splits is not None else None
+        if split is None:
+            token = _select_rows(selector, rows, first_alive, node, draft_tokens[:, :, position], alive,
+                                 uniforms[:, position])
+        else:
+            token = _select_split(selector, split, first_alive, node, draft_tokens[:, :, position], alive,
+                                  uniforms[:, position])
         tokens[:, position] = torch.where(walking, token, PAD_TOKEN)
-        still_alive = alive & (node_drafts == token.unsqueeze(1))  # [B, K]
+        still_alive = alive & (draft_tokens[:, :, position] == token.unsqueeze(1))  # [B, K]
         continues = still_alive.any(1)  # [B]
         # A draft consistent with the prefix so far: the first one still alive.
         stopped_here = walking & ~continues  # [B]
@@ -168,6 +200,36 @@ def select_tree(
         draft_index=draft_index,
         accepted_per_position=accepted.sum(0),
     )
+
+
+def _node_distributions(rows, first_alive, node) -> tuple[torch.Tensor, torch.Tensor]:
+    """p and q [R, V] of the node each row of `rows` [R] is at, read at its first alive draft."""
+    position_probs, node_target_probs, position_nodes = node  # [B, K, V], [B, M, V], [B, K]
+    lead = first_alive[rows]  # [R]
+    return position_probs[rows, lead], node_target_probs[rows, position_nodes[rows, lead]]
+
+
+def _select_rows(selector, rows, first_alive, node, drafts, alive, uniforms) -> torch.Tensor:
+    """The token rule on the nodes of `rows` [R] -> tokens [R]."""
+    node_p, node_q = _node_distributions(rows, first_alive, node)  # [R, V] each
+    token, _ = selector(drafts[rows], alive[rows], node_p, node_q, uniforms[rows])
+    return token
+
+
+def _select_split(selector, split: RowSplit, first_alive, node, drafts, alive, uniforms) -> torch.Tensor:
+    """`_select_rows` on the rows that may have several alive drafts; the others (at most one alive
+    draft) as one-draft nodes: that draft's token and test column, then the correction column."""
+    several, single = split  # [R], [B - R]
+    token = torch.empty_like(first_alive)  # [B]
+    if several.numel():
+        token[several] = _select_rows(selector, several, first_alive, node, drafts, alive, uniforms)
+    if single.numel():
+        column = first_alive[single, None]  # [B - R, 1] the alive draft (if any)
+        node_p, node_q = _node_distributions(single, first_alive, node)  # [B - R, V] each
+        one_uniforms = torch.cat([uniforms[single].gather(1, column), uniforms[single, drafts.shape[1]:]], 1)
+        token[single], _ = selector(drafts[single].gather(1, column), alive[single].gather(1, column), node_p,
+                                    node_q, one_uniforms)  # [B - R], uniforms [B - R, 2]
+    return token
 
 
 def _check_sequence_inputs(draft_tokens, draft_probs, target_probs, method) -> None:

@@ -42,7 +42,9 @@ class DraftTree:
     leader:      [B, K, L + 1] int64 (see the module docstring);
     node_of:     [B, K, L + 1] int64 compact node index of draft k's prefix of length i;
     num_nodes:   [B] int64 nodes per row (root included);
-    nonfinite:   [B] bool, a draft-model row of this row had non-finite logits.
+    nonfinite:   [B] bool, a draft-model row of this row had non-finite logits;
+    shared:      [B, L] bool, the row has a node of depth i through which two or more drafts pass
+                 (only there can the selection meet several alive drafts at position i).
     """
 
     tokens: torch.Tensor
@@ -51,6 +53,7 @@ class DraftTree:
     node_of: torch.Tensor
     num_nodes: torch.Tensor
     nonfinite: torch.Tensor
+    shared: torch.Tensor
 
 
 def leaders_of(same_prefix: torch.Tensor) -> torch.Tensor:
@@ -72,6 +75,17 @@ def prefix_leaders(tokens: torch.Tensor) -> torch.Tensor:
         same = extend_same_prefix(same, tokens[:, :, depth])
         leaders.append(leaders_of(same))
     return torch.stack(leaders, -1)  # [B, K, L + 1]
+
+
+def nodes_per_depth(leader: torch.Tensor) -> torch.Tensor:
+    """Nodes of each depth [B, L + 1] from leaders [B, K, L + 1] (depth 0: the root)."""
+    drafts = torch.arange(leader.shape[1], device=leader.device)[None, :, None]  # [1, K, 1]
+    return (leader == drafts).sum(1)
+
+
+def shared_depths(leader: torch.Tensor) -> torch.Tensor:
+    """[B, L] bool: depth i (< L) has a node with two or more drafts, i.e. fewer nodes than drafts."""
+    return nodes_per_depth(leader)[:, :-1] < leader.shape[1]
 
 
 def compact_nodes(leader: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,7 @@ import torch
 from hf_tiny import noisy_copy, tiny_model
 
 import spectr
-from spectr import selection
+from spectr import iteration, selection
 from spectr.diagnostics import HostSyncCounter
 from spectr.generate import Generation
 from spectr.rng import counter_uniforms, sample_categorical
@@ -163,6 +163,33 @@ def test_near_greedy_drafts_make_a_chain_of_about_l_plus_1_verified_tokens(pair)
     assert warm.stats.mean_verify_width == 1 + num_drafts * length or warm.stats.mean_verify_width > 15
 
 
+@pytest.mark.parametrize("method", ["spectr", "specinfer"])
+def test_rows_without_shared_nodes_selected_as_one_draft_give_the_same_tokens(monkeypatch, method):
+    """The walk's shortcut (rows with no node of two drafts at a depth are selected as one-draft
+    nodes there) changes nothing: same tokens as the full masked walk, on splits that really split."""
+    target = tiny_model(vocab_size=16, hidden_size=16, num_heads=2, num_kv_heads=1, init_std=0.6, seed=8)
+    draft = noisy_copy(target, 0.3, 9)
+    prompts = [[1, 2], [3], [4, 5, 6], [7, 8, 9, 10, 11]] * 4
+    original = iteration._tree_extent
+    outputs, split_sizes = [], []
+
+    def recording(loop, tree):
+        width, splits = original(loop, tree)
+        split_sizes.extend(len(s[0]) for s in splits[1:])
+        return width, splits
+
+    def full_walk(loop, tree):
+        return original(loop, tree)[0], None
+
+    for extent in (recording, full_walk):
+        monkeypatch.setattr(iteration, "_tree_extent", extent)
+        generation = Generation(target, draft, prompts, method=method, num_drafts=4, draft_length=4,
+                                max_new_tokens=40, seed=3)
+        outputs.append(run_generation(generation).tokens)
+    assert outputs[0] == outputs[1]
+    assert any(0 < size < len(prompts) for size in split_sizes)  # both kinds of rows were selected
+
+
 def _recording_selector(records):
     def selector(draft_tokens, alive, draft_probs, target_probs, uniforms):
         records.append((draft_tokens.clone(), alive.clone(), draft_probs.clone()))
@@ -182,6 +209,8 @@ def test_every_draft_token_at_a_node_is_drawn_from_the_row_the_selection_reads(m
                             num_drafts=4, draft_length=4, max_new_tokens=40, seed=3)
     records = []
     monkeypatch.setitem(selection.TOKEN_SELECTORS, "spectr", _recording_selector(records))
+    original = iteration._tree_extent  # one selector call per position, over every row:
+    monkeypatch.setattr(iteration, "_tree_extent", lambda loop, tree: (original(loop, tree)[0], None))
     shared_nodes = differing_duplicates = 0
     trees = []
     with torch.inference_mode():
