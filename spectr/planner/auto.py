@@ -7,8 +7,10 @@
     planner.observe(choice, stats.accepted_per_position, stats.total_target_calls, mean_active_rows)
 
 Calibration measures the forwards and the cheap steps at the batch size and the prompts' context
-(`spectr.planner.calibrate.measure_cost_model`) and the pair's acceptance along short target-sampled
-continuations of a few of the prompts (`measure_acceptance`). Every candidate is exact, so the choice
+(`spectr.planner.calibrate.measure_cost_model`, with a low timing floor: it only ranks), the pair's
+acceptance along short target-sampled continuations of a few of the prompts (`measure_acceptance`),
+then times the likely choices as whole engine iterations (`time_engine`: autoregressive and the
+component model's best candidate of each method) and scales the model to them. Every candidate is exact, so the choice
 only changes the speed. With temperature 0 (greedy) multiple drafts add nothing, so only autoregressive
 and single-draft candidates are considered.
 
@@ -19,11 +21,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from spectr.hf import HFCausalLM
-from spectr.planner.calibrate import measure_acceptance, measure_cost_model
-from spectr.planner.choose import Planner, bounded, default_candidates
+from spectr.planner.calibrate import measure_acceptance, measure_cost_model, time_engine
+from spectr.planner.choose import (
+    Candidate,
+    CostModel,
+    Planner,
+    bounded,
+    default_candidates,
+    make_plan,
+)
+from spectr.planner.latency import timing_floor
 from spectr.warps import SamplingWarp
 
 PROBE_PROMPTS = 4  # prompts whose continuations measure the acceptance
@@ -31,6 +41,7 @@ PROBE_TOKENS = 16  # tokens per continuation
 # The probe's random streams are the seeds' streams shifted far away, so that the choice never shares
 # uniforms with the rows it is chosen for (it must not depend on the randomness of the outputs).
 PROBE_SEED_OFFSET = 2**61
+COMPONENT_TIMING_FLOOR_S = 0.03  # the component model only ranks; its likely choices are timed whole
 
 
 @dataclass(frozen=True)
@@ -39,10 +50,11 @@ class Calibration:
 
     cost_seconds: float
     acceptance_seconds: float
+    engine_seconds: float = 0.0
 
     @property
     def seconds(self) -> float:
-        return self.cost_seconds + self.acceptance_seconds
+        return self.cost_seconds + self.acceptance_seconds + self.engine_seconds
 
 
 def auto_planner(
@@ -55,8 +67,11 @@ def auto_planner(
     seed: int = 0,
     max_num_drafts: int | None = None,
     max_draft_length: int | None = None,
+    max_new_tokens: int | None = None,
 ) -> tuple[Planner, Calibration]:
-    """A planner calibrated on this pair, device, batch size and these prompts' context."""
+    """A planner calibrated on this pair, device, batch size and these prompts' context.
+
+    max_new_tokens: tokens per row, so that each row's prefill is priced into the prediction (None: not)."""
     if not prompts:
         raise ValueError("auto_planner needs at least one prompt to measure the pair's acceptance")
     greedy = warp.temperature == 0
@@ -65,13 +80,38 @@ def auto_planner(
     target_lm, draft_lm = HFCausalLM(target, role="target"), HFCausalLM(draft, role="draft")
     context = max(len(p) for p in prompts)
     started = time.perf_counter()
-    cost = measure_cost_model(target_lm, draft_lm, candidates, batch_size, context, warp)
+    with timing_floor(COMPONENT_TIMING_FLOOR_S):
+        cost = measure_cost_model(target_lm, draft_lm, candidates, batch_size, context, warp)
     measured = time.perf_counter()
     probe = [list(p) for p in prompts[:PROBE_PROMPTS]]
     ks = sorted({c.num_drafts for c in candidates if c.num_drafts > 1}) or [2]
     acceptance = measure_acceptance(target, draft, probe, PROBE_TOKENS, warp, seed + PROBE_SEED_OFFSET, ks)
-    calibration = Calibration(measured - started, time.perf_counter() - measured)
-    return Planner(candidates, acceptance, cost, batch_size), calibration
+    accepted = time.perf_counter()
+    cost = _timed_whole(cost, candidates, acceptance, (target, draft), prompts, batch_size, warp, seed)
+    calibration = Calibration(measured - started, accepted - measured, time.perf_counter() - accepted)
+    return Planner(candidates, acceptance, cost, batch_size, new_tokens=max_new_tokens), calibration
+
+
+def likely_choices(plan) -> list[Candidate]:
+    """Autoregressive and the best-predicted candidate of every other method, in plan order."""
+    seen, chosen = set(), []
+    for entry in plan.entries:
+        method = entry.candidate.method
+        if method not in seen:
+            seen.add(method)
+            chosen.append(entry.candidate)
+    return chosen
+
+
+def _timed_whole(cost: CostModel, candidates, acceptance, pair, prompts, batch_size: int, warp, seed: int) -> CostModel:
+    """The component model scaled to whole engine iterations of its likely choices."""
+    plan = make_plan(candidates, acceptance, cost, batch_size, margin=0.0)
+    timings = []
+    for candidate in likely_choices(plan):
+        timing = time_engine(*pair, candidate, prompts, batch_size, warp, seed + PROBE_SEED_OFFSET)
+        reach = tuple(acceptance.reach(candidate.method, candidate.num_drafts, candidate.draft_length))
+        timings.append(replace(timing, reach=reach))
+    return cost.with_engine_timings(timings, batch_size)
 
 
 def generate_auto(target, draft, prompts: Sequence[Sequence[int]], *, num_drafts: int, draft_length: int,
@@ -85,7 +125,8 @@ def generate_auto(target, draft, prompts: Sequence[Sequence[int]], *, num_drafts
         rows = min(batch_size or len(prompts), len(prompts))
         first_seed = seed if isinstance(seed, int) else int(seed[0])
         planner, _ = auto_planner(target, draft, prompts, batch_size=max(rows, 1), warp=warp, seed=first_seed,
-                                  max_num_drafts=num_drafts, max_draft_length=draft_length)
+                                  max_num_drafts=num_drafts, max_draft_length=draft_length,
+                                  max_new_tokens=_mean_budget(arguments.get("max_new_tokens")))
     choice = planner.choice
     output = generate(
         target, None if choice.method == "autoregressive" else draft, prompts, method=choice.method,
@@ -94,3 +135,13 @@ def generate_auto(target, draft, prompts: Sequence[Sequence[int]], *, num_drafts
     )
     output.stats.plan = planner.plan.describe()
     return output
+
+
+def _mean_budget(max_new_tokens) -> int | None:
+    """The rows' mean token budget (an int or one per prompt), for pricing their prefill."""
+    if max_new_tokens is None:
+        return None
+    if isinstance(max_new_tokens, int):
+        return max_new_tokens
+    budgets = list(max_new_tokens)
+    return max(1, round(sum(budgets) / len(budgets))) if budgets else None

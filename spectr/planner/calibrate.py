@@ -7,6 +7,11 @@ tokens, the draft's sampling, the selection walk of each method at its smallest 
 (mean of the all-reject and all-accept extremes), and the commit. Forwards are also timed at one row, so
 that a plan for a lower occupancy interpolates between measured batch sizes.
 
+`time_engine` runs one candidate through the engine itself (`spectr.ContinuousBatcher`) for a few
+iterations with the batch full: what a whole iteration costs, bookkeeping and host sync included, and
+what admitting a row (its prefill) costs. The planner times its likely choices this way and scales the
+component model to them (`spectr.planner.choose.CostModel.with_engine_timings`).
+
 `measure_acceptance` samples short continuations of the job's first prompts from the target and reads
 p and q along them (`spectr.planner.acceptance.collect_distributions`).
 
@@ -15,15 +20,17 @@ Not here: the choice (`spectr.planner.choose`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
 
 from spectr.hf import HFCausalLM
 from spectr.planner.acceptance import AcceptanceModel, collect_distributions
-from spectr.planner.choose import SELECTION, Candidate, CostModel
+from spectr.planner.choose import SELECTION, Candidate, CostModel, EngineTiming
 from spectr.planner.latency import (
     ForwardTimer,
+    _sync,
     autoregressive_selection_latency,
     commit_latency,
     draft_sampling_latency,
@@ -31,6 +38,8 @@ from spectr.planner.latency import (
 )
 from spectr.planner.table import ACCEPT_ALL, COMMIT, DRAFT, DRAFT_SAMPLE, REJECT_ALL, TARGET, LatencyTable
 from spectr.warps import SamplingWarp
+
+ENGINE_ITERATIONS = 4  # timed engine iterations per candidate, after one untimed
 
 
 def forward_widths(widest: int) -> list[int]:
@@ -117,3 +126,41 @@ def measure_acceptance(
     draft_probs, target_probs = collect_distributions(target, draft, prompts, continuation_tokens, warp, seed)
     segments = [continuation_tokens] * len(prompts)
     return AcceptanceModel.from_distributions(draft_probs, target_probs, segments, num_drafts)
+
+
+@torch.inference_mode()
+def time_engine(
+    target,
+    draft,
+    candidate: Candidate,
+    prompts: Sequence[Sequence[int]],
+    batch: int,
+    warp: SamplingWarp,
+    seed: int,
+    iterations: int = ENGINE_ITERATIONS,
+) -> EngineTiming:
+    """Seconds of one engine iteration of `candidate` with `batch` rows in flight (the prompts, cycled),
+    and of one row's admission. Budgets are large enough that no row finishes while it is timed."""
+    from spectr.batching import ContinuousBatcher
+
+    speculative = candidate.method != "autoregressive"
+    length = max(candidate.draft_length, 1)
+    budget = (iterations + 1) * (length + 1) + 1
+    rows = [list(prompts[i % len(prompts)]) for i in range(batch)]
+    batcher = ContinuousBatcher(
+        target, draft if speculative else None, batch_size=batch, max_length=max(map(len, rows)) + budget,
+        method=candidate.method, num_drafts=max(candidate.num_drafts, 1), draft_length=length,
+        temperature=warp.temperature, top_k=warp.top_k, top_p=warp.top_p, eos_token_id=None,
+    )
+    batcher.admit(rows, max_new_tokens=budget, seed=seed)
+    device = batcher.device
+    _sync(device)
+    started = time.perf_counter()
+    batcher.fill()
+    _sync(device)
+    prefill = (time.perf_counter() - started) / batch
+    batcher.step()  # untimed: the first iteration pays for one-off allocations
+    started = time.perf_counter()
+    for _ in range(iterations):
+        batcher.step()  # ends with the iteration's host copy: the device is done
+    return EngineTiming(candidate, (time.perf_counter() - started) / iterations, prefill)

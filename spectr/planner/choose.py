@@ -13,14 +13,27 @@ pending 1 or 2 tokens, then L - 1 steps of K branches), the draft's sampling, th
 commit, each read from a latency table measured on the device at this batch and context
 (`spectr.planner.latency.measure_cost_model`) and interpolated in the token count.
 
+The component sum misses what whole iterations also pay (Python bookkeeping, mask building, the host
+sync, cache effects between the pieces), more for the speculative methods than for autoregressive. So
+the calibration also times a few candidates as whole engine iterations
+(`spectr.planner.calibrate.time_engine`), and `CostModel.corrections` scales each of them to its
+measured seconds; an unmeasured candidate is scaled by its method's measured factor (or the median of
+all speculative ones). With `new_tokens` known, each row's prefill (measured in those runs) is spread
+over the tokens it generates.
+
+A speculative choice must beat autoregressive by `SPECULATION_MARGIN` in the prediction, otherwise the
+plan is autoregressive: on a shared machine predictions move by about 10%, and a choice that is not
+clearly faster risks being slower.
+
 `Planner` keeps the current plan and re-plans when a measured run's acceptance or the batch's occupancy
 has drifted from what the plan assumed. Not here: running anything (`spectr.generate`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 from spectr.planner.acceptance import AUTOREGRESSIVE, AcceptanceModel
 from spectr.planner.table import COMMIT, DRAFT, DRAFT_SAMPLE, TARGET, LatencyTable, interpolate
@@ -28,6 +41,7 @@ from spectr.planner.table import COMMIT, DRAFT, DRAFT_SAMPLE, TARGET, LatencyTab
 SELECTION = "selection"  # + "_<method>"; shape (K * L,) (autoregressive: (0,))
 SPECULATIVE_METHODS = ("speculative", "block", "spectr", "specinfer")
 SINGLE_DRAFT = ("speculative", "block")
+SPECULATION_MARGIN = 0.05  # a speculative plan must be predicted this much faster than autoregressive
 
 
 @dataclass(frozen=True)
@@ -85,6 +99,29 @@ class CostModel:
 
     table: LatencyTable
     context: float | None = None
+    corrections: Mapping[Candidate, float] = field(default_factory=dict)  # measured / component seconds
+    prefill_per_row: Mapping[str, float] = field(default_factory=dict)  # "target" / "pair" -> seconds per row
+
+    def with_engine_timings(self, timings: Sequence[EngineTiming], batch: float) -> CostModel:
+        """This model scaled to whole-iteration measurements at `batch` rows (see the module docstring)."""
+        corrections, prefill = {}, {}
+        for t in timings:
+            base = self.iteration_seconds(t.candidate, batch, t.reach, corrected=False)
+            corrections[t.candidate] = t.iteration_seconds / base if base > 0 else 1.0
+            prefill["target" if t.candidate.method == AUTOREGRESSIVE else "pair"] = t.prefill_seconds_per_row
+        return replace(self, corrections=corrections, prefill_per_row=prefill)
+
+    def correction(self, candidate: Candidate) -> float:
+        if candidate in self.corrections:
+            return self.corrections[candidate]
+        same = [f for c, f in self.corrections.items() if c.method == candidate.method]
+        speculative = [f for c, f in self.corrections.items() if c.method != AUTOREGRESSIVE]
+        pool = same or (speculative if candidate.method != AUTOREGRESSIVE else [])
+        return statistics.median(pool) if pool else 1.0
+
+    def prefill_seconds(self, candidate: Candidate) -> float:
+        """Seconds of one row's prefill (0 when not measured)."""
+        return self.prefill_per_row.get("target" if candidate.method == AUTOREGRESSIVE else "pair", 0.0)
 
     def _along(self, component: str, batch: float, size: int) -> float:
         """Interpolate the component's latency over its measured shape sizes at `batch` rows."""
@@ -99,8 +136,14 @@ class CostModel:
     def forward(self, role: str, batch: float, tokens: int) -> float:
         return self._along(role, batch, tokens)
 
-    def iteration_seconds(self, candidate: Candidate, batch: float, reach: Sequence[float]) -> float:
+    def iteration_seconds(
+        self, candidate: Candidate, batch: float, reach: Sequence[float], corrected: bool = True
+    ) -> float:
         """One iteration with `batch` rows; reach[j]: probability that a call accepts >= j draft tokens."""
+        factor = self.correction(candidate) if corrected else 1.0
+        return factor * self._component_seconds(candidate, batch, reach)
+
+    def _component_seconds(self, candidate: Candidate, batch: float, reach: Sequence[float]) -> float:
         if candidate.method == AUTOREGRESSIVE:
             return (
                 self.forward(TARGET, batch, 1)
@@ -118,6 +161,16 @@ class CostModel:
         target = self.forward(TARGET, batch, candidate.tree_tokens)
         selection = self._along(f"{SELECTION}_{candidate.method}", batch, k * length)
         return draft + target + selection + self._along(COMMIT, batch, length)
+
+
+@dataclass(frozen=True)
+class EngineTiming:
+    """One candidate timed as whole engine iterations (`spectr.planner.calibrate.time_engine`)."""
+
+    candidate: Candidate
+    iteration_seconds: float  # mean seconds of one iteration with the batch full
+    prefill_seconds_per_row: float  # the admission of the batch's rows, per row
+    reach: tuple[float, ...] = (1.0,)  # the acceptance the component model is evaluated at
 
 
 @dataclass(frozen=True)
@@ -160,9 +213,13 @@ class Plan:
 
 
 def make_plan(
-    candidates: Iterable[Candidate], acceptance: AcceptanceModel, cost: CostModel, batch: float
+    candidates: Iterable[Candidate], acceptance: AcceptanceModel, cost: CostModel, batch: float,
+    new_tokens: int | None = None, margin: float = SPECULATION_MARGIN,
 ) -> Plan:
-    """Predict every candidate at `batch` rows and sort them, fastest first (ties: the simpler first)."""
+    """Predict every candidate at `batch` rows and sort them, fastest first (ties: the simpler first);
+    autoregressive goes first unless the fastest other candidate beats it by `margin`.
+
+    new_tokens: tokens each row generates (None: prefill not counted)."""
     if batch <= 0:
         raise ValueError(f"batch must be > 0, got {batch}")
     entries = []
@@ -170,10 +227,16 @@ def make_plan(
         reach = acceptance.reach(candidate.method, candidate.num_drafts, candidate.draft_length)
         tokens = sum(reach)
         seconds = cost.iteration_seconds(candidate, batch, reach)
+        if new_tokens:  # the rows admitted per iteration at this pace, each prefilled once
+            seconds += batch * tokens / new_tokens * cost.prefill_seconds(candidate)
         entries.append(PlanEntry(candidate, tokens, seconds, batch * tokens / seconds if seconds > 0 else 0.0))
     if not entries:
         raise ValueError("no candidates to plan over")
     entries.sort(key=lambda e: (-e.tokens_per_second, e.candidate.tree_tokens))
+    base = next((e for e in entries if e.candidate.method == AUTOREGRESSIVE), None)
+    if base is not None and entries[0] is not base and entries[0].tokens_per_second < (1 + margin) * base.tokens_per_second:
+        entries.remove(base)
+        entries.insert(0, base)
     return Plan(tuple(entries), batch)
 
 
@@ -194,10 +257,12 @@ class Planner:
         cost: CostModel,
         batch: float,
         tolerance: float = 0.15,
+        new_tokens: int | None = None,
     ):
         self.candidates = list(candidates)
         self.acceptance, self.cost, self.tolerance = acceptance, cost, tolerance
-        self.plan = make_plan(self.candidates, acceptance, cost, batch)
+        self.new_tokens = new_tokens
+        self.plan = make_plan(self.candidates, acceptance, cost, batch, new_tokens)
         self.replans = 0
 
     @property
@@ -224,7 +289,7 @@ class Planner:
             batch, drifted = mean_active_rows, True
         if drifted:
             self.acceptance = acceptance
-            self.plan = make_plan(self.candidates, acceptance, self.cost, batch)
+            self.plan = make_plan(self.candidates, acceptance, self.cost, batch, self.new_tokens)
             self.replans += 1
         return drifted
 
@@ -242,6 +307,7 @@ def bounded(candidates: Iterable[Candidate], max_num_drafts: int | None, max_dra
 __all__ = [
     "Candidate",
     "CostModel",
+    "EngineTiming",
     "Plan",
     "PlanEntry",
     "Planner",

@@ -27,6 +27,7 @@ Not here: the prediction (`spectr.planner.predict`).
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -53,20 +54,35 @@ from spectr.warps import SamplingWarp
 
 MIN_TIMED_SECONDS = 0.15  # cheap calls are repeated until they add up to this much (noise on a shared machine)
 MAX_REPEAT_FACTOR = 10
+_min_timed = [MIN_TIMED_SECONDS]  # the current minimum (see `timing_floor`)
+
+
+@contextlib.contextmanager
+def timing_floor(seconds: float):
+    """Within the block, cheap calls are repeated until `seconds` (not MIN_TIMED_SECONDS) are timed.
+
+    The planner's calibration uses a low floor: its cost model only ranks the candidates, and the
+    few it may choose are then timed as whole engine iterations (`spectr.planner.calibrate`)."""
+    previous = _min_timed[0]
+    _min_timed[0] = seconds
+    try:
+        yield
+    finally:
+        _min_timed[0] = previous
 
 
 def mean_seconds(
     call: Callable[[], object], repeats: int, device: torch.device, before: Callable[[], object] | None = None
 ) -> float:
     """Mean wall time of `call` after one untimed call: at least `repeats` timed calls, more (up to
-    10x) for cheap calls until MIN_TIMED_SECONDS have been timed. `before` runs untimed before each
+    10x) for cheap calls until MIN_TIMED_SECONDS (see `timing_floor`) have been timed. `before` runs untimed before each
     timed call (see `cache_evictor`).
 
     The mean, not the median: a generation run pays for every call, preempted ones included, so on a
     shared machine the expected cost per call is what predicts its wall time."""
     call()
     times: list[float] = []
-    while len(times) < repeats or (sum(times) < MIN_TIMED_SECONDS and len(times) < MAX_REPEAT_FACTOR * repeats):
+    while len(times) < repeats or (sum(times) < _min_timed[0] and len(times) < MAX_REPEAT_FACTOR * repeats):
         if before is not None:
             before()
         _sync(device)
