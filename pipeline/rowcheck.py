@@ -234,13 +234,15 @@ def first_budget_problem(values: pa.Array | pa.ChunkedArray, limit: int | None, 
     return offset, budget_problem(values[offset].as_py(), limit)[1]
 
 
-@dataclass(frozen=True)
+@dataclass
 class BudgetCheck:
     """The up-front check of `data.max_new_tokens_column`: `JobInputError` naming the column, the row (and
-    its id) and the file for the first value that is not an integer in [1, limit]."""
+    its id) and the file for the first value that is not an integer in [1, limit]. `largest`: the largest
+    budget seen (the workers size their cache pools with it)."""
 
     column: str
     limit: int | None
+    largest: int = 0
 
     def values(self, values: pa.Array | pa.ChunkedArray, ids: pa.Array | None, first_row: int, where: str,
                text: bool = False) -> None:
@@ -250,11 +252,16 @@ class BudgetCheck:
             offset, problem = found
             row_id = ids[offset].as_py() if ids is not None else first_row + offset
             self._raise(problem, first_row + offset, row_id, where)
+        if len(values):
+            if text and is_text_type(values.type):
+                values = pc.cast(pc.utf8_trim_whitespace(values), pa.int64())
+            self.largest = max(self.largest, int(pc.max(values).as_py()))
 
     def value(self, value: Any, row: int, row_id: Any, where: str) -> None:
-        problem = budget_problem(value, self.limit)[1]
+        budget, problem = budget_problem(value, self.limit)
         if problem:
             self._raise(problem, row, row_id, where)
+        self.largest = max(self.largest, budget)
 
     def _raise(self, problem: str, row: int, row_id: Any, where: str) -> None:
         raise JobInputError(f"{row_where(BUDGET_KEY, row, row_id, where)}: column '{self.column}': {problem}")

@@ -77,6 +77,7 @@ def scan_source(
         csv_header=result.csv_header,
         first_rows=tuple(f.first_row for f in files),
         budget_column=data.max_new_tokens_column,
+        max_budget=None if budgets is None else budgets.largest,
     )
 
 

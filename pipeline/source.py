@@ -104,6 +104,7 @@ class Source:
     csv_header: tuple[str, ...] | None = None
     first_rows: tuple[int, ...] = field(default=())
     budget_column: str | None = None  # data.max_new_tokens_column (checked by the scan)
+    max_budget: int | None = None  # the largest of its values (the workers size their cache pools with it)
 
     def pieces(self, start: int, stop: int) -> list[Piece]:
         found = []

@@ -20,7 +20,8 @@ and takes the rows that were held back):
   shard's prompts and observes, at every shard end, the rows that finished since its last observation
   (accepted draft positions, target calls, mean rows per batched target call);
 - when a row needs more positions than the pool holds: the capacity is the first shard's longest
-  prompt + budget rounded up to a power of two (at most the models' positions), grown the same way;
+  prompt + the largest budget (the input's, when the caller sets `max_budget`; else the first
+  shard's), rounded up to a power of two and at most the models' positions; grown the same way;
 - after a `step()` that raised: the rows that were in the batcher are re-run one by one with
   `spectr.generate` (a row's output does not depend on its batch, so this loses nothing), so only a
   row that fails alone gets an error; the next rows go into a fresh batcher.
@@ -137,6 +138,7 @@ class ShardFeed:
         self.config: EngineConfig | None = None
         self._next: EngineConfig | None = None  # drain-then-switch: built once the batcher is idle
         self._limit: int | None = None  # the models' positions
+        self.max_budget: int | None = None  # the input's largest budget, when the caller knows it
         self.allocations = 0  # batchers built (cache pools allocated)
         self.planner: Any = None
         self.calibration_s = 0.0
@@ -347,7 +349,8 @@ class ShardFeed:
         first = [row for shard_run, row in self._held if shard_run is self._held[0][0]]
         self._limit = model_limit([HFCausalLM(self.target, role="target"), HFCausalLM(self.draft, role="draft")])
         fits = [r for r in first if self._limit is None or len(r.prompt) + r.budget <= self._limit]
-        capacity = self._capacity(max((len(r.prompt) + r.budget for r in fits), default=2))
+        budget = max([r.budget for r in fits] + [self.max_budget or 0], default=1)
+        capacity = self._capacity(max((len(r.prompt) for r in fits), default=1) + budget)
         if s.method != "auto":
             return EngineConfig(s.method, s.num_drafts, s.draft_length, capacity)
         self._calibrate([r.prompt for r in fits] or [first[0].prompt[:1]])

@@ -158,6 +158,7 @@ class ShardGenerator:
             )
         with self._text_lock:
             shard = load_shard(task, job.source, self.tokenizer, job.data, self.spectr.seed, self.cache)
+        self.feed.max_budget = job.source.max_budget  # the pool is sized for the input's largest budget
         result = self(shard)
         output = fs.resolve(job.output_uri, "output_dir")
         schema = with_plan(job.schema, result.plan)  # method=auto: the plan that generated this shard
