@@ -43,6 +43,7 @@ class DataConfig:
     chat: bool = False  # apply the target tokenizer's chat template to `messages_column`
     messages_column: str = "messages"
     add_special_tokens: bool = True
+    max_new_tokens_column: str | None = None  # each row's budget from this integer column (None: spectr.max_new_tokens)
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,13 @@ def check_data(d: DataConfig) -> None:
         raise out_of_range("data.format", f"one of {', '.join(DATA_FORMATS)}", d.format)
     if d.limit is not None and d.limit < 1:
         raise out_of_range("data.limit", ">= 1 or null (all rows)", d.limit)
+    if d.max_new_tokens_column is not None:
+        others = {d.id_column, d.messages_column if d.chat else d.prompt_column}
+        if not d.max_new_tokens_column.strip() or d.max_new_tokens_column in others:
+            raise out_of_range(
+                "data.max_new_tokens_column", "null or a column other than the prompt and id columns",
+                d.max_new_tokens_column,
+            )  # fmt: skip
 
 
 def check_mlflow(m: MlflowConfig) -> None:

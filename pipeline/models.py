@@ -61,6 +61,32 @@ def vocab_size_of(model_dir: Path, trust_remote_code: bool) -> int:
     return int(text_config.vocab_size)
 
 
+def positions_of(model_dir: Path, trust_remote_code: bool) -> int | None:
+    """The longest sequence the model takes (its positions, and its sliding window when it has one), from
+    its config; None when it declares none (as `spectr.hf` reads them)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limits = [getattr(text_config, "max_position_embeddings", None)]
+    layer_types = getattr(text_config, "layer_types", None)
+    if layer_types is None or "sliding_attention" in layer_types:
+        limits.append(getattr(text_config, "sliding_window", None))
+    found = [int(limit) for limit in limits if limit is not None]
+    return min(found) if found else None
+
+
+def max_new_tokens_limit(model: ModelConfig) -> int | None:
+    """The most new tokens a row can have with this pair: the positions both models take, less one for
+    the prompt's token (None when neither declares a limit)."""
+    found = [
+        positions_of(check_model_dir(path, key, model.allow_pickle), model.trust_remote_code)
+        for key, path in (("model.target", model.target), ("model.draft", model.draft))
+    ]
+    found = [limit for limit in found if limit is not None]
+    return min(found) - 1 if found else None
+
+
 def load_tokenizer(model_dir: Path, key: str, trust_remote_code: bool) -> Any:
     from transformers import AutoTokenizer
 

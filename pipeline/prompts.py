@@ -27,7 +27,7 @@ from pipeline import fs
 from pipeline.config import DataConfig
 from pipeline.errors import JobInputError
 from pipeline.linescan import split_records
-from pipeline.rowcheck import messages_problem, prompt_problem, row_where
+from pipeline.rowcheck import BUDGET_KEY, budget_problem, messages_problem, prompt_problem, row_where
 from pipeline.source import Piece, Source, format_of, list_source
 
 __all__ = ["PromptRows", "PromptTable", "ReadCache", "detect_format", "read_prompts", "read_rows"]
@@ -47,6 +47,7 @@ class PromptRows:
     texts: list[str | None] | None  # outside chat mode
     messages: list[list[dict[str, str]] | None] | None  # in chat mode
     problems: list[str | None]
+    budgets: list[int | None] | None = None  # with data.max_new_tokens_column: each row's max_new_tokens
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -89,9 +90,10 @@ def read_rows(source: Source, start: int, stop: int, cache: ReadCache | None = N
     cache = cache or ReadCache()
     ids: list[Any] = []
     values: list[Any] = []
+    budgets: list[Any] = []
     wheres: list[str] = []
     for piece in source.pieces(start, stop):
-        piece_ids, piece_values = _read_piece(source, piece, cache)
+        piece_ids, piece_values, piece_budgets = _read_piece(source, piece, cache)
         if len(piece_values) != piece.stop - piece.start:
             raise InputChangedError(
                 f"data.path: {source.files[piece.file].uri}: expected {piece.stop - piece.start} rows from row "
@@ -100,8 +102,12 @@ def read_rows(source: Source, start: int, stop: int, cache: ReadCache | None = N
         first = source.files[piece.file].first_row + piece.start
         ids.extend(piece_ids if piece_ids is not None else range(first, first + len(piece_values)))
         values.extend(piece_values)
+        budgets.extend(piece_budgets or [])
         wheres.extend([source.files[piece.file].uri] * len(piece_values))
-    return _checked(source, start, ids, values, wheres)
+    rows = _checked(source, start, ids, values, wheres)
+    if source.budget_column is not None:
+        rows.budgets = _checked_budgets(source, start, rows, budgets, wheres)
+    return rows
 
 
 def _checked(source: Source, start: int, ids: list[Any], values: list[Any], wheres: list[str]) -> PromptRows:
@@ -121,7 +127,24 @@ def _checked(source: Source, start: int, ids: list[Any], values: list[Any], wher
     return PromptRows(ids, checked, None, problems)
 
 
-def _read_piece(source: Source, piece: Piece, cache: ReadCache) -> tuple[list[Any] | None, list[Any]]:
+def _checked_budgets(
+    source: Source, start: int, rows: PromptRows, values: list[Any], wheres: list[str]
+) -> list[int | None]:
+    """Each row's max_new_tokens (the driver's scan checked them; a row that no longer passes gets a problem)."""
+    budgets: list[int | None] = []
+    for offset, (value, where) in enumerate(zip(values, wheres)):
+        budget, problem = budget_problem(value, None, text=source.format == "csv")
+        budgets.append(budget)
+        if problem and not rows.problems[offset]:
+            at = row_where(BUDGET_KEY, start + offset, rows.ids[offset], where)
+            rows.problems[offset] = f"{at}: column '{source.budget_column}': {problem}"
+    return budgets
+
+
+def _read_piece(
+    source: Source, piece: Piece, cache: ReadCache
+) -> tuple[list[Any] | None, list[Any], list[Any] | None]:
+    """(ids or None, prompt values, budget values or None) of one piece."""
     readers = {"jsonl": _read_jsonl, "csv": _read_csv, "parquet": _read_parquet, "hf_disk": _read_arrow}
     return readers[source.format](source, piece, cache)
 
@@ -140,54 +163,67 @@ def jsonl_record(
     return record
 
 
-def _read_jsonl(source: Source, piece: Piece, cache: ReadCache) -> tuple[list[Any] | None, list[Any]]:
+def _read_jsonl(source: Source, piece: Piece, cache: ReadCache) -> tuple[list[Any] | None, list[Any], Any]:
     uri = source.files[piece.file].uri
     data = fs.read_range(fs.resolve(uri, "data.path"), piece.byte_start, piece.byte_stop)
     records = [jsonl_record(raw, uri, offset=piece.byte_start) for raw in split_records(data)]
     values = [record.get(source.text_column) for record in records]
     ids = [record.get(source.id_column) for record in records] if source.id_column else None
-    return ids, values
+    budgets = [record.get(source.budget_column) for record in records] if source.budget_column else None
+    return ids, values, budgets
 
 
 def csv_options(
-    source_header: tuple[str, ...], text: str, id_column: str | None, id_type: pa.DataType | None
+    source_header: tuple[str, ...],
+    text: str,
+    id_column: str | None,
+    id_type: pa.DataType | None,
+    budget_column: str | None = None,
 ):
-    """pyarrow.csv options that read header-less records with the file's column names."""
+    """pyarrow.csv options that read header-less records with the file's column names (the budget column
+    as text: `pipeline.rowcheck` parses it, and names the row of a value that is not an integer)."""
     import pyarrow.csv as pacsv
 
     types = {text: pa.string()}
     if id_column and id_type is not None:
         types[id_column] = id_type
+    if budget_column:
+        types[budget_column] = pa.string()
     return (
         pacsv.ReadOptions(column_names=list(source_header), block_size=4 << 20),
         pacsv.ParseOptions(newlines_in_values=True),
         pacsv.ConvertOptions(
             column_types=types,
-            include_columns=[text] + ([id_column] if id_column else []),
+            include_columns=[text] + ([id_column] if id_column else []) + ([budget_column] if budget_column else []),
             strings_can_be_null=True,
         ),
     )
 
 
-def _read_csv(source: Source, piece: Piece, cache: ReadCache) -> tuple[list[Any] | None, list[Any]]:
+def _read_csv(source: Source, piece: Piece, cache: ReadCache) -> tuple[list[Any] | None, list[Any], Any]:
     import pyarrow.csv as pacsv
 
     uri = source.files[piece.file].uri
     data = fs.read_range(fs.resolve(uri, "data.path"), piece.byte_start, piece.byte_stop)
     id_type = pa.int64() if source.id_kind == "int" else pa.string()
-    read, parse, convert = csv_options(source.csv_header or (), source.text_column, source.id_column, id_type)
+    read, parse, convert = csv_options(
+        source.csv_header or (), source.text_column, source.id_column, id_type, source.budget_column
+    )
     table = pacsv.read_csv(
         pa.BufferReader(data), read_options=read, parse_options=parse, convert_options=convert
     )
-    ids = table.column(source.id_column).to_pylist() if source.id_column else None
-    return ids, table.column(source.text_column).to_pylist()
+    return _split(source, table)
 
 
 def _columns(source: Source) -> list[str]:
-    return [source.text_column] + ([source.id_column] if source.id_column else [])
+    return (
+        [source.text_column]
+        + ([source.id_column] if source.id_column else [])
+        + ([source.budget_column] if source.budget_column else [])
+    )
 
 
-def _read_parquet(source: Source, piece: Piece, cache: ReadCache) -> tuple[list[Any] | None, list[Any]]:
+def _read_parquet(source: Source, piece: Piece, cache: ReadCache) -> tuple[list[Any] | None, list[Any], Any]:
     uri = source.files[piece.file].uri
     parquet, starts = cache.parquet(uri)
     first = bisect.bisect_right(starts, piece.start) - 1
@@ -197,14 +233,15 @@ def _read_parquet(source: Source, piece: Piece, cache: ReadCache) -> tuple[list[
     return _split(source, table)
 
 
-def _read_arrow(source: Source, piece: Piece, cache: ReadCache) -> tuple[list[Any] | None, list[Any]]:
+def _read_arrow(source: Source, piece: Piece, cache: ReadCache) -> tuple[list[Any] | None, list[Any], Any]:
     table = cache.arrow(source.files[piece.file].uri)
     return _split(source, table.slice(piece.start, piece.stop - piece.start).select(_columns(source)))
 
 
-def _split(source: Source, table: pa.Table) -> tuple[list[Any] | None, list[Any]]:
+def _split(source: Source, table: pa.Table) -> tuple[list[Any] | None, list[Any], list[Any] | None]:
     ids = table.column(source.id_column).to_pylist() if source.id_column else None
-    return ids, table.column(source.text_column).to_pylist()
+    budgets = table.column(source.budget_column).to_pylist() if source.budget_column else None
+    return ids, table.column(source.text_column).to_pylist(), budgets
 
 
 class ReadCache:

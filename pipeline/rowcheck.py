@@ -7,6 +7,8 @@ only when two hashes are equal, reads the ids again to name the rows and confirm
 
 `prompt_problem` and `messages_problem` say what is wrong with one row's prompt or chat messages, in the
 words every message of this project uses ("row 3 (id 'b') of p.jsonl: prompt is int 7, expected a string").
+`budget_problem` and `BudgetCheck` do the same for a row's `data.max_new_tokens_column` value (an
+integer >= 1, within the models' limit), one value or an Arrow batch at a time.
 
 Not here: reading files (`pipeline.prompts`, `pipeline.source`).
 """
@@ -14,7 +16,9 @@ Not here: reading files (`pipeline.prompts`, `pipeline.source`).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -174,3 +178,90 @@ def messages_problem(value: Any, column: str) -> tuple[list[dict[str, str]] | No
             return None, f"message {i} must have string 'role' and 'content', got {short(message)}"
         messages.append({"role": message["role"], "content": message["content"]})
     return messages, None
+
+
+BUDGET_KEY = "data.max_new_tokens_column"
+_INT_TEXT = re.compile(r"[+-]?\d+")
+
+
+def budget_problem(value: Any, limit: int | None, text: bool = False) -> tuple[int | None, str | None]:
+    """(the budget, None) for a usable max_new_tokens value, else (None, what is wrong).
+
+    limit: the most new tokens the models can take (their positions - 1: a prompt has a token), or None;
+    text: the value is a CSV field, where digits are an integer."""
+    if text and isinstance(value, str) and _INT_TEXT.fullmatch(value.strip()):
+        value = int(value.strip())
+    if value is None:
+        return None, "max_new_tokens is null, expected an integer >= 1"
+    if isinstance(value, bool) or not isinstance(value, int):
+        return None, f"max_new_tokens is {type(value).__name__} {short(value)}, expected an integer >= 1"
+    if value < 1:
+        return None, f"max_new_tokens is {value}, expected an integer >= 1"
+    if limit is not None and value > limit:
+        return None, (
+            f"max_new_tokens is {value}, over the models' limit of {limit} new tokens "
+            f"({limit + 1} positions, a prompt token included)"
+        )
+    return value, None
+
+
+def first_budget_problem(values: pa.Array | pa.ChunkedArray, limit: int | None, text: bool = False) -> tuple[int, str] | None:
+    """(offset, what is wrong) of the first unusable max_new_tokens of an Arrow array, or None.
+
+    Integer columns are checked in C++ (nulls, values < 1, values over `limit`); a text column (CSV) is
+    parsed there too; anything else, or text that does not parse, is looked at value by value."""
+    if isinstance(values, pa.ChunkedArray):
+        values = values.combine_chunks()
+    if pa.types.is_dictionary(values.type):
+        values = values.dictionary_decode()
+    if text and is_text_type(values.type):
+        try:
+            values = pc.cast(pc.utf8_trim_whitespace(values), pa.int64())
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            pass
+    if not pa.types.is_integer(values.type):
+        for offset, value in enumerate(values.to_pylist()):
+            problem = budget_problem(value, limit, text)[1]
+            if problem:
+                return offset, problem
+        return None
+    bad = pc.or_kleene(pc.is_null(values), pc.less(values, 1))
+    if limit is not None:
+        bad = pc.or_kleene(bad, pc.greater(values, limit))
+    if not pc.any(bad).as_py():
+        return None
+    offset = int(pc.index(bad, True).as_py())
+    return offset, budget_problem(values[offset].as_py(), limit)[1]
+
+
+@dataclass
+class BudgetCheck:
+    """The up-front check of `data.max_new_tokens_column`: `JobInputError` naming the column, the row (and
+    its id) and the file for the first value that is not an integer in [1, limit]. `largest`: the largest
+    budget seen (the workers size their cache pools with it)."""
+
+    column: str
+    limit: int | None
+    largest: int = 0
+
+    def values(self, values: pa.Array | pa.ChunkedArray, ids: pa.Array | None, first_row: int, where: str,
+               text: bool = False) -> None:
+        """A batch of values whose first row has global index `first_row` (ids: the batch's, or None)."""
+        found = first_budget_problem(values, self.limit, text)
+        if found is not None:
+            offset, problem = found
+            row_id = ids[offset].as_py() if ids is not None else first_row + offset
+            self._raise(problem, first_row + offset, row_id, where)
+        if len(values):
+            if text and is_text_type(values.type):
+                values = pc.cast(pc.utf8_trim_whitespace(values), pa.int64())
+            self.largest = max(self.largest, int(pc.max(values).as_py()))
+
+    def value(self, value: Any, row: int, row_id: Any, where: str) -> None:
+        budget, problem = budget_problem(value, self.limit)
+        if problem:
+            self._raise(problem, row, row_id, where)
+        self.largest = max(self.largest, budget)
+
+    def _raise(self, problem: str, row: int, row_id: Any, where: str) -> None:
+        raise JobInputError(f"{row_where(BUDGET_KEY, row, row_id, where)}: column '{self.column}': {problem}")

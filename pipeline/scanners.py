@@ -28,7 +28,14 @@ from pipeline.config import DataConfig
 from pipeline.errors import JobInputError
 from pipeline.linescan import Block, ScanError, scan_records
 from pipeline.prompts import csv_options, jsonl_record, read_arrow_table
-from pipeline.rowcheck import IdChecker, id_kind_of_type, id_value_problem, prompt_problem, row_where
+from pipeline.rowcheck import (
+    BudgetCheck,
+    IdChecker,
+    id_kind_of_type,
+    id_value_problem,
+    prompt_problem,
+    row_where,
+)
 from pipeline.source import (
     ID_BATCH_ROWS,
     InputFile,
@@ -41,12 +48,18 @@ from pipeline.source import (
 )
 
 
-def scan_source(data: DataConfig, listing: SourceListing, shard_size: int) -> Source:
-    """Row counts, shard offsets and every up-front check; see the module docstring."""
+def scan_source(
+    data: DataConfig, listing: SourceListing, shard_size: int, max_new_tokens_limit: int | None = None
+) -> Source:
+    """Row counts, shard offsets and every up-front check; see the module docstring.
+
+    max_new_tokens_limit: the most new tokens the models take (with `data.max_new_tokens_column`)."""
     scan = {"parquet": scan_parquet, "hf_disk": scan_arrow, "jsonl": scan_jsonl, "csv": scan_csv}
     if listing.format not in scan:
         raise JobInputError(f"data.format: unknown format {listing.format!r}")
-    result = scan[listing.format](data, listing, shard_size)
+    column = data.max_new_tokens_column
+    budgets = None if column is None else BudgetCheck(column, max_new_tokens_limit)
+    result = scan[listing.format](data, listing, shard_size, budgets)
     if result.num_rows == 0:
         raise JobInputError(f"data.path: {listing.path} holds no rows")
     column, _ = text_column(data)
@@ -63,6 +76,8 @@ def scan_source(data: DataConfig, listing: SourceListing, shard_size: int) -> So
         chat=data.chat,
         csv_header=result.csv_header,
         first_rows=tuple(f.first_row for f in files),
+        budget_column=data.max_new_tokens_column,
+        max_budget=None if budgets is None else budgets.largest,
     )
 
 
@@ -100,7 +115,9 @@ def _open_parquet(uri: str) -> Any:
         raise JobInputError(f"data.path: cannot read {uri} as Parquet: {str(err).splitlines()[0]}") from None
 
 
-def scan_parquet(data: DataConfig, listing: SourceListing, shard_size: int) -> ScanResult:
+def scan_parquet(
+    data: DataConfig, listing: SourceListing, shard_size: int, budgets: BudgetCheck | None = None
+) -> ScanResult:
     checker = IdChecker(data.id_column, listing.path)
     files: list[InputFile] = []
     total, has_id = 0, None
@@ -117,6 +134,8 @@ def scan_parquet(data: DataConfig, listing: SourceListing, shard_size: int) -> S
         if has_id:
             for ids, first in _parquet_ids(parquet, data.id_column, rows, total):
                 checker.add(ids, first)
+        if budgets is not None:
+            _parquet_budgets(parquet, budgets, data.id_column if has_id else None, rows, total, f.uri)
         files.append(dataclasses.replace(f, num_rows=rows, first_row=total))
         total += rows
 
@@ -130,13 +149,27 @@ def scan_parquet(data: DataConfig, listing: SourceListing, shard_size: int) -> S
 
 
 def _parquet_ids(parquet: Any, column: str, rows: int, first_row: int) -> Iterator[tuple[pa.Array, int]]:
+    for batch, first in _parquet_batches(parquet, [column], rows, first_row):
+        yield batch.column(0), first
+
+
+def _parquet_batches(parquet: Any, columns: list[str], rows: int, first_row: int) -> Iterator[tuple[Any, int]]:
+    """The file's first `rows` rows of `columns`, in record batches, with each batch's first global row."""
     done = 0
-    for batch in parquet.iter_batches(batch_size=ID_BATCH_ROWS, columns=[column]):
+    for batch in parquet.iter_batches(batch_size=ID_BATCH_ROWS, columns=columns):
         take = min(batch.num_rows, rows - done)
-        yield batch.column(0).slice(0, take), first_row + done
+        yield batch.slice(0, take), first_row + done
         done += take
         if done >= rows:
             return
+
+
+def _parquet_budgets(
+    parquet: Any, budgets: BudgetCheck, id_column: str | None, rows: int, first_row: int, where: str
+) -> None:
+    columns = [budgets.column] + ([id_column] if id_column else [])
+    for batch, first in _parquet_batches(parquet, columns, rows, first_row):
+        budgets.values(batch.column(0), batch.column(1) if id_column else None, first, where)
 
 
 def _parquet_null_prompts(
@@ -164,7 +197,9 @@ def _parquet_null_prompts(
 # --- Arrow (datasets.save_to_disk) ---------------------------------------------------------------------
 
 
-def scan_arrow(data: DataConfig, listing: SourceListing, shard_size: int) -> ScanResult:
+def scan_arrow(
+    data: DataConfig, listing: SourceListing, shard_size: int, budgets: BudgetCheck | None = None
+) -> ScanResult:
     checker = IdChecker(data.id_column, listing.path)
     column, key = text_column(data)
     files: list[InputFile] = []
@@ -183,6 +218,8 @@ def scan_arrow(data: DataConfig, listing: SourceListing, shard_size: int) -> Sca
             ids = batch.column(data.id_column).combine_chunks() if has_id else None
             if not data.chat:
                 _null_prompt(batch.column(column).combine_chunks(), ids, total + start, key, f.uri)
+            if budgets is not None:
+                budgets.values(batch.column(budgets.column), ids, total + start, f.uri)
             if ids is not None:
                 checker.add(ids, total + start)
         files.append(dataclasses.replace(f, num_rows=rows, first_row=total))
@@ -269,12 +306,16 @@ def _reread_text(files: list[InputFile], quoted: bool, ids_of: Callable[[Block, 
 class JsonlChecker:
     """Each JSONL block: ids and prompts through pyarrow's JSON reader, or line by line when it objects."""
 
-    def __init__(self, data: DataConfig, checker: IdChecker, has_id: bool, id_kind: str | None):
-        self.data, self.checker, self.has_id = data, checker, has_id
+    def __init__(
+        self, data: DataConfig, checker: IdChecker, has_id: bool, id_kind: str | None, budgets: BudgetCheck | None
+    ):
+        self.data, self.checker, self.has_id, self.budgets = data, checker, has_id, budgets
         self.column, self.key = text_column(data)
         fields = [(data.id_column, pa.int64() if id_kind == "int" else pa.string())] if has_id else []
         if not data.chat:
             fields.append((self.column, pa.string()))
+        if budgets is not None:
+            fields.append((budgets.column, pa.int64()))
         self.schema = pa.schema(fields)
 
     def parse(self, block: Block) -> pa.Table | None:
@@ -302,6 +343,8 @@ class JsonlChecker:
                 _null_prompt(
                     table.column(self.column).combine_chunks(), ids, block.first_row, self.key, where
                 )
+            if self.budgets is not None:
+                self.budgets.values(table.column(self.budgets.column), ids, block.first_row, where)
         if self.has_id:
             self.checker.add(ids, block.first_row)
 
@@ -328,6 +371,8 @@ class JsonlChecker:
             problem = None if self.data.chat else prompt_problem(record.get(self.column))
             if problem:
                 raise JobInputError(f"{row_where(self.key, row, row_id, where)}: {problem}")
+            if self.budgets is not None:
+                self.budgets.value(record.get(self.budgets.column), row, row_id, where)
             row += 1
         return pa.array(ids, type=self.schema.field(0).type) if self.has_id else pa.array([], pa.int64())
 
@@ -349,7 +394,9 @@ def check_id_value(value: Any, row: int, where: str, column: str) -> str:
     return "str" if isinstance(value, str) else "int"
 
 
-def scan_jsonl(data: DataConfig, listing: SourceListing, shard_size: int) -> ScanResult:
+def scan_jsonl(
+    data: DataConfig, listing: SourceListing, shard_size: int, budgets: BudgetCheck | None = None
+) -> ScanResult:
     first = _first_record(listing.files[0].uri, quoted=False)
     if first is None:
         raise JobInputError(f"data.path: {listing.path} holds no rows")
@@ -361,7 +408,7 @@ def scan_jsonl(data: DataConfig, listing: SourceListing, shard_size: int) -> Sca
             record[data.id_column], first.first_row, listing.files[0].uri, data.id_column
         )
     checker = IdChecker(data.id_column, listing.path)
-    check = JsonlChecker(data, checker, has_id, id_kind)
+    check = JsonlChecker(data, checker, has_id, id_kind, budgets)
     files, total = _scan_text_files(data, listing, shard_size, quoted=False, check=check)
     if has_id:
         checker.finish(lambda: _reread_text(files, False, check.ids))
@@ -372,8 +419,11 @@ class CsvChecker:
     """Each CSV block through pyarrow's CSV reader with the header's names; the first block decides
     whether the ids are ints or strings, as pyarrow's own type inference would."""
 
-    def __init__(self, data: DataConfig, checker: IdChecker, header: tuple[str, ...], has_id: bool):
-        self.data, self.checker, self.header, self.has_id = data, checker, header, has_id
+    def __init__(
+        self, data: DataConfig, checker: IdChecker, header: tuple[str, ...], has_id: bool,
+        budgets: BudgetCheck | None = None,
+    ):  # fmt: skip
+        self.data, self.checker, self.header, self.has_id, self.budgets = data, checker, header, has_id, budgets
         self.column, self.key = text_column(data)
         self.id_type: pa.DataType | None = None
 
@@ -381,7 +431,8 @@ class CsvChecker:
         import pyarrow.csv as pacsv
 
         id_column = self.data.id_column if self.has_id else None
-        read, parse, convert = csv_options(self.header, self.column, id_column, self.id_type)
+        budget_column = None if self.budgets is None else self.budgets.column
+        read, parse, convert = csv_options(self.header, self.column, id_column, self.id_type, budget_column)
         try:
             table = pacsv.read_csv(
                 pa.BufferReader(block.data), read_options=read, parse_options=parse, convert_options=convert
@@ -406,6 +457,8 @@ class CsvChecker:
             self.id_type = ids.type if id_kind_of_type(ids.type) else None
         if not self.data.chat:
             _null_prompt(table.column(self.column).combine_chunks(), ids, block.first_row, self.key, where)
+        if self.budgets is not None:
+            self.budgets.values(table.column(self.budgets.column), ids, block.first_row, where, text=True)
         if ids is not None:
             self.checker.add(ids, block.first_row)
 
@@ -428,14 +481,16 @@ def _csv_header(uri: str) -> tuple[str, ...]:
     return tuple(names)
 
 
-def scan_csv(data: DataConfig, listing: SourceListing, shard_size: int) -> ScanResult:
+def scan_csv(
+    data: DataConfig, listing: SourceListing, shard_size: int, budgets: BudgetCheck | None = None
+) -> ScanResult:
     header = _csv_header(listing.files[0].uri)
     for f in listing.files[1:]:
         if _csv_header(f.uri) != header:
             raise JobInputError(f"data.path: {f.uri} has other CSV columns than {listing.files[0].uri}")
     has_id = check_columns(list(header), None, data, listing.files[0].uri)
     checker = IdChecker(data.id_column, listing.path)
-    check = CsvChecker(data, checker, header, has_id)
+    check = CsvChecker(data, checker, header, has_id, budgets)
     files, total = _scan_text_files(data, listing, shard_size, quoted=True, check=check)
     if has_id:
         checker.finish(lambda: _reread_text(files, True, check.ids))

@@ -12,8 +12,9 @@ every format is streamed once through `pipeline.rowcheck.IdChecker` (8 bytes per
 O(number of shards) plus those 8 bytes per row; no prompt text is kept.
 
 Checks here, before anything is written: a missing file or bucket, an unknown format, an empty input, a
-missing prompt or messages column, a prompt column that is not text, null/typed/mixed/duplicate ids, and
-for JSONL and CSV every row's JSON and prompt. Left to the workers (error rows): Parquet prompts that are
+missing prompt or messages column, a prompt column that is not text, null/typed/mixed/duplicate ids, for
+JSONL and CSV every row's JSON and prompt, and with `data.max_new_tokens_column` every row's budget (an
+integer >= 1 within the models' positions, `pipeline.rowcheck.BudgetCheck`). Left to the workers (error rows): Parquet prompts that are
 null when the file has no statistics, chat messages that are malformed, and prompts the model cannot take.
 
 This module holds the listing and the types; the per-format scans that fill in a `Source` are in
@@ -102,6 +103,8 @@ class Source:
     chat: bool
     csv_header: tuple[str, ...] | None = None
     first_rows: tuple[int, ...] = field(default=())
+    budget_column: str | None = None  # data.max_new_tokens_column (checked by the scan)
+    max_budget: int | None = None  # the largest of its values (the workers size their cache pools with it)
 
     def pieces(self, start: int, stop: int) -> list[Piece]:
         found = []
@@ -245,7 +248,8 @@ class ScanResult:
 
 
 def check_columns(names: list[str], schema: pa.Schema | None, data: DataConfig, where: str) -> bool:
-    """The text column is there (and is text, outside chat mode); returns whether the id column is."""
+    """The text column is there (and is text, outside chat mode), and the budget column when one is set
+    (integers, where the file has a schema); returns whether the id column is."""
     column, key = text_column(data)
     if column not in names:
         raise JobInputError(
@@ -254,6 +258,17 @@ def check_columns(names: list[str], schema: pa.Schema | None, data: DataConfig, 
     if schema is not None and not data.chat and not is_text_type(schema.field(column).type):
         raise JobInputError(
             f"{key}: column '{column}' of {where} holds {schema.field(column).type}, expected strings"
+        )
+    budget = data.max_new_tokens_column
+    if budget is not None and budget not in names:
+        raise JobInputError(
+            f"data.max_new_tokens_column: column '{budget}' not found in {where}; columns are: "
+            f"{', '.join(sorted(names)) or '(none)'}"
+        )
+    if budget is not None and schema is not None and not pa.types.is_integer(schema.field(budget).type):
+        raise JobInputError(
+            f"data.max_new_tokens_column: column '{budget}' of {where} holds {schema.field(budget).type}, "
+            "expected integers"
         )
     if (
         schema is not None

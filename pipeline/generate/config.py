@@ -192,9 +192,12 @@ def generation_settings(c: GenerateConfig) -> dict[str, Any]:
     """
     spectr = dataclasses.asdict(c.spectr)
     spectr.pop("batch_size")
+    data = dataclasses.asdict(c.data)
+    if data["max_new_tokens_column"] is None:
+        data.pop("max_new_tokens_column")  # unset, the hash is the one output dirs written before it had
     return {
         "model": {"target": c.model.target, "draft": c.model.draft, "dtype": c.model.dtype},
-        "data": dataclasses.asdict(c.data),
+        "data": data,
         "spectr": spectr,
         "shard_size": c.shard_size,
     }

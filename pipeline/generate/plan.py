@@ -107,7 +107,8 @@ def prepare(config: GenerateConfig) -> JobPlan:
     check_free(output, config.lease_timeout_s)
     existing = check_output_dir(output, config_hash, settings)
 
-    source = scan_source(config.data, listing, config.shard_size)  # the one pass over the rows' metadata
+    limit = models.max_new_tokens_limit(config.model) if config.data.max_new_tokens_column else None
+    source = scan_source(config.data, listing, config.shard_size, limit)  # the one pass over the rows' metadata
     shards = num_shards(source.num_rows, config.shard_size)
     if existing is not None and (existing.num_rows, existing.num_shards) != (source.num_rows, shards):
         raise JobInputError(

@@ -1,8 +1,8 @@
 """Progress of the generation job: batch-level counts from the actors, and the driver's progress bar.
 
-Actors report each finished batch to a small `ShardProgress` Ray actor (fire and forget, through
-`BatchReporter`); the driver polls it while it waits for shards (`rows_in_flight`) and draws a tqdm bar
-(`ProgressBar`) that moves batch by batch inside a shard. Progress is best effort: it never stops
+Actors report rows as they finish (per batch step, per shard) to a small `ShardProgress` Ray actor (fire
+and forget, through `BatchReporter`); the driver polls it while it waits for shards (`rows_in_flight`) and draws a tqdm bar
+(`ProgressBar`) that moves row by row inside a shard. Progress is best effort: it never stops
 generation.
 
 Not here: scheduling (`pipeline.generate.scheduler`), statistics (`pipeline.generate.summary`).
@@ -20,7 +20,7 @@ PROGRESS_POLL_S = 0.5  # how often the driver reads the actors' batch-level prog
 
 
 class ShardProgress:
-    """Rows generated so far in each in-flight shard, reported batch by batch by the actors (a Ray actor).
+    """Rows generated so far in each in-flight shard, reported as they finish by the actors (a Ray actor).
 
     The driver's progress bar reads it while it waits for shards, so a large shard moves the bar batch
     by batch rather than once at its end. A retried shard's count can overshoot (its first attempt's

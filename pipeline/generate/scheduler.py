@@ -1,7 +1,9 @@
 """Handing shards to the job's Ray actors: the actor pool, the shard queue, and the watch on each actor.
 
 Each `ShardGenerator` actor asks for `ray.cpus_per_actor` CPUs (and a GPU when the cluster has GPUs) and
-keeps `ray.shards_per_actor` shards queued, so that it starts the next one the moment it finishes one.
+keeps `ray.shards_per_actor` shards queued. The actor is threaded (`max_concurrency =
+ray.shards_per_actor`): its queued shards run at once, their rows in the actor's one continuous batch, so
+the next shard's prompts take the slots the current one's rows leave before it ends.
 The driver re-queues a shard, on whichever live actor is free first, when:
 
 - its task fails because of the shard (the worker could not read or write): up to `ray.shard_attempts`;
@@ -120,6 +122,9 @@ class ShardActorPool:
             num_gpus=gpus_each,
             max_restarts=config.ray.max_restarts,
             max_task_retries=config.ray.max_task_retries,
+            # a threaded actor: each queued shard runs on its own thread, its rows in the actor's one
+            # continuous batch (pipeline.generate.feed), so the next shard fills the slots the last one leaves
+            max_concurrency=config.ray.shards_per_actor,
         )
         if fs.forwarded_env():  # object-store credentials and endpoint, for actors on any node
             options["runtime_env"] = {"env_vars": fs.forwarded_env()}

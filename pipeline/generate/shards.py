@@ -3,8 +3,8 @@
 Shard i holds rows [i * shard_size, (i + 1) * shard_size) in input order, so the same data and
 `shard_size` always give the same shards (which is what makes resume possible). The driver hands out a
 `ShardTask` (an index and a row range: a few integers); the worker turns it into a `Shard` with
-`load_shard`: it reads the rows (`pipeline.prompts.read_rows`), renders chat messages, tokenizes, and
-computes each row's seed, a hash of `spectr.seed` and the row's id that does not depend on the row's
+`load_shard`: it reads the rows (`pipeline.prompts.read_rows`, with each row's budget when
+`data.max_new_tokens_column` is set), renders chat messages, tokenizes, and computes each row's seed, a hash of `spectr.seed` and the row's id that does not depend on the row's
 position, its shard, its batch or the number of actors.
 
 This module does not run the model; `pipeline.generate.worker` turns a `Shard` into rows.
@@ -38,7 +38,8 @@ class ShardTask:
 
 @dataclass(frozen=True)
 class Shard:
-    """One shard's rows in memory (on a worker). `problems[i]`: why row i cannot be generated."""
+    """One shard's rows in memory (on a worker). `problems[i]`: why row i cannot be generated;
+    `max_new_tokens[i]`: row i's budget from `data.max_new_tokens_column` (None: `spectr.max_new_tokens`)."""
 
     index: int
     ids: list[Any]
@@ -46,6 +47,7 @@ class Shard:
     prompt_token_ids: list[list[int]]
     seeds: list[int]
     problems: list[str | None] | None = None
+    max_new_tokens: list[int | None] | None = None
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -83,6 +85,7 @@ def cut_shards(
     prompt_token_ids: list[list[int]],
     shard_size: int,
     base_seed: int,
+    max_new_tokens: list[int] | None = None,
 ) -> list[Shard]:
     """In-memory shards of already tokenized rows (tests and tools; the job loads shards on the workers)."""
     if not (len(ids) == len(prompts) == len(prompt_token_ids)):
@@ -103,6 +106,7 @@ def cut_shards(
                 prompts=list(prompts[rows]),
                 prompt_token_ids=[list(t) for t in prompt_token_ids[rows]],
                 seeds=[row_seed(base_seed, row_id) for row_id in shard_ids],
+                max_new_tokens=None if max_new_tokens is None else list(max_new_tokens[rows]),
             )
         )
     return shards
@@ -125,6 +129,7 @@ def load_shard(
         prompt_token_ids=token_ids,
         seeds=[row_seed(base_seed, row_id) for row_id in rows.ids],
         problems=problems,
+        max_new_tokens=rows.budgets,
     )
 
 

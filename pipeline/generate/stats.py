@@ -17,8 +17,10 @@ import sys
 import time
 from typing import Any
 
-# Statistic fields summed over batches (lists element-wise).
+# Statistic fields summed over batches (lists element-wise). `iterations`: batched target calls (one
+# forward of the target over every row in flight), where `target_calls` counts them per row.
 _SUMMED = (
+    "iterations",
     "tested_positions",
     "draft_seconds",
     "target_seconds",
@@ -32,6 +34,7 @@ _SUMMED_LISTS = ("accepted_per_position", "tokens_per_call_histogram")
 def empty_stats() -> dict[str, Any]:
     stats: dict[str, Any] = {name: 0.0 for name in _SUMMED}
     stats["tested_positions"] = 0
+    stats["iterations"] = 0
     stats.update({name: [] for name in _SUMMED_LISTS})
     stats.update(generated_tokens=0, target_calls=0, prompts_completed=0, prompts_failed=0, shard_seconds=0.0)
     return stats

@@ -8,32 +8,35 @@ only a `ShardResult` of statistics, the file's name, size and row count (never t
 is the in-memory core (a `Shard` in, contract rows out) that tests call directly without Ray;
 `pipeline.generate.scheduler` wraps the class with `ray.remote`.
 
-A batch that fails (e.g. one prompt too long for the model makes `spectr.generate` raise for the whole
-batch) is retried row by row, so that the good rows complete and only the bad rows are written with
-`finish_reason="error"` and the message; a row the input reading already found unusable (a null prompt,
-malformed chat messages) is written the same way without being generated. This class does not talk to
-MLflow.
+Generation is one continuous batch per actor across all the shards it holds (`pipeline.generate.feed`):
+the scheduler queues `ray.shards_per_actor` shards on an actor, which runs them on as many threads; each
+thread's prompts join the actor's one `spectr.ContinuousBatcher` (`spectr.batch_size` rows in flight, one
+cache pool), and a shard is written as soon as its own rows are done, while the others' go on.
+
+A batch step that fails is isolated by re-running its rows one by one, so that only a failing row gets
+`finish_reason="error"` and the message; a prompt the engine refuses (too long for the model) gets its
+error alone; a row the engine stopped (non-finite logits) keeps its tokens and the engine's message; a
+row the input reading already found unusable (a null prompt, malformed chat messages) is written the
+same way without being generated. This class does not talk to MLflow.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.config import DataConfig, ModelConfig
 from pipeline.generate.config import SpectrConfig
+from pipeline.generate.feed import Row, ShardFeed
 from pipeline.generate.shards import Shard, ShardTask, load_shard
-from pipeline.generate.stats import ResourceMeter, device_kind, empty_stats, merge_stats, stats_of
+from pipeline.generate.stats import ResourceMeter, device_kind, empty_stats, merge_stats
 from pipeline.source import Source
 
 log = logging.getLogger(__name__)
-
-AUTO_MAX_DRAFTS = 8  # method=auto: the planner's bounds when spectr.max_num_drafts / max_draft_length are null
-AUTO_MAX_LENGTH = 8
-
 
 @dataclass
 class ShardResult:
@@ -45,6 +48,7 @@ class ShardResult:
     failed: int = 0  # rows with finish_reason=error
     file: str = ""  # the part file's name in the output directory
     bytes: int = 0  # and its size
+    plan: dict[str, Any] | None = None  # method=auto: the plan that generated the shard (`with_plan`)
 
 
 @dataclass(frozen=True)
@@ -82,8 +86,9 @@ class ShardGenerator:
         on_batch: Any = None,
         job: WorkerJob | None = None,
     ):
-        """on_batch(shard_index, rows): called after each batch of a shard (the driver's progress bar);
-        an exception in it is logged and ignored: progress must never fail generation.
+        """on_batch(shard_index, rows): called as a shard's rows finish (the driver's progress bar), from
+        the actor's stepping thread; an exception in it is logged and ignored: progress must never fail
+        generation.
         job: what `generate_shard` needs (the pool sends it with each shard instead, by reference)."""
         import torch
 
@@ -100,6 +105,8 @@ class ShardGenerator:
         self.job = job
         self._job_ref: Any = None
         self.cache = ReadCache()
+        # the shards' threads share the read cache and the tokenizer (a fast tokenizer is not re-entrant)
+        self._text_lock = threading.Lock()
         self.tokenizer = models.load_tokenizer(
             models.check_model_dir(model.target, "model.target", model.allow_pickle),
             "model.target",
@@ -108,8 +115,8 @@ class ShardGenerator:
         self.target = models.load_model(model.target, model, device)
         self.draft = models.load_model(model.draft, model, device)
         self.eos_token_id = models.eos_token_ids_of(self.target, self.tokenizer)  # every EOS id
-        self.planner: Any = None  # method=auto: calibrated on the first batch (spectr.planner)
-        self.calibration_s = 0.0
+        # one continuous batch (one cache pool) for every shard this actor holds, built at the first shard
+        self.feed = ShardFeed(self.target, self.draft, spectr, self.eos_token_id, on_rows=self._report_rows)
 
     def ready(self) -> dict[str, Any]:
         """Where this generator runs (called once so that load errors surface before any shard)."""
@@ -149,46 +156,57 @@ class ShardGenerator:
             raise RuntimeError(
                 "ShardGenerator.generate_shard needs a `job` (at construction or with the shard)"
             )
-        shard = load_shard(task, job.source, self.tokenizer, job.data, self.spectr.seed, self.cache)
+        with self._text_lock:
+            shard = load_shard(task, job.source, self.tokenizer, job.data, self.spectr.seed, self.cache)
+        self.feed.max_budget = job.source.max_budget  # the pool is sized for the input's largest budget
         result = self(shard)
         output = fs.resolve(job.output_uri, "output_dir")
-        schema = with_plan(job.schema, self.plan_record())  # method=auto: this shard's choice in its metadata
+        schema = with_plan(job.schema, result.plan)  # method=auto: the plan that generated this shard
         result.file, result.bytes = write_shard(output, task.index, result.rows, schema, job.part_digits)
         result.rows = None  # the driver gets statistics only
         return result
 
     def __call__(self, shard: Shard) -> ShardResult:
+        """One shard's contract rows, generated in the actor's continuous batch (`ShardFeed.run` blocks until
+        this shard's rows are done; other shards' rows may share the batch meanwhile)."""
+        from spectr import FinishedRow
+
         started = time.perf_counter()
         meter = ResourceMeter(self.device)
-        stats = empty_stats()
         by_position: dict[int, dict[str, Any]] = {}
+        rows: list[Row] = []
         for i in range(len(shard)):
             if shard.problem(i):
                 by_position[i] = self._error_row(shard, i, shard.problem(i))
-        usable = [i for i in range(len(shard)) if i not in by_position]
-        batch_size = self.spectr.batch_size
-        for start in range(0, len(usable), batch_size):
-            batch = usable[start : start + batch_size]
-            for i, row in zip(batch, self._generate_batch(shard, batch, stats)):
-                by_position[i] = row
-            self._report_batch(shard.index, len(batch))
-        rows = [by_position[i] for i in range(len(shard))]
-        stats["prompts_failed"] = sum(row["finish_reason"] == "error" for row in rows)
-        stats["prompts_completed"] = len(rows) - stats["prompts_failed"]
+            else:
+                rows.append(Row(i, shard.prompt_token_ids[i], self._budget(shard, i), shard.seeds[i]))
+        run = self.feed.run(shard.index, rows)
+        with self._text_lock:
+            for i, outcome in run.outcomes.items():
+                is_row = isinstance(outcome, FinishedRow)
+                by_position[i] = self._row(shard, i, outcome) if is_row else self._error_row(shard, i, outcome)
+        out = [by_position[i] for i in range(len(shard))]
+        stats = merge_stats(empty_stats(), run.stats)
+        stats["prompts_failed"] = sum(row["finish_reason"] == "error" for row in out)
+        stats["prompts_completed"] = len(out) - stats["prompts_failed"]
         stats["shard_seconds"] = time.perf_counter() - started
         stats["resources"] = meter.usage()  # per worker, not summed (merge_stats leaves it alone)
-        if self.planner is not None:
-            stats["plan"] = self.planner.plan.describe()
         return ShardResult(
             index=shard.index,
-            rows=rows,
+            rows=out,
             stats=stats,
             worker=self.ready(),
-            num_rows=len(rows),
+            num_rows=len(out),
             failed=stats["prompts_failed"],
+            plan=run.plan,
         )
 
-    def _report_batch(self, shard_index: int, rows: int) -> None:
+    def _budget(self, shard: Shard, i: int) -> int:
+        """Row i's max_new_tokens: its `data.max_new_tokens_column` value, else `spectr.max_new_tokens`."""
+        budgets = shard.max_new_tokens
+        return int(budgets[i]) if budgets is not None and budgets[i] is not None else self.spectr.max_new_tokens
+
+    def _report_rows(self, shard_index: int, rows: int) -> None:
         if self.on_batch is None:
             return
         try:
@@ -196,88 +214,21 @@ class ShardGenerator:
         except Exception as err:  # noqa: BLE001 - progress is best effort
             log.warning("progress report failed (%s: %s); generation goes on", type(err).__name__, err)
 
-    def _generate_batch(
-        self, shard: Shard, positions: list[int], stats: dict[str, Any]
-    ) -> list[dict[str, Any]]:
-        import spectr
-
-        s = self.spectr
-        prompts = [shard.prompt_token_ids[i] for i in positions]
-        seeds = [shard.seeds[i] for i in positions]
-        try:
-            if s.method == "auto":
-                output = self._generate_auto(prompts, seeds)
-            else:
-                output = spectr.generate(
-                    self.target,
-                    self.draft,
-                    prompts,
-                    method=s.method,
-                    num_drafts=s.num_drafts,
-                    draft_length=s.draft_length,
-                    max_new_tokens=s.max_new_tokens,
-                    temperature=s.temperature,
-                    top_k=s.top_k,
-                    top_p=s.top_p,
-                    eos_token_id=self.eos_token_id,
-                    seed=seeds,
-                )
-        except Exception as err:  # noqa: BLE001 - isolated below: only the failing rows get an error row
-            if len(positions) == 1:
-                return [self._error_row(shard, positions[0], f"{type(err).__name__}: {err}")]
-            rows = []
-            for i in positions:  # a row's output does not depend on its batch, so this loses nothing
-                rows.extend(self._generate_batch(shard, [i], stats))
-            return rows
-        merge_stats(stats, stats_of(output.stats))
-        return [self._row(shard, i, output, j) for j, i in enumerate(positions)]
-
-    def _generate_auto(self, prompts: list[list[int]], seeds: list[int]) -> Any:
-        """method=auto: calibrate the planner on the first batch (once per actor), generate with its choice,
-        and let it re-plan when the measured acceptance or the batch's occupancy drifts."""
-        from spectr.planner.auto import auto_planner, generate_auto
-        from spectr.warps import SamplingWarp
-
-        s = self.spectr
-        bounds = dict(num_drafts=s.max_num_drafts or AUTO_MAX_DRAFTS, draft_length=s.max_draft_length or AUTO_MAX_LENGTH)
-        if self.planner is None:
-            self.planner, calibration = auto_planner(
-                self.target, self.draft, prompts, batch_size=s.batch_size,
-                warp=SamplingWarp(s.temperature, s.top_k, s.top_p), seed=s.seed,
-                max_num_drafts=bounds["num_drafts"], max_draft_length=bounds["draft_length"],
-            )
-            self.calibration_s = calibration.seconds
-            log.info("%s (calibration %.1f s)", self.planner.plan.describe(), calibration.seconds)
-        choice = self.planner.choice
-        output = generate_auto(
-            self.target, self.draft, prompts, planner=self.planner, max_new_tokens=s.max_new_tokens,
-            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, eos_token_id=self.eos_token_id, seed=seeds,
-            **bounds,
-        )
-        stats = output.stats
-        self.planner.observe(choice, stats.accepted_per_position, stats.total_target_calls, len(prompts))
-        return output
+    @property
+    def planner(self) -> Any:
+        """method=auto: the planner (calibrated on the first shard), None before."""
+        return self.feed.planner
 
     def plan_record(self) -> dict[str, Any] | None:
-        """method=auto: the planner's current choice and prediction (None before it has run)."""
-        if self.planner is None:
-            return None
-        best = self.planner.plan.best
-        return {
-            "method": best.candidate.method,
-            "num_drafts": best.candidate.num_drafts,
-            "draft_length": best.candidate.draft_length,
-            "predicted_tokens_per_s": best.tokens_per_second,
-            "predicted_speedup_vs_autoregressive": self.planner.plan.speedup,
-            "calibration_s": self.calibration_s,
-            "replans": self.planner.replans,
-            "description": self.planner.plan.describe(),
-        }
+        """method=auto: the plan of the batch running now (None before it has run); each part file records
+        the plan that generated it (`ShardResult.plan`)."""
+        return self.feed.plan_record
 
-    def _row(self, shard: Shard, i: int, output: Any, j: int) -> dict[str, Any]:
-        per_row = output.stats
-        tokens = [int(t) for t in output.tokens[j]]
-        calls = int(per_row.target_calls[j])
+    def _row(self, shard: Shard, i: int, finished: Any) -> dict[str, Any]:
+        """Row i from its `spectr.FinishedRow`; a row the engine stopped (non-finite logits) keeps its
+        tokens so far, finish_reason "error" and the engine's message."""
+        tokens = [int(t) for t in finished.tokens]
+        calls = int(finished.target_calls)
         return {
             "id": shard.ids[i],
             "prompt": shard.prompts[i],
@@ -285,11 +236,11 @@ class ShardGenerator:
             "completion_token_ids": tokens,
             "prompt_tokens": len(shard.prompt_token_ids[i]),
             "completion_tokens": len(tokens),
-            "finish_reason": str(per_row.finish_reason[j]),
+            "finish_reason": str(finished.finish_reason),
             "target_calls": calls,
             "block_efficiency": len(tokens) / calls if calls else 0.0,
             "seed": shard.seeds[i],
-            "error": None,
+            "error": finished.error,
         }
 
     def _error_row(self, shard: Shard, i: int, message: str) -> dict[str, Any]:

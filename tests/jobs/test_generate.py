@@ -193,6 +193,22 @@ BAD_INPUTS = {
     "unknown input scheme": ({"data.path": "nosuch://bucket/p.jsonl"}, "cannot open the URI scheme 'nosuch://'"),
     "unknown output scheme": ({"output_dir": "nosuch://bucket/out"}, "output_dir: cannot open the URI scheme"),
     "output dir held by a live job": ({"output_dir": "{tmp}/held"}, r"held is being written by another job \(host"),
+    "non-integer budget": (
+        {"data.path": "{tmp}/budget_text.jsonl", "data.max_new_tokens_column": "budget"},
+        r"data.max_new_tokens_column: row 1 \(id 2\) of \S*budget_text.jsonl: column 'budget': max_new_tokens is "
+        r"str 'many', expected an integer >= 1",
+    ),
+    "non-positive budget": (
+        {"data.path": "{tmp}/budget_zero.jsonl", "data.max_new_tokens_column": "budget"},
+        r"row 1 \(id 2\) of \S*budget_zero.jsonl: column 'budget': max_new_tokens is 0, expected an integer >= 1",
+    ),
+    "budget over the model's limit": (  # the tiny pair takes 64 positions: at most 63 new tokens
+        {"data.path": "{tmp}/budget_long.jsonl", "data.max_new_tokens_column": "budget"},
+        r"row 1 \(id 2\) of \S*budget_long.jsonl: column 'budget': max_new_tokens is 64, over the models' limit of 63",
+    ),
+    "missing budget column": (
+        {"data.max_new_tokens_column": "budget"}, r"data.max_new_tokens_column: column 'budget' not found in",
+    ),
 }
 
 
@@ -206,6 +222,8 @@ def bad_input_files(tiny_pair, tmp_path_factory):
     (tmp / "prompts.txt").write_text("def x\n")
     _write(tmp / "numbers.jsonl", [{"id": 1, "prompt": "def"}, {"id": 2, "prompt": 5}])
     _write(tmp / "dupes.jsonl", [{"id": 1, "prompt": "def"}, {"id": 1, "prompt": "x"}])
+    for name, budget in (("text", "many"), ("zero", 0), ("long", 64)):
+        _write(tmp / f"budget_{name}.jsonl", [{"id": 1, "prompt": "def", "budget": 8}, {"id": 2, "prompt": "x", "budget": budget}])
     (tmp / "empty.jsonl").write_text("")
     other = build_tokenizer(WORDS[::-1] + ["user", "assistant", ":"], tmp / "other_draft")
     build_llama(tmp / "other_draft", len(other), hidden=16, layers=1, seed=3)
@@ -295,6 +313,35 @@ def test_failing_rows_are_written_and_fail_the_job(tiny_pair, tmp_path, ray_loca
     assert not (tmp_path / "out" / "_SUCCESS").exists()
     kept = run_generate(from_dict({**raw, "retry_failed": False, "max_failed_fraction": 0.2}))
     assert kept.exit_code == 0 and (tmp_path / "out" / "_SUCCESS").exists()  # nothing regenerated: no Ray
+
+
+def test_rows_do_not_depend_on_how_the_actor_batches_them(tiny_pair, tmp_path, ray_local):
+    """Per-row budgets alternating 2 and 30 from a data column, 4 shards on one actor: with 1 shard queued
+    and 2 rows in flight, or 2 shards queued (batched together) and 8 rows in flight, every row has the
+    same tokens in the Parquet output, and every budget is respected."""
+    from tiny_pair_support import WORDS
+
+    rows = [
+        {"id": i, "prompt": " ".join(WORDS[(3 * i + k) % len(WORDS)] for k in range(2 + i % 7)),
+         "budget": 2 if i % 2 == 0 else 30}
+        for i in range(24)
+    ]  # fmt: skip
+    data = _write(tmp_path / "p.jsonl", rows)
+    tables = []
+    for queued, in_flight in ((1, 2), (2, 8)):
+        out = tmp_path / f"out-{queued}-{in_flight}"
+        raw = job_config(
+            tiny_pair, data, out, shard_size=6,
+            **{"data.max_new_tokens_column": "budget", "ray.num_actors": 1, "ray.shards_per_actor": queued,
+               "spectr.batch_size": in_flight},
+        )  # fmt: skip
+        assert run_generate(from_dict(raw)).exit_code == 0
+        tables.append(read_output(out))
+    a, b = tables
+    assert a.column("id").to_pylist() == b.column("id").to_pylist() == list(range(24))
+    assert a.column("completion_token_ids").to_pylist() == b.column("completion_token_ids").to_pylist()
+    for row, count, reason in zip(rows, a.column("completion_tokens").to_pylist(), a.column("finish_reason").to_pylist()):
+        assert count <= row["budget"] and (reason == "eos" or count == row["budget"])
 
 
 def test_a_changed_input_or_model_is_refused_on_resume(tiny_pair, tmp_path):

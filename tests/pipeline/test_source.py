@@ -136,3 +136,80 @@ def test_chat_messages_are_checked_per_row_by_the_reader(tmp_path):
     rows_read = read_rows(source, 0, 2)
     assert rows_read.messages[0] == [{"role": "user", "content": "hi"}] and rows_read.problems[0] is None
     assert rows_read.messages[1] is None and "row 1 (id 2)" in rows_read.problems[1]
+
+
+BUDGET_ROWS = [{"id": f"r{i:02d}", "prompt": f"p{i}", "budget": 2 if i % 2 else 30} for i in range(23)]
+
+
+def write_rows(path, fmt, rows):
+    import datasets
+    import pyarrow.csv as pacsv
+
+    if fmt == "jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif fmt == "csv":
+        pacsv.write_csv(pa.Table.from_pylist(rows), path)
+    elif fmt == "parquet":
+        pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=5)
+    else:
+        datasets.Dataset.from_list(rows).save_to_disk(str(path), max_shard_size="1KB")
+    return path
+
+
+FORMAT_PATHS = {"jsonl": "p.jsonl", "csv": "p.csv", "parquet": "p.parquet", "hf_disk": "hf"}
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv", "parquet", "hf_disk"])
+def test_per_row_budgets_are_read_with_their_rows(tmp_path, fmt):
+    path = write_rows(tmp_path / FORMAT_PATHS[fmt], fmt, BUDGET_ROWS)
+    config = DataConfig(path=str(path), max_new_tokens_column="budget")
+    source = scan_source(config, list_source(config), 4, max_new_tokens_limit=63)
+    assert source.budget_column == "budget" and source.max_budget == 30
+    rows = [read_rows(source, s, min(s + 4, 23)) for s in range(0, 23, 4)]
+    assert [b for r in rows for b in r.budgets] == [r["budget"] for r in BUDGET_ROWS]
+    assert not any(p for r in rows for p in r.problems)
+
+
+BAD_BUDGETS = {  # value at row 13 -> what the message says
+    "text": ("many", r"max_new_tokens is str 'many', expected an integer >= 1"),
+    "float": (2.5, r"max_new_tokens is float 2.5, expected an integer >= 1"),
+    "zero": (0, r"max_new_tokens is 0, expected an integer >= 1"),
+    "negative": (-4, r"max_new_tokens is -4, expected an integer >= 1"),
+    "null": (None, r"max_new_tokens is null"),
+    "over the limit": (64, r"max_new_tokens is 64, over the models' limit of 63 new tokens"),
+}
+# what a typed file cannot hold: its whole column is then refused by type
+BY_TYPE = {("parquet", "text"), ("parquet", "float"), ("hf_disk", "text"), ("hf_disk", "float")}
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv", "parquet", "hf_disk"])
+@pytest.mark.parametrize("case", sorted(BAD_BUDGETS))
+def test_a_bad_budget_is_refused_up_front_naming_column_row_and_file(tmp_path, fmt, case):
+    value, words = BAD_BUDGETS[case]
+    rows = [dict(r) for r in BUDGET_ROWS]
+    rows[13]["budget"] = value
+    if (fmt, case) in BY_TYPE:  # a typed column holds one type: every value is of the bad one
+        cast = str if case == "text" else float
+        rows = [{**r, "budget": value if k == 13 else cast(r["budget"])} for k, r in enumerate(rows)]
+    if fmt == "csv":  # as a CSV writer writes them
+        rows = [{**r, "budget": None if r["budget"] is None else str(r["budget"])} for r in rows]
+    path = write_rows(tmp_path / FORMAT_PATHS[fmt], fmt, rows)
+    config = DataConfig(path=str(path), max_new_tokens_column="budget")
+    with pytest.raises(JobInputError) as caught:
+        scan_source(config, list_source(config), 4, max_new_tokens_limit=63)
+    message = str(caught.value)
+    assert message.startswith("data.max_new_tokens_column: ")
+    if (fmt, case) in BY_TYPE:
+        assert re.search(r"column 'budget' of .* holds (string|double), expected integers", message), message
+        return
+    if fmt == "csv" and case == "float":
+        words = r"max_new_tokens is str '2.5', expected an integer >= 1"  # CSV fields are text
+    assert re.search(rf"row 13 \(id 'r13'\) of \S+: column 'budget': {words}", message), message
+    assert str(path.name) in message or fmt == "hf_disk"
+
+
+def test_a_missing_budget_column_is_named(tmp_path):
+    path = write_rows(tmp_path / "p.jsonl", "jsonl", ROWS)
+    config = DataConfig(path=str(path), max_new_tokens_column="budget")
+    with pytest.raises(JobInputError, match=r"data.max_new_tokens_column: column 'budget' not found in .*p.jsonl"):
+        scan_source(config, list_source(config), 4)

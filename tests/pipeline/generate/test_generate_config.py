@@ -88,6 +88,9 @@ def test_speculative_means_one_draft():
         ("spectr.num_drafts", True, "spectr.num_drafts must be int"),
         ("data.format", "xml", "data.format must be one of"),
         ("data.limit", 0, "data.limit must be >= 1"),
+        ("data.max_new_tokens_column", "", "data.max_new_tokens_column must be null or a column other than"),
+        ("data.max_new_tokens_column", "prompt", "data.max_new_tokens_column must be null or a column other than"),
+        ("data.max_new_tokens_column", 5, "data.max_new_tokens_column must be str or null"),
         ("model.dtype", "int8", "model.dtype must be one of"),
         ("ray.cpus_per_actor", 0, "ray.cpus_per_actor"),
         ("shard_size", 0, "shard_size must be >= 1"),
@@ -123,6 +126,9 @@ def test_hash_covers_what_changes_rows_and_not_where_they_run():
     other = from_dict(base(**{"spectr.seed": 1}))
     assert stable_hash(generation_settings(a)) == stable_hash(generation_settings(same))
     assert stable_hash(generation_settings(a)) != stable_hash(generation_settings(other))
+    budgets = from_dict(base(**{"data.max_new_tokens_column": "budget"}))
+    assert stable_hash(generation_settings(a)) != stable_hash(generation_settings(budgets))
+    assert "max_new_tokens_column" not in generation_settings(a)["data"]  # unset: the hash it had before
 
 
 def test_actor_resources_one_per_gpu_else_per_cpus():

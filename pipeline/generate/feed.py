@@ -1,0 +1,466 @@
+"""One continuous batch per actor, across its whole queue of shards: `ShardFeed`.
+
+    feed = ShardFeed(target, draft, spectr, eos_token_id, on_rows)
+    run = feed.run(shard.index, [Row(position, prompt_ids, budget, seed), ...])  # blocks until done
+    run.outcomes[position]   # a spectr.FinishedRow, or the message of a row the engine could not take
+
+A Ray actor runs `generate_shard` on several threads (`max_concurrency = ray.shards_per_actor`): each
+thread queues its shard's rows here and waits. Exactly one thread at a time steps the batcher: the
+first waiting thread whose shard is not done finds nobody stepping and takes the turn. It moves queued
+rows into the batcher's free slots (admission happens only on the stepping thread, so it never races
+with `step()`), runs `step()`, and hands every finished row to its shard. A shard whose rows are all
+done goes back to its thread at once; that thread gives up the turn (another waiting thread takes it)
+and writes its part file while the batch goes on. So the next shard's prompts fill the slots the
+current shard's rows leave, and `spectr.batch_size` is the number of rows in flight per actor.
+
+The pool is one `spectr.ContinuousBatcher`, built once and reused across shards. It is rebuilt only
+by drain-then-switch (no new rows go into the old batcher, its rows finish, then the new one is built
+and takes the rows that were held back):
+- `spectr.method=auto`, when the planner's choice changes: the planner is calibrated on the first
+  shard's prompts and observes, at every shard end, the rows that finished since its last observation
+  (accepted draft positions, target calls, mean rows per batched target call);
+- when a row needs more positions than the pool holds: the capacity is the first shard's longest
+  prompt + the largest budget (the input's, when the caller sets `max_budget`; else the first
+  shard's), rounded up to a power of two and at most the models' positions; grown the same way;
+- after a `step()` that raised: the rows that were in the batcher are re-run one by one with
+  `spectr.generate` (a row's output does not depend on its batch, so this loses nothing), so only a
+  row that fails alone gets an error; the next rows go into a fresh batcher.
+A row the engine refuses at admission (a prompt too long for the model) gets its error alone.
+
+Statistics of a shard: its rows' own counters, plus the batch-level ones (`iterations`, i.e. batched
+target calls, and the seconds) accumulated since the previous shard ended, charged to the shard that
+ends; summed over shards they are the actor's totals.
+
+Not here: reading and writing shards, the contract rows (`pipeline.generate.worker`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pipeline.generate.config import SpectrConfig
+from pipeline.generate.stats import empty_stats
+
+if TYPE_CHECKING:  # spectr (torch) is imported where it runs: on the actors, not on the driver
+    from spectr import ContinuousBatcher, FinishedRow
+
+log = logging.getLogger(__name__)
+
+AUTO_MAX_DRAFTS = 8  # method=auto: the planner's bounds when spectr.max_num_drafts / max_draft_length are null
+AUTO_MAX_LENGTH = 8
+PHASE_FIELDS = ("draft_seconds", "target_seconds", "selection_seconds")
+BATCH_FIELDS = ("iterations", *PHASE_FIELDS)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One prompt of a shard: its position in the shard, token ids, budget and seed."""
+
+    position: int
+    prompt: list[int]
+    budget: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What one batcher is built for: an exact method with K drafts of L tokens, and its capacity."""
+
+    method: str
+    num_drafts: int
+    draft_length: int
+    capacity: int  # max_length: prompt + new tokens of the longest row the pool takes
+
+    @property
+    def label(self) -> str:
+        return f"{self.method} K={self.num_drafts} L={self.draft_length}"
+
+
+@dataclass(eq=False)
+class ShardRun:
+    """One shard in the feed: its rows, what came out of each, its statistics once done."""
+
+    index: int
+    rows: list[Row]
+    outcomes: dict[int, FinishedRow | str] = field(default_factory=dict)  # position -> row or error message
+    stats: dict[str, Any] = field(default_factory=empty_stats)
+    plans: dict[str, dict[str, Any]] = field(default_factory=dict)  # method=auto: label -> plan record
+    done: bool = False
+    error: BaseException | None = None
+
+    @property
+    def plan(self) -> dict[str, Any] | None:
+        """method=auto: the plan that generated this shard (the last one, and every label if several)."""
+        if not self.plans:
+            return None
+        record = dict(list(self.plans.values())[-1])
+        if len(self.plans) > 1:
+            record["generated_by"] = list(self.plans)
+        return record
+
+
+@dataclass
+class _Window:
+    """What the planner has not observed yet: rows finished since its last observation."""
+
+    first_iteration: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    target_calls: int = 0
+
+    def add(self, row: FinishedRow) -> None:
+        mine, theirs = self.accepted_per_position, row.accepted_per_position
+        self.accepted_per_position = [a + b for a, b in zip(mine, theirs)] if mine else list(theirs)
+        self.target_calls += row.target_calls
+
+
+class ShardFeed:
+    """Every shard an actor holds, through one continuous batch; see the module docstring."""
+
+    def __init__(self, target: Any, draft: Any, spectr: SpectrConfig, eos_token_id: Any,
+                 on_rows: Callable[[int, int], None] | None = None):
+        self.target, self.draft, self.spectr, self.eos_token_id = target, draft, spectr, eos_token_id
+        self.on_rows = on_rows  # (shard index, rows done): after each step that finished rows
+        self._cond = threading.Condition()
+        self._incoming: deque[ShardRun] = deque()  # under the lock: shards not looked at yet
+        self._stepping = False  # under the lock: a thread holds the turn
+        # the stepping thread's state (one thread at a time touches it)
+        self._open: set[ShardRun] = set()  # shards taken from the queue and not done
+        self._held: deque[tuple[ShardRun, Row]] = deque()  # rows not admitted yet
+        self._in_batcher: dict[int, tuple[ShardRun, Row]] = {}  # request id -> its shard and row
+        self.batcher: ContinuousBatcher | None = None
+        self.config: EngineConfig | None = None
+        self._next: EngineConfig | None = None  # drain-then-switch: built once the batcher is idle
+        self._limit: int | None = None  # the models' positions
+        self.max_budget: int | None = None  # the input's largest budget, when the caller knows it
+        self.allocations = 0  # batchers built (cache pools allocated)
+        self.planner: Any = None
+        self.calibration_s = 0.0
+        self.plan_record: dict[str, Any] | None = None  # method=auto: the plan of the current batcher
+        self._candidate: Any = None
+        self._window = _Window()
+        self._charged = dict.fromkeys(BATCH_FIELDS, 0)  # the current batcher's counters already charged
+        self._uncharged = self._zero_batch()
+
+    # -- the shards' threads ----------------------------------------------------------------------
+    def run(self, index: int, rows: list[Row]) -> ShardRun:
+        """Generate `rows` of shard `index` (in the batch with every other shard's); blocks until done."""
+        shard_run = ShardRun(index, rows)
+        if not rows:
+            shard_run.done = True
+            return shard_run
+        with self._cond:
+            self._incoming.append(shard_run)
+            turn = self._wait_for_turn(shard_run)
+        if turn:
+            try:
+                self._drive(shard_run)
+            except BaseException as err:  # noqa: BLE001 - every shard in the feed fails with it, then re-raised
+                self._fail_all(err)
+            finally:
+                with self._cond:
+                    self._stepping = False
+                    self._cond.notify_all()
+        if shard_run.error is not None:
+            raise RuntimeError(f"shard {index}: generation failed: {shard_run.error}") from shard_run.error
+        return shard_run
+
+    def _wait_for_turn(self, shard_run: ShardRun) -> bool:
+        """Under the lock: True when this thread takes the turn, False when its shard is done."""
+        while not shard_run.done:
+            if not self._stepping:
+                self._stepping = True
+                return True
+            self._cond.wait()
+        return False
+
+    def _fail_all(self, err: BaseException) -> None:
+        log.warning("generation failed (%s: %s); every shard in the feed fails", type(err).__name__, err)
+        with self._cond:
+            runs = [*self._incoming, *self._open]
+            self._incoming.clear()
+            self._open.clear()
+            for shard_run in runs:
+                shard_run.error, shard_run.done = err, True
+            self._cond.notify_all()
+        self._held.clear()
+        self._in_batcher.clear()
+        self._retire_batcher()
+        self._next = self.config
+
+    # -- the stepping thread ----------------------------------------------------------------------
+    def _drive(self, mine: ShardRun) -> None:
+        """Step until `mine` is done (this thread holds the turn)."""
+        while not mine.done:
+            started = time.perf_counter()
+            with self._cond:
+                incoming, self._incoming = list(self._incoming), deque()
+            for shard_run in incoming:
+                self._open.add(shard_run)
+                self._held.extend((shard_run, row) for row in shard_run.rows)
+            outcomes = self._feed()
+            if not outcomes and (self.batcher is None or self.batcher.idle):
+                raise RuntimeError(f"shard {mine.index} has rows that are neither held nor in the batch")
+            outcomes += self._step()
+            self._uncharged["wall_seconds"] += time.perf_counter() - started
+            self._hand_out(outcomes)
+
+    def _feed(self) -> list[tuple[ShardRun, Row, FinishedRow | str]]:
+        """Move held rows into the batcher's free slots (building or switching the batcher when due)."""
+        outcomes: list[tuple[ShardRun, Row, FinishedRow | str]] = []
+        while self._held:
+            if self._next is not None:
+                if self.batcher is not None and not self.batcher.idle:
+                    break  # draining: the held rows wait for the next batcher
+                self._build(self._next)
+            elif self.batcher is None:
+                self._build(self._first_config())
+            take, grow = self._admittable()
+            if grow is not None:
+                self._next = grow
+            if not take and grow is None:
+                break  # every slot is taken
+            outcomes += self._admit(take)
+        return outcomes
+
+    def _admittable(self) -> tuple[list[tuple[ShardRun, Row]], EngineConfig | None]:
+        """The held rows that fit the free slots, and a bigger config if the next one needs it."""
+        batcher = self.batcher
+        room = batcher.batch_size - batcher.in_flight - batcher.waiting
+        take: list[tuple[ShardRun, Row]] = []
+        while self._held and len(take) < room:
+            needed = len(self._held[0][1].prompt) + self._held[0][1].budget
+            if needed > batcher.max_length and (self._limit is None or needed <= self._limit):
+                return take, dataclasses.replace(self._next or self.config, capacity=self._capacity(needed))
+            take.append(self._held.popleft())
+        return take, None
+
+    def _admit(self, take: list[tuple[ShardRun, Row]]) -> list[tuple[ShardRun, Row, FinishedRow | str]]:
+        """Queue rows in the batcher; a call it refuses is retried row by row, and a row it refuses alone
+        gets the error (nothing of a refused call is queued)."""
+        if not take:
+            return []
+        rows = [row for _, row in take]
+        try:
+            ids = self.batcher.admit([r.prompt for r in rows], max_new_tokens=[r.budget for r in rows],
+                                     seed=[r.seed for r in rows])
+        except ValueError as err:
+            if len(take) == 1:
+                return [(take[0][0], take[0][1], f"{type(err).__name__}: {err}")]
+            return [outcome for item in take for outcome in self._admit([item])]
+        self._in_batcher.update(zip(ids, take))
+        return []
+
+    def _step(self) -> list[tuple[ShardRun, Row, FinishedRow | str]]:
+        if self.batcher is None or self.batcher.idle:
+            return []
+        try:
+            finished = self.batcher.step()
+        except Exception as err:  # noqa: BLE001 - isolated below: the rows are re-run one by one
+            failure = f"{type(err).__name__}: {err}"
+        else:
+            return [(*self._in_batcher.pop(row.request), row) for row in finished]
+        return self._recover(failure)  # outside the except block: the traceback no longer holds the pool
+
+    def _recover(self, failure: str) -> list[tuple[ShardRun, Row, FinishedRow | str]]:
+        """A step raised: rebuild the batcher later, and run the rows that were in it alone, now."""
+        affected = list(self._in_batcher.values())
+        log.warning("a batch of %d rows failed (%s); running them one by one", len(affected), failure)
+        self._in_batcher.clear()
+        config = self.config
+        self._retire_batcher()
+        self._next = self._next or config
+        return [(shard_run, row, self._alone(config, row)) for shard_run, row in affected]
+
+    def _alone(self, config: EngineConfig, row: Row) -> FinishedRow | str:
+        """One row through `spectr.generate`: its tokens are those it gets in any batch."""
+        import spectr
+
+        s = self.spectr
+        try:
+            output = spectr.generate(
+                self.target, None if config.method == "autoregressive" else self.draft, [row.prompt],
+                method=config.method, num_drafts=config.num_drafts, draft_length=config.draft_length,
+                max_new_tokens=[row.budget], temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                eos_token_id=self.eos_token_id, seed=[row.seed],
+            )  # fmt: skip
+        except Exception as err:  # noqa: BLE001 - this row's own failure: its error row
+            return f"{type(err).__name__}: {err}"
+        stats = output.stats
+        for name in BATCH_FIELDS:
+            self._uncharged[name] += getattr(stats, name)
+        return spectr.FinishedRow(
+            request=-1, tag=None, tokens=list(output.tokens[0]), finish_reason=stats.finish_reason[0],
+            target_calls=stats.target_calls[0], error=stats.errors[0],
+            accepted_per_position=list(stats.accepted_per_position), tested_positions=stats.tested_positions,
+            tree_nodes=stats.tree_nodes, tokens_per_call_histogram=list(stats.tokens_per_call_histogram),
+        )  # fmt: skip
+
+    def _hand_out(self, outcomes: list[tuple[ShardRun, Row, FinishedRow | str]]) -> None:
+        """Give finished rows to their shards; report progress; close the shards that are complete."""
+        counts: dict[ShardRun, int] = {}
+        for shard_run, row, outcome in outcomes:
+            shard_run.outcomes[row.position] = outcome
+            counts[shard_run] = counts.get(shard_run, 0) + 1
+            if not isinstance(outcome, str):
+                self._window.add(outcome)
+                if self.plan_record is not None:
+                    shard_run.plans[self.config.label] = self.plan_record
+        for shard_run, count in counts.items():
+            if self.on_rows is not None:
+                self.on_rows(shard_run.index, count)
+        for shard_run in counts:
+            if len(shard_run.outcomes) == len(shard_run.rows):
+                self._close(shard_run)
+
+    def _close(self, shard_run: ShardRun) -> None:
+        """The shard's statistics (its rows, and the batch counters not charged yet); then it is done."""
+        stats = shard_run.stats
+        for outcome in shard_run.outcomes.values():
+            if not isinstance(outcome, str):
+                add_row(stats, outcome)
+        self._fold_batcher()
+        for name, value in self._uncharged.items():
+            stats[name] = stats.get(name, 0) + value
+        stats["other_seconds"] = max(0.0, stats["wall_seconds"] - sum(stats[name] for name in PHASE_FIELDS))
+        self._uncharged = self._zero_batch()
+        if self.planner is not None:
+            self._observe()
+            if shard_run.plan is not None:
+                stats["plan"] = shard_run.plan["description"]
+        self._open.discard(shard_run)
+        with self._cond:
+            shard_run.done = True
+            self._cond.notify_all()
+
+    # -- the pool -----------------------------------------------------------------------------------
+    def _first_config(self) -> EngineConfig:
+        """The first batcher: sized for the first shard's rows; method=auto calibrates the planner on them."""
+        from spectr.batching import model_limit
+        from spectr.hf import HFCausalLM
+
+        s = self.spectr
+        first = [row for shard_run, row in self._held if shard_run is self._held[0][0]]
+        self._limit = model_limit([HFCausalLM(self.target, role="target"), HFCausalLM(self.draft, role="draft")])
+        fits = [r for r in first if self._limit is None or len(r.prompt) + r.budget <= self._limit]
+        budget = max([r.budget for r in fits] + [self.max_budget or 0], default=1)
+        capacity = self._capacity(max((len(r.prompt) for r in fits), default=1) + budget)
+        if s.method != "auto":
+            return EngineConfig(s.method, s.num_drafts, s.draft_length, capacity)
+        self._calibrate([r.prompt for r in fits] or [first[0].prompt[:1]])
+        return self._config_of(self.planner.choice, capacity)
+
+    def _capacity(self, needed: int) -> int:
+        capacity = max(2, 1 << (max(needed, 2) - 1).bit_length())
+        return capacity if self._limit is None else min(capacity, self._limit)
+
+    def _build(self, config: EngineConfig) -> None:
+        from spectr import ContinuousBatcher
+        from spectr.batching import model_limit
+
+        self._retire_batcher()
+        s = self.spectr
+        self.batcher = ContinuousBatcher(
+            self.target, self.draft, batch_size=s.batch_size, max_length=config.capacity, method=config.method,
+            num_drafts=config.num_drafts, draft_length=config.draft_length, temperature=s.temperature,
+            top_k=s.top_k, top_p=s.top_p, eos_token_id=self.eos_token_id,
+        )  # fmt: skip
+        self.allocations += 1
+        self.config, self._next = config, None
+        self._limit = model_limit([m for m in (self.batcher.target, self.batcher.draft) if m is not None])
+        self._charged = dict.fromkeys(BATCH_FIELDS, 0)
+        self._window = _Window()
+        if self.planner is not None:
+            self._candidate = self.planner.choice
+            self.plan_record = self._record()
+        log.info("continuous batch: %s, %d slots x %d positions", config.label, s.batch_size, self.batcher.max_length)
+
+    def _retire_batcher(self) -> None:
+        """Charge what the batcher counted so far, and let its pool go."""
+        if self.batcher is not None:
+            try:
+                self._fold_batcher()
+            except Exception as err:  # noqa: BLE001 - a broken batcher's counters are not worth a failure
+                log.warning("statistics of a failed batch lost (%s)", err)
+        self.batcher = None
+
+    def _fold_batcher(self) -> None:
+        if self.batcher is None:
+            return
+        snapshot = self.batcher.snapshot()
+        for name in BATCH_FIELDS:
+            now = getattr(snapshot, name)
+            self._uncharged[name] += now - self._charged[name]
+            self._charged[name] = now
+
+    @staticmethod
+    def _zero_batch() -> dict[str, float]:
+        return {"iterations": 0, **dict.fromkeys(PHASE_FIELDS, 0.0), "wall_seconds": 0.0}
+
+    # -- method=auto ----------------------------------------------------------------------------------
+    def _calibrate(self, prompts: list[list[int]]) -> None:
+        from spectr.planner.auto import auto_planner
+        from spectr.warps import SamplingWarp
+
+        s = self.spectr
+        self.planner, calibration = auto_planner(
+            self.target, self.draft, prompts, batch_size=s.batch_size,
+            warp=SamplingWarp(s.temperature, s.top_k, s.top_p), seed=s.seed,
+            max_num_drafts=s.max_num_drafts or AUTO_MAX_DRAFTS, max_draft_length=s.max_draft_length or AUTO_MAX_LENGTH,
+        )  # fmt: skip
+        self.calibration_s = calibration.seconds
+        log.info("%s (calibration %.1f s)", self.planner.plan.describe(), calibration.seconds)
+
+    def _config_of(self, candidate: Any, capacity: int) -> EngineConfig:
+        return EngineConfig(candidate.method, max(candidate.num_drafts, 1), max(candidate.draft_length, 1), capacity)
+
+    def _observe(self) -> None:
+        """At a shard end: the rows since the last observation, to the planner; drain-then-switch when its
+        choice changes (no observation while a switch is pending: those rows ran the old choice)."""
+        window = self._window
+        if self._next is not None or self.batcher is None or window.target_calls == 0:
+            return
+        iterations = max(1, self.batcher.stats.iterations - window.first_iteration)
+        mean_rows = min(float(self.spectr.batch_size), window.target_calls / iterations)
+        self.planner.observe(self._candidate, window.accepted_per_position, window.target_calls, mean_rows)
+        self._window = _Window(self.batcher.stats.iterations)
+        choice = self._config_of(self.planner.choice, self.config.capacity)
+        if choice != self.config:
+            log.info("%s: switching once the batch drains", self.planner.plan.describe())
+            self._next = choice
+        else:
+            self.plan_record = self._record()
+
+    def _record(self) -> dict[str, Any]:
+        """The planner's current choice and prediction, for a part file's metadata."""
+        plan = self.planner.plan
+        best = plan.best
+        return {
+            "method": best.candidate.method,
+            "num_drafts": best.candidate.num_drafts,
+            "draft_length": best.candidate.draft_length,
+            "predicted_tokens_per_s": best.tokens_per_second,
+            "predicted_speedup_vs_autoregressive": plan.speedup,
+            "calibration_s": self.calibration_s,
+            "replans": self.planner.replans,
+            "description": plan.describe(),
+        }
+
+
+def add_row(stats: dict[str, Any], row: FinishedRow) -> None:
+    """Add one finished row's own counters to a shard's statistics (lists element-wise)."""
+    stats["generated_tokens"] += row.generated_tokens
+    stats["target_calls"] += row.target_calls
+    stats["tested_positions"] += row.tested_positions
+    for name in ("accepted_per_position", "tokens_per_call_histogram"):
+        mine, theirs = list(stats[name]), list(getattr(row, name))
+        width = max(len(mine), len(theirs))
+        mine += [0] * (width - len(mine))
+        theirs += [0] * (width - len(theirs))
+        stats[name] = [a + b for a, b in zip(mine, theirs)]

@@ -1,0 +1,303 @@
+"""The actor's continuous batch across its shards (`pipeline.generate.feed`), driven without Ray: shards run
+on threads as a threaded actor runs them. Structural counts only (batched target calls, allocations), no
+timing."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+from tiny_pair_support import WORDS, job_config
+
+import spectr
+from pipeline.config import ModelConfig
+from pipeline.generate.config import SpectrConfig, from_dict
+from pipeline.generate.output import output_schema
+from pipeline.generate.plan import prepare
+from pipeline.generate.shards import Shard, cut_shards, part_name
+from pipeline.generate.worker import ShardGenerator, WorkerJob
+from pipeline.models import load_tokenizer, tokenize
+
+SETTINGS = dict(method="spectr", num_drafts=2, draft_length=3, temperature=1.0, top_k=0, top_p=1.0)
+
+
+def prompts_of(count: int, seed: int = 0) -> list[str]:
+    import random
+
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 10))) for _ in range(count)]
+
+
+def generator_for(tiny_pair, batch_size: int, method: str = "spectr") -> ShardGenerator:
+    model = ModelConfig(target=str(tiny_pair["target"]), draft=str(tiny_pair["draft"]))
+    config = SpectrConfig(**{**SETTINGS, "method": method}, max_new_tokens=8, batch_size=batch_size, seed=0)
+    return ShardGenerator(model, config, num_threads=1)
+
+
+def shards_of(tiny_pair, prompts: list[str], shard_size: int, budgets: list[int] | None = None) -> list[Shard]:
+    tokenizer = load_tokenizer(tiny_pair["target"], "model.target", False)
+    ids = [f"r{i:03d}" for i in range(len(prompts))]
+    return cut_shards(ids, prompts, tokenize(tokenizer, prompts, True), shard_size, 0, budgets)
+
+
+def run_concurrently(generator: ShardGenerator, shards: list[Shard]) -> list:
+    """Every shard on its own thread, as a threaded actor runs its queued shards."""
+    results: list = [None] * len(shards)
+    errors: list = []
+
+    def run(k: int) -> None:
+        try:
+            results[k] = generator(shards[k])
+        except BaseException as err:  # noqa: BLE001 - re-raised on the test's thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(shards))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not errors, errors
+    return results
+
+
+def alone(generator: ShardGenerator, shard: Shard, i: int, budget: int) -> list[int]:
+    out = spectr.generate(
+        generator.target, generator.draft, [shard.prompt_token_ids[i]], **SETTINGS, max_new_tokens=budget,
+        eos_token_id=generator.eos_token_id, seed=[shard.seeds[i]],
+    )  # fmt: skip
+    return out.tokens[0]
+
+
+def static_batched_target_calls(rows: list[dict], batch_size: int) -> int:
+    """What static batches of `batch_size` of one shard cost: each runs until its longest row is done."""
+    return sum(max(r["target_calls"] for r in rows[k : k + batch_size]) for k in range(0, len(rows), batch_size))
+
+
+def test_mixed_budgets_across_shards_take_fewer_batched_calls_and_keep_every_row(tiny_pair):
+    """Budgets alternating 2 and 30 (the per-row column) over 3 shards of 12 run at once on one actor with 8
+    rows in flight: fewer batched target calls than static batches of 8 per shard; every row is the prompt
+    run alone; every budget is respected."""
+    prompts = prompts_of(36)
+    budgets = [2 if i % 2 == 0 else 30 for i in range(36)]
+    shards = shards_of(tiny_pair, prompts, 12, budgets)
+    generator = generator_for(tiny_pair, batch_size=8)
+    results = run_concurrently(generator, shards)
+    continuous = sum(r.stats["iterations"] for r in results)
+    static = sum(static_batched_target_calls(r.rows, 8) for r in results)
+    assert continuous < 0.8 * static, (continuous, static)
+    for shard, result in zip(shards, results):
+        for i, row in enumerate(result.rows):
+            budget = shard.max_new_tokens[i]
+            assert row["error"] is None and row["completion_tokens"] <= budget
+            assert row["finish_reason"] == "eos" or row["completion_tokens"] == budget
+            assert row["completion_token_ids"] == alone(generator, shard, i, budget), (shard.index, i)
+        assert result.stats["target_calls"] == sum(r["target_calls"] for r in result.rows)
+    assert generator.feed.allocations == 1
+
+
+def test_the_pool_is_allocated_once_across_shards(tiny_pair):
+    """Shards one after another and several at once: one batcher, one cache pool of constant size."""
+    generator = generator_for(tiny_pair, batch_size=4)
+    shards = shards_of(tiny_pair, prompts_of(30, seed=1), 5, [3 + (i % 5) * 4 for i in range(30)])
+    generator(shards[0])
+    pool = generator.feed.batcher.pool_nbytes
+    for shard in shards[1:3]:
+        generator(shard)
+    run_concurrently(generator, shards[3:])
+    assert generator.feed.allocations == 1 and generator.feed.batcher.pool_nbytes == pool
+
+
+def test_rows_do_not_depend_on_batch_size_or_on_the_other_shards(tiny_pair):
+    prompts = prompts_of(16, seed=2)
+    shards = shards_of(tiny_pair, prompts, 8, [1 + (i * 7) % 20 for i in range(16)])
+    tokens = []
+    for batch_size, together in ((2, False), (8, True)):
+        generator = generator_for(tiny_pair, batch_size)
+        results = run_concurrently(generator, shards) if together else [generator(s) for s in shards]
+        tokens.append([r["completion_token_ids"] for result in results for r in result.rows])
+    assert tokens[0] == tokens[1]
+
+
+def test_a_shard_is_written_while_the_next_is_still_in_flight(tiny_pair, tmp_path):
+    """Shard 0 (budgets of 2) and shard 1 (budgets of 30) share the batch: shard 1's rows are admitted before
+    shard 0 ends, shard 0's part file is on disk when its call returns, and shard 1 is still generating."""
+    rows = [{"id": i, "prompt": p, "budget": 2 if i < 3 else 30} for i, p in enumerate(prompts_of(6, seed=3))]
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    raw = job_config(tiny_pair, data, tmp_path / "out", shard_size=3, **{"data.max_new_tokens_column": "budget"})
+    plan = prepare(from_dict(raw))
+    out = tmp_path / "out"
+    out.mkdir()
+    job = WorkerJob(plan.config.data, plan.source, str(out), 6, output_schema(plan.id_kind))
+    generator = generator_for(tiny_pair, batch_size=8)
+    generator.job = job
+    events: list[tuple[str, int]] = []
+    admit = generator.feed._admit
+
+    def logged_admit(take):
+        events.extend(("admitted", run.index) for run, _ in take)
+        return admit(take)
+
+    generator.feed._admit = logged_admit
+
+    def run(index: int) -> None:
+        generator.generate_shard(plan.shard(index))
+        events.append(("written" if (out / part_name(index)).exists() else "missing", index))
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert events.index(("written", 0)) < events.index(("written", 1))
+    assert events.index(("admitted", 1)) < events.index(("written", 0)), events
+
+
+def _raise_on_prefill(model, start: list[int], times: int):
+    """A pre-forward hook that raises, at most `times` times, when a row of the input starts with `start`
+    (a prompt's prefill: the iterations' inputs start with the pending token, not the prompt's BOS)."""
+    calls = {"n": 0}
+    start_ids = torch.tensor(start)
+
+    def hook(module, args, kwargs):
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        hit = input_ids.shape[1] >= len(start) and (input_ids[:, : len(start)] == start_ids).all(dim=1).any()
+        if hit and calls["n"] < times:
+            calls["n"] += 1
+            raise RuntimeError("injected failure")
+
+    return model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def test_a_failing_step_reruns_its_rows_alone_so_only_the_failing_row_errs(tiny_pair):
+    """A step raises while a row with a poisoned token is in the batch: the rows of the batch are re-run one
+    by one, the poisoned row (which fails alone too) gets the error, the others their usual tokens; the
+    next rows go into a fresh batcher."""
+    prompts = prompts_of(10, seed=4)
+    prompts[3] = "open file line"  # "open" appears in no other prompt
+    assert all("open" not in p for k, p in enumerate(prompts) if k != 3)
+    shards = shards_of(tiny_pair, prompts, 10, [6] * 10)
+    expected = [r["completion_token_ids"] for r in generator_for(tiny_pair, 4)(shards[0]).rows]
+    generator = generator_for(tiny_pair, batch_size=4)
+    handle = _raise_on_prefill(generator.target, shards[0].prompt_token_ids[3][:2], times=2)
+    try:
+        rows = generator(shards[0]).rows
+    finally:
+        handle.remove()
+    assert rows[3]["finish_reason"] == "error" and "RuntimeError: injected failure" in rows[3]["error"]
+    good = [k for k in range(10) if k != 3]
+    assert [rows[k]["completion_token_ids"] for k in good] == [expected[k] for k in good]
+    assert all(rows[k]["error"] is None for k in good)
+    assert generator.feed.allocations == 2  # the failed batcher was replaced once
+
+
+@pytest.mark.parametrize("method", ["spectr", "autoregressive"])
+def test_non_finite_logits_write_the_engines_message_in_the_error_column(tiny_pair, method):
+    """A target whose logits are NaN: every row stops with finish_reason "error" and the engine's message
+    (which model, non-finite logits) in `error`, not null."""
+    generator = generator_for(tiny_pair, batch_size=4, method=method)
+    shard = shards_of(tiny_pair, prompts_of(5, seed=5), 5)[0]
+
+    def nan_logits(module, args, output):
+        return output * float("nan")
+
+    handle = generator.target.lm_head.register_forward_hook(nan_logits)
+    try:
+        result = generator(shard)
+    finally:
+        handle.remove()
+    for row in result.rows:
+        assert row["finish_reason"] == "error", row
+        assert "target model" in row["error"] and "non-finite logits" in row["error"]
+    assert result.failed == 5 and result.stats["prompts_failed"] == 5
+
+
+class FlipPlanner:
+    """A stand-in for `spectr.planner`'s Planner whose choice flips from `first` to `second` at its first
+    observation (what a re-plan after measured acceptance does)."""
+
+    def __init__(self, first, second):
+        self.choices, self.replans, self.observed = [first, second], 0, []
+
+    @property
+    def choice(self):
+        return self.choices[min(self.replans, 1)]
+
+    @property
+    def plan(self):
+        from types import SimpleNamespace
+
+        best = SimpleNamespace(candidate=self.choice, tokens_per_second=1.0)
+        return SimpleNamespace(best=best, speedup=1.0, describe=lambda: f"auto chose {self.choice.label}")
+
+    def observe(self, candidate, accepted_per_position, target_calls, mean_active_rows):
+        self.observed.append((candidate, list(accepted_per_position), target_calls, mean_active_rows))
+        self.replans += 1
+        return True
+
+
+def auto_generator(tiny_pair, monkeypatch, batch_size: int) -> ShardGenerator:
+    from pipeline.generate.feed import ShardFeed
+    from spectr.planner.choose import Candidate
+
+    first, second = Candidate("spectr", 2, 3), Candidate("speculative", 1, 2)
+    monkeypatch.setattr(ShardFeed, "_calibrate", lambda self, prompts: setattr(self, "planner", FlipPlanner(first, second)))
+    return generator_for(tiny_pair, batch_size=batch_size, method="auto")
+
+
+def test_auto_switches_plan_at_a_shard_end_and_records_the_plan_of_each_shard(tiny_pair, monkeypatch):
+    """method=auto: shard 0 runs the first choice; its end's observation changes the choice, so shard 1 runs
+    in a new batcher of the second; each shard's plan says which, and its rows are those of that method."""
+    generator = auto_generator(tiny_pair, monkeypatch, batch_size=4)
+    shards = shards_of(tiny_pair, prompts_of(12, seed=6), 6, [5 + i % 4 for i in range(12)])
+    results = [generator(shard) for shard in shards]
+    planner = generator.feed.planner
+    candidate, accepted, calls, rows = planner.observed[0]
+    assert candidate.method == "spectr" and calls == results[0].stats["target_calls"] and 0 < rows <= 4
+    assert len(accepted) == 3 and sum(accepted) == sum(results[0].stats["accepted_per_position"])
+    assert [r.plan["method"] for r in results] == ["spectr", "speculative"]
+    assert "auto chose speculative L=2" in results[1].stats["plan"] and generator.feed.allocations == 2
+    settings = [dict(method="spectr", num_drafts=2, draft_length=3), dict(method="speculative", num_drafts=1, draft_length=2)]
+    for shard, result, chosen in zip(shards, results, settings):
+        for i, row in enumerate(result.rows):
+            out = spectr.generate(generator.target, generator.draft, [shard.prompt_token_ids[i]], **chosen,
+                                  max_new_tokens=shard.max_new_tokens[i], eos_token_id=generator.eos_token_id,
+                                  seed=[shard.seeds[i]])
+            assert row["completion_token_ids"] == out.tokens[0]
+
+
+def test_auto_drains_the_old_batch_before_the_new_one_is_built(tiny_pair, monkeypatch):
+    """Shards at once: when the choice changes, rows already in the batch finish in it; the new batcher is
+    built only once the old one is idle, and takes every row still held."""
+    generator = auto_generator(tiny_pair, monkeypatch, batch_size=4)
+    feed = generator.feed
+    idle_at_build = []
+    build = feed._build
+
+    def logged_build(config):
+        idle_at_build.append(feed.batcher is None or feed.batcher.idle)
+        build(config)
+
+    feed._build = logged_build
+    feed.max_budget = 20  # as generate_shard sets it from the scan: no pool growth here
+    shards = shards_of(tiny_pair, prompts_of(12, seed=7), 3, [2 if i < 3 else 20 for i in range(12)])
+    results = run_concurrently(generator, shards)
+    assert feed.allocations == 2 and idle_at_build == [True, True]
+    assert all(row["error"] is None for r in results for row in r.rows)
+    methods = {label.split()[0] for r in results for label in (r.plan.get("generated_by") or [r.plan["method"]])}
+    assert methods == {"spectr", "speculative"}, methods
+
+
+def test_a_row_longer_than_the_pool_grows_it_after_a_drain(tiny_pair):
+    """The pool is sized for the first shard (budgets of 2); a later shard's budgets of 40 need more
+    positions: the batch drains, a bigger pool is built once, and the rows are still those run alone."""
+    generator = generator_for(tiny_pair, batch_size=4)
+    shards = shards_of(tiny_pair, prompts_of(8, seed=8), 4, [2] * 4 + [40] * 4)
+    generator(shards[0])
+    small = generator.feed.batcher.max_length
+    result = generator(shards[1])
+    assert generator.feed.allocations == 2 and generator.feed.batcher.max_length > small
+    for i, row in enumerate(result.rows):
+        assert row["completion_token_ids"] == alone(generator, shards[1], i, 40)
