@@ -172,12 +172,8 @@ def select_tree(
         first_alive = alive.to(torch.int8).argmax(1)  # [B]
         node = (draft_probs[:, :, position], node_target_probs, node_of[:, :, position])
         split = row_splits[position] if row_splits is not None else None
-        if split is None:
-            token = _select_rows(selector, rows, first_alive, node, draft_tokens[:, :, position], alive,
-                                 uniforms[:, position])
-        else:
-            token = _select_split(selector, split, first_alive, node, draft_tokens[:, :, position], alive,
-                                  uniforms[:, position])
+        select, which = (_select_rows, rows) if split is None else (_select_split, split)
+        token = select(selector, which, first_alive, node, draft_tokens[:, :, position], alive, uniforms[:, position])
         tokens[:, position] = torch.where(walking, token, PAD_TOKEN)
         still_alive = alive & (draft_tokens[:, :, position] == token.unsqueeze(1))  # [B, K]
         continues = still_alive.any(1)  # [B]

@@ -47,6 +47,7 @@ def plan_auto(config: BenchConfig, pair, cases: list[BenchCase], batches_of) -> 
             seed=g.seed,
             max_num_drafts=max(g.num_drafts),
             max_draft_length=max(g.draft_lengths),
+            max_new_tokens=g.max_new_tokens,
         )
         best = planner.plan.best
         choices[case.batch_size] = AutoChoice(

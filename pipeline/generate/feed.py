@@ -413,6 +413,7 @@ class ShardFeed:
             self.target, self.draft, prompts, batch_size=s.batch_size,
             warp=SamplingWarp(s.temperature, s.top_k, s.top_p), seed=s.seed,
             max_num_drafts=s.max_num_drafts or AUTO_MAX_DRAFTS, max_draft_length=s.max_draft_length or AUTO_MAX_LENGTH,
+            max_new_tokens=s.max_new_tokens,
         )  # fmt: skip
         self.calibration_s = calibration.seconds
         log.info("%s (calibration %.1f s)", self.planner.plan.describe(), calibration.seconds)

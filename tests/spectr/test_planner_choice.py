@@ -8,8 +8,10 @@ import torch
 from spectr.planner.acceptance import AcceptanceModel
 from spectr.planner.choose import (
     SELECTION,
+    SPECULATION_MARGIN,
     Candidate,
     CostModel,
+    EngineTiming,
     Planner,
     bounded,
     default_candidates,
@@ -68,6 +70,61 @@ def test_memory_bound_hardware_with_high_acceptance_picks_a_large_tree():
     assert plan.best.tokens_per_second == pytest.approx(
         max(e.tokens_per_second for e in plan.entries)
     )
+
+
+def test_a_speculative_plan_must_beat_autoregressive_by_the_margin():
+    candidates = [Candidate("autoregressive"), Candidate("speculative", 1, 2)]
+    acceptance = constant_acceptance(0.5)  # 1.75 tokens per call with L = 2
+    ar_seconds = 10e-3
+
+    def plan_for(speculative_iteration_seconds, margin=SPECULATION_MARGIN):
+        table = synthetic_table(lambda b, w: ar_seconds if w == 1 else speculative_iteration_seconds,
+                                lambda b, w: 0.0, overhead=0.0)
+        return make_plan(candidates, acceptance, CostModel(table), batch=1, margin=margin)
+
+    # 1.75 tokens in 1.75 / 1.03 of autoregressive's time: predicted 3% faster, inside the margin
+    close = plan_for(ar_seconds * 1.75 / 1.03)
+    assert close.best.candidate.method == "autoregressive"
+    assert close.entries[1].tokens_per_second > close.entries[0].tokens_per_second  # kept, just not chosen
+    assert plan_for(ar_seconds * 1.75 / 1.03, margin=0.0).best.candidate.method == "speculative"
+    assert plan_for(ar_seconds * 1.75 / 1.20).best.candidate.method == "speculative"  # clearly faster
+
+
+def test_engine_timings_scale_the_component_model():
+    cost = CostModel(synthetic_table(lambda b, w: 1e-3 * w, lambda b, w: 1e-4 * w))
+    acceptance = constant_acceptance(0.7)
+    measured, sibling = Candidate("speculative", 1, 2), Candidate("speculative", 1, 3)
+    spectr = Candidate("spectr", 2, 2)
+    reach = tuple(acceptance.reach("speculative", 1, 2))
+    base = {c: cost.iteration_seconds(c, 4, acceptance.reach(c.method, c.num_drafts, c.draft_length))
+            for c in (measured, sibling, spectr, Candidate("autoregressive"))}
+    timings = [EngineTiming(measured, 2.0 * base[measured], 0.01, reach),
+               EngineTiming(Candidate("autoregressive"), 1.5 * base[Candidate("autoregressive")], 0.004)]
+    scaled = cost.with_engine_timings(timings, batch=4)
+    for candidate, factor in ((measured, 2.0), (sibling, 2.0), (spectr, 2.0), (Candidate("autoregressive"), 1.5)):
+        reach_c = acceptance.reach(candidate.method, candidate.num_drafts, candidate.draft_length)
+        assert scaled.iteration_seconds(candidate, 4, reach_c) == pytest.approx(factor * base[candidate])
+    assert scaled.prefill_seconds(measured) == 0.01 and scaled.prefill_seconds(Candidate("autoregressive")) == 0.004
+    # with a budget of 20 tokens per row, each iteration also pays for the prefill of the rows it completes
+    plain = make_plan([measured], acceptance, scaled, batch=4, margin=0.0).best
+    priced = make_plan([measured], acceptance, scaled, batch=4, new_tokens=20, margin=0.0).best
+    expected = plain.iteration_seconds + 4 * plain.tokens_per_call / 20 * 0.01
+    assert priced.iteration_seconds == pytest.approx(expected)
+    assert priced.tokens_per_second < plain.tokens_per_second
+
+
+def test_time_engine_times_whole_iterations_of_any_candidate():
+    from hf_tiny import tiny_model
+
+    from spectr.planner.calibrate import time_engine
+    from spectr.warps import SamplingWarp
+
+    target, draft = tiny_model(seed=0), tiny_model(seed=0, num_layers=1)
+    for candidate in (Candidate("autoregressive"), Candidate("spectr", 2, 3)):
+        timing = time_engine(target, draft, candidate, [[1, 2, 3], [4, 5]], batch=3, warp=SamplingWarp(1.0, 0, 1.0),
+                             seed=0, iterations=3)
+        assert timing.candidate == candidate
+        assert timing.iteration_seconds > 0 and timing.prefill_seconds_per_row > 0
 
 
 def test_single_draft_reach_is_the_closed_form_for_context_free_acceptance():
