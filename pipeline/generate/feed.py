@@ -334,6 +334,8 @@ class ShardFeed:
             self._observe()
             if shard_run.plan is not None:
                 stats["plan"] = shard_run.plan["description"]
+                predicted = shard_run.plan["predicted_tokens_per_s"]  # per actor
+                stats["predicted_seconds"] = stats["generated_tokens"] / predicted if predicted > 0 else 0.0
         self._open.discard(shard_run)
         with self._cond:
             shard_run.done = True

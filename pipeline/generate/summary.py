@@ -96,6 +96,7 @@ class JobSummary:
     output_dir: str = ""
     num_shards: int = 0
     plan: str = ""  # method=auto: "auto chose ..., predicted X tok/s (Y x autoregressive)"
+    planner_predicted_tokens_per_s: float = 0.0  # method=auto: the job's predicted throughput (all actors)
 
     @classmethod
     def build(
@@ -147,6 +148,7 @@ class JobSummary:
             output_dir=output_dir,
             num_shards=num_shards,
             plan=str(this_run.get("plan") or total.get("plan") or ""),
+            planner_predicted_tokens_per_s=predicted_throughput(total, num_actors),
         )
 
     @property
@@ -176,7 +178,16 @@ class JobSummary:
         values = {name: float(getattr(self, name)) for name in names}
         for i, rate in enumerate(acceptance_by_position(self.accepted_per_position, self.target_calls)):
             values[f"acceptance_at_position_{i + 1}"] = rate
+        if self.planner_predicted_tokens_per_s > 0:
+            values["planner_predicted_tokens_per_s"] = self.planner_predicted_tokens_per_s
+            values["planner_measured_over_predicted"] = self.measured_over_predicted
         return values
+
+    @property
+    def measured_over_predicted(self) -> float:
+        """method=auto: measured throughput / the planner's prediction (0 when there is none)."""
+        predicted = self.planner_predicted_tokens_per_s
+        return self.throughput_tokens_per_s / predicted if predicted > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -204,6 +215,9 @@ class JobSummary:
         ]
         if self.plan:
             lines.insert(0, ("method", self.plan))
+        if self.planner_predicted_tokens_per_s > 0:
+            lines.insert(1, ("planner", f"predicted {self.planner_predicted_tokens_per_s:.1f} tokens/s for "
+                                        f"{self.num_actors} actor(s), measured {self.measured_over_predicted:.2f}x that"))
         width = max(len(name) for name, _ in lines)
         return "\n".join(f"  {name.ljust(width)}  {value}" for name, value in lines)
 
@@ -252,3 +266,10 @@ def format_report(report: Any) -> str:
         lines.append(f"  {name.ljust(width)}  {value}")
     lines.extend(f"error: {message}" for message in report.messages)
     return "\n".join(lines)
+
+
+def predicted_throughput(total: dict[str, Any], num_actors: int) -> float:
+    """method=auto: the planner's predicted tokens/s of the job (each actor at its plan's prediction,
+    weighted by the tokens generated under each plan); 0 without a prediction."""
+    seconds = total.get("predicted_seconds", 0.0)
+    return num_actors * total["generated_tokens"] / seconds if seconds > 0 else 0.0

@@ -4,7 +4,7 @@
 iteration of any candidate costs at the job's batch size and context: target forwards at a few token
 counts between 1 and the widest candidate tree (interpolated in between), draft forwards at 1, 2 and K
 tokens, the draft's sampling, the selection walk of each method at its smallest and largest tree
-(mean of the all-reject and all-accept extremes), and the commit. Forwards are also timed at one row, so
+(at the all-accept extreme: the walk has no early exit, so its work does not depend on acceptance), and the commit. Forwards are also timed at one row, so
 that a plan for a lower occupancy interpolates between measured batch sizes.
 
 `time_engine` runs one candidate through the engine itself (`spectr.ContinuousBatcher`) for a few
@@ -20,6 +20,7 @@ Not here: the choice (`spectr.planner.choose`).
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Sequence
 
@@ -36,17 +37,23 @@ from spectr.planner.latency import (
     draft_sampling_latency,
     selection_latency,
 )
-from spectr.planner.table import ACCEPT_ALL, COMMIT, DRAFT, DRAFT_SAMPLE, REJECT_ALL, TARGET, LatencyTable
+from spectr.planner.table import ACCEPT_ALL, COMMIT, DRAFT, DRAFT_SAMPLE, TARGET, LatencyTable
 from spectr.warps import SamplingWarp
 
-ENGINE_ITERATIONS = 4  # timed engine iterations per candidate, after one untimed
+ENGINE_ITERATIONS = 5  # timed engine iterations per candidate, after one untimed
 
 
-def forward_widths(widest: int) -> list[int]:
-    """1, 2, 3, 5, 9, 17, ... up to and including `widest`: enough points to interpolate a forward's cost."""
-    widths, w = [1, 2], 3
+EXACT_WIDTHS_UP_TO = 17  # target forwards are timed at every candidate's own width up to here
+
+
+def forward_widths(widest: int, used: Sequence[int] = ()) -> list[int]:
+    """Target forward widths to time: 1, 2, every width in `used` up to EXACT_WIDTHS_UP_TO (a forward's
+    cost is not smooth in its width on CPUs: kernels change at some sizes), and beyond that 33, 65, ...
+    up to and including `widest`, interpolated in between."""
+    widths, w = {1, 2} | {u for u in used if u <= min(widest, EXACT_WIDTHS_UP_TO)}, 3
     while w < widest:
-        widths.append(w)
+        if w > EXACT_WIDTHS_UP_TO or not used:
+            widths.add(w)
         w = 2 * w - 1
     return sorted({x for x in widths if x <= widest} | {widest})
 
@@ -67,8 +74,11 @@ def measure_cost_model(
     max_k = max([c.num_drafts for c in speculative] + [1])
     max_l = max([c.draft_length for c in speculative] + [1])
     table = LatencyTable()
+    used = sorted({c.tree_tokens for c in candidates})
     for rows in sorted({1, batch}):
-        timers = _time_forwards(table, target, draft, rows, context, (widest, max_k, max_l), repeats, bool(speculative))
+        # at the job's batch every candidate's own width; at one row (lower occupancy) a coarser curve
+        widths = forward_widths(widest, used if rows == batch else ())
+        timers = _time_forwards(table, target, draft, rows, context, (widths, max_k, max_l), repeats, bool(speculative))
         if rows != batch:
             continue
         _time_steps(table, timers, rows, target.vocab_size, warp, max_k, max_l, repeats, target.device)
@@ -77,10 +87,10 @@ def measure_cost_model(
 
 
 def _time_forwards(table, target, draft, rows, context, sizes, repeats, speculative) -> dict:
-    widest, max_k, max_l = sizes
+    widths, max_k, max_l = sizes
     # slots after the context: the widest forward, and the commit's L + 1 slots (timed on these caches)
-    timers = {TARGET: ForwardTimer(target, rows, context, max(widest, max_l + 2))}
-    for w in forward_widths(widest):
+    timers = {TARGET: ForwardTimer(target, rows, context, max(max(widths), max_l + 2))}
+    for w in widths:
         table.add(TARGET, rows, (w,), timers[TARGET].seconds(w, repeats))
     timers[DRAFT] = None
     if speculative:
@@ -106,11 +116,10 @@ def _time_selection(table, speculative: Sequence[Candidate], rows, vocab_size, w
     for method in sorted({c.method for c in speculative}):
         mine = [c for c in speculative if c.method == method]
         for c in {min(mine, key=lambda c: c.num_drafts * c.draft_length), max(mine, key=lambda c: c.num_drafts * c.draft_length)}:
-            seconds = [
-                selection_latency(method, rows, c.num_drafts, c.draft_length, vocab_size, extreme, warp, repeats, device)
-                for extreme in (REJECT_ALL, ACCEPT_ALL)
-            ]
-            table.add(f"{SELECTION}_{method}", rows, (c.num_drafts * c.draft_length,), sum(seconds) / 2)
+            # the walk covers every position with masks (no early exit): one extreme is enough
+            seconds = selection_latency(method, rows, c.num_drafts, c.draft_length, vocab_size, ACCEPT_ALL, warp,
+                                        repeats, device)
+            table.add(f"{SELECTION}_{method}", rows, (c.num_drafts * c.draft_length,), seconds)
 
 
 def measure_acceptance(
@@ -160,7 +169,10 @@ def time_engine(
     _sync(device)
     prefill = (time.perf_counter() - started) / batch
     batcher.step()  # untimed: the first iteration pays for one-off allocations
-    started = time.perf_counter()
+    seconds = []
     for _ in range(iterations):
+        started = time.perf_counter()
         batcher.step()  # ends with the iteration's host copy: the device is done
-    return EngineTiming(candidate, (time.perf_counter() - started) / iterations, prefill)
+        seconds.append(time.perf_counter() - started)
+    # the median: a few iterations, one of them preempted on a shared machine, must not decide the plan
+    return EngineTiming(candidate, statistics.median(seconds), prefill)

@@ -222,6 +222,8 @@ def test_calibration_on_real_models_prices_every_candidate():
     # a lower occupancy interpolates between the measured 1 and 4 rows
     assert make_plan(candidates, acceptance, cost, batch=2).batch == 2
     assert forward_widths(13) == [1, 2, 3, 5, 9, 13] and forward_widths(2) == [1, 2]
+    # every candidate's own width up to 17 (forwards are not smooth in their width), doubling beyond
+    assert forward_widths(65, [1, 4, 7, 17, 25, 65]) == [1, 2, 4, 7, 17, 33, 65]
 
 
 def test_auto_planner_on_real_models_chooses_a_bounded_exact_candidate():
