@@ -28,6 +28,7 @@ class AutoChoice:
     predicted_speedup: float
     calibration_seconds: float
     description: str
+    calibration_split: str = ""  # "cost model X s, acceptance Y s, whole iterations Z s"
 
 
 def plan_auto(config: BenchConfig, pair, cases: list[BenchCase], batches_of) -> dict[int, AutoChoice]:
@@ -53,5 +54,7 @@ def plan_auto(config: BenchConfig, pair, cases: list[BenchCase], batches_of) -> 
         choices[case.batch_size] = AutoChoice(
             best.candidate, best.tokens_per_second, planner.plan.speedup, calibration.seconds,
             planner.plan.describe(),
+            f"cost model {calibration.cost_seconds:.1f} s, acceptance {calibration.acceptance_seconds:.1f} s, "
+            f"whole iterations {calibration.engine_seconds:.1f} s",
         )
     return choices

@@ -172,7 +172,7 @@ def _auto_lines(report, bullet: str) -> list[str]:
     """What `auto` chose at each batch size, its prediction and its calibration time (empty without auto)."""
     lines = [
         f"{bullet}B={r.case.batch_size}: {r.auto.description}; measured {r.tokens_per_second:.1f} tok/s; "
-        f"calibration {r.auto.calibration_seconds:.1f} s"
+        f"calibration {r.auto.calibration_seconds:.1f} s ({r.auto.calibration_split})"
         for r in report.results
         if r.ok and r.auto is not None
     ]

@@ -10,9 +10,9 @@ Calibration measures the forwards and the cheap steps at the batch size and the 
 (`spectr.planner.calibrate.measure_cost_model`, with a low timing floor: it only ranks), the pair's
 acceptance along short target-sampled continuations of a few of the prompts (`measure_acceptance`),
 then times the likely choices as whole engine iterations (`time_engine`: autoregressive and the
-component model's best candidate of each method, then its next-best candidates while
+component model's best one-draft and several-draft candidates, then its next-best candidates while
 `ENGINE_BUDGET_S` lasts) and scales the model to them: measured candidates are predicted from their
-own iterations, the others through their method's measured factor. Every candidate is exact, so the choice
+own iterations, the others through their method's (or family's) measured factor. Every candidate is exact, so the choice
 only changes the speed. With temperature 0 (greedy) multiple drafts add nothing, so only autoregressive
 and single-draft candidates are considered.
 
@@ -26,13 +26,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from spectr.hf import HFCausalLM
-from spectr.planner.calibrate import measure_acceptance, measure_cost_model, time_engine
+from spectr.planner.calibrate import ENGINE_ITERATIONS, measure_acceptance, measure_cost_model, time_engine
 from spectr.planner.choose import (
+    AUTOREGRESSIVE,
     Candidate,
     CostModel,
     Planner,
     bounded,
     default_candidates,
+    family,
     make_plan,
 )
 from spectr.planner.latency import timing_floor
@@ -44,7 +46,8 @@ PROBE_TOKENS = 16  # tokens per continuation
 # uniforms with the rows it is chosen for (it must not depend on the randomness of the outputs).
 PROBE_SEED_OFFSET = 2**61
 COMPONENT_TIMING_FLOOR_S = 0.03  # the component model only ranks; its likely choices are timed whole
-ENGINE_BUDGET_S = 1.0  # whole-iteration timings beyond the first candidate of each method stop here
+ENGINE_BUDGET_S = 1.0
+AR_ITERATION_FACTOR = 2  # whole-iteration timings beyond the first candidate of each method stop here
 
 
 @dataclass(frozen=True)
@@ -97,25 +100,27 @@ def auto_planner(
 
 def likely_choices(plan) -> list[Candidate]:
     """The candidates worth timing whole, in order: autoregressive and the best-predicted candidate of
-    every other method first, then the rest of the plan, fastest first."""
+    each other `family` first, then the rest of the plan, fastest first."""
     firsts, seen = [], set()
     for entry in plan.entries:
-        if entry.candidate.method not in seen:
-            seen.add(entry.candidate.method)
+        if family(entry.candidate.method) not in seen:
+            seen.add(family(entry.candidate.method))
             firsts.append(entry.candidate)
     return firsts + [e.candidate for e in plan.entries if e.candidate not in firsts]
 
 
 def _timed_whole(cost: CostModel, candidates, acceptance, pair, prompts, batch_size: int, warp, seed: int) -> CostModel:
-    """The component model scaled to whole engine iterations of its likely choices: one per method,
+    """The component model scaled to whole engine iterations of its likely choices: one per family,
     then the next-best candidates while `ENGINE_BUDGET_S` lasts."""
     plan = make_plan(candidates, acceptance, cost, batch_size, margin=0.0)
-    methods = len({c.method for c in candidates})
+    families = len({family(c.method) for c in candidates})
     started, timings = time.perf_counter(), []
     for n, candidate in enumerate(likely_choices(plan)):
-        if n >= methods and time.perf_counter() - started > ENGINE_BUDGET_S:
+        if n >= families and time.perf_counter() - started > ENGINE_BUDGET_S:
             break
-        timing = time_engine(*pair, candidate, prompts, batch_size, warp, seed + PROBE_SEED_OFFSET)
+        # autoregressive is the baseline every other choice must beat: its cheap iterations are timed longer
+        iterations = ENGINE_ITERATIONS * (AR_ITERATION_FACTOR if candidate.method == AUTOREGRESSIVE else 1)
+        timing = time_engine(*pair, candidate, prompts, batch_size, warp, seed + PROBE_SEED_OFFSET, iterations)
         reach = tuple(acceptance.reach(candidate.method, candidate.num_drafts, candidate.draft_length))
         timings.append(replace(timing, reach=reach))
     return cost.with_engine_timings(timings, batch_size)

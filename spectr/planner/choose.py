@@ -17,8 +17,8 @@ The component sum misses what whole iterations also pay (Python bookkeeping, mas
 sync, cache effects between the pieces), more for the speculative methods than for autoregressive. So
 the calibration also times a few candidates as whole engine iterations
 (`spectr.planner.calibrate.time_engine`), and `CostModel.corrections` scales each of them to its
-measured seconds; an unmeasured candidate is scaled by its method's measured factor (or the median of
-all speculative ones). With `new_tokens` known, each row's prefill (measured in those runs) is spread
+measured seconds; an unmeasured candidate is scaled by the median measured factor of its method, else
+of its `family`, else of every speculative candidate. With `new_tokens` known, each row's prefill (measured in those runs) is spread
 over the tokens it generates.
 
 A speculative choice must beat autoregressive by `SPECULATION_MARGIN` in the prediction, otherwise the
@@ -42,6 +42,14 @@ SELECTION = "selection"  # + "_<method>"; shape (K * L,) (autoregressive: (0,))
 SPECULATIVE_METHODS = ("speculative", "block", "spectr", "specinfer")
 SINGLE_DRAFT = ("speculative", "block")
 SPECULATION_MARGIN = 0.05  # a speculative plan must be predicted this much faster than autoregressive
+
+
+def family(method: str) -> str:
+    """Methods whose iterations cost alike (same drafting and verify forward; only the selection rule
+    differs): autoregressive, one draft (speculative, block), several drafts (spectr, specinfer)."""
+    if method == AUTOREGRESSIVE:
+        return AUTOREGRESSIVE
+    return "single_draft" if method in SINGLE_DRAFT else "multi_draft"
 
 
 @dataclass(frozen=True)
@@ -115,8 +123,9 @@ class CostModel:
         if candidate in self.corrections:
             return self.corrections[candidate]
         same = [f for c, f in self.corrections.items() if c.method == candidate.method]
+        kin = [f for c, f in self.corrections.items() if family(c.method) == family(candidate.method)]
         speculative = [f for c, f in self.corrections.items() if c.method != AUTOREGRESSIVE]
-        pool = same or (speculative if candidate.method != AUTOREGRESSIVE else [])
+        pool = same or kin or (speculative if candidate.method != AUTOREGRESSIVE else [])
         return statistics.median(pool) if pool else 1.0
 
     def prefill_seconds(self, candidate: Candidate) -> float:
@@ -313,5 +322,6 @@ __all__ = [
     "Planner",
     "bounded",
     "default_candidates",
+    "family",
     "make_plan",
 ]
