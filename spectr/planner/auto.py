@@ -46,8 +46,8 @@ PROBE_TOKENS = 16  # tokens per continuation
 # uniforms with the rows it is chosen for (it must not depend on the randomness of the outputs).
 PROBE_SEED_OFFSET = 2**61
 COMPONENT_TIMING_FLOOR_S = 0.03  # the component model only ranks; its likely choices are timed whole
-ENGINE_BUDGET_S = 1.0
-AR_ITERATION_FACTOR = 2  # whole-iteration timings beyond the first candidate of each method stop here
+ENGINE_BUDGET_S = 1.0  # whole-iteration timings beyond the first candidate of each family stop here
+AR_ITERATION_FACTOR = 2  # autoregressive, the baseline, is timed over this many times more iterations
 
 
 @dataclass(frozen=True)
