@@ -106,13 +106,26 @@ def auto_speed_goal(report) -> Goal:
         best = max(fixed, key=lambda f: f.tokens_per_second)
         ratio = r.tokens_per_second / best.tokens_per_second
         vs_ar = r.speedup_vs_autoregressive
-        ok = ok and ratio >= GOAL_AUTO_VS_BEST and (vs_ar is None or vs_ar >= 1.0 - 1e-9)
+        # auto running the comparator's own configuration meets the goal by identity; the measured
+        # ratio is then two timings of one configuration (the run-to-run noise), reported as such
+        best_same, ar_same = _same(r.auto.candidate, best.case), r.auto.candidate.method == "autoregressive"
+        ok = ok and (best_same or ratio >= GOAL_AUTO_VS_BEST) and (ar_same or vs_ar is None or vs_ar >= 1.0 - 1e-9)
         ar_text = f", {vs_ar:.2f}x autoregressive" if vs_ar is not None else ""
+        noise = " (the same configuration: the ratio is run-to-run noise)" if best_same or ar_same else ""
         parts.append(f"B={r.case.batch_size}: auto chose {r.auto.candidate.label}, {r.tokens_per_second:.1f} tok/s "
-                     f"= {ratio:.2f}x the best fixed ({best.case.label}, {best.tokens_per_second:.1f}){ar_text}")
+                     f"= {ratio:.2f}x the best fixed ({best.case.label}, {best.tokens_per_second:.1f}){ar_text}{noise}")
     if not parts:
         return Goal(name, "N/A", "no fixed configuration of ours at auto's batch sizes")
     return Goal(name, "PASS" if ok else "MISS", "; ".join(parts))
+
+
+def _same(candidate, case) -> bool:
+    """Whether the planner's candidate is the grid configuration `case` (same method, K and L)."""
+    if candidate.method != case.method:
+        return False
+    return candidate.method == "autoregressive" or (
+        candidate.num_drafts == case.num_drafts and candidate.draft_length == case.draft_length
+    )
 
 
 def auto_prediction_goal(report) -> Goal:
