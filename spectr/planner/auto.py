@@ -121,6 +121,8 @@ def _timed_whole(cost: CostModel, candidates, acceptance, pair, prompts, batch_s
         # autoregressive is the baseline every other choice must beat: its cheap iterations are timed longer
         iterations = ENGINE_ITERATIONS * (AR_ITERATION_FACTOR if candidate.method == AUTOREGRESSIVE else 1)
         timing = time_engine(*pair, candidate, prompts, batch_size, warp, seed + PROBE_SEED_OFFSET, iterations)
+        if timing is None:  # no room in the models' positions: the component model stands for it
+            continue
         reach = tuple(acceptance.reach(candidate.method, candidate.num_drafts, candidate.draft_length))
         timings.append(replace(timing, reach=reach))
     return cost.with_engine_timings(timings, batch_size)

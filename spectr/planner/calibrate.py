@@ -147,9 +147,10 @@ def time_engine(
     warp: SamplingWarp,
     seed: int,
     iterations: int = ENGINE_ITERATIONS,
-) -> EngineTiming:
+) -> EngineTiming | None:
     """Seconds of one engine iteration of `candidate` with `batch` rows in flight (the prompts, cycled),
-    and of one row's admission. Budgets are large enough that no row finishes while it is timed."""
+    and of one row's admission. Budgets are large enough that no row finishes while it is timed; fewer
+    iterations are timed when the models' positions leave no room for them (None: not even one)."""
     from spectr.batching import ContinuousBatcher
 
     speculative = candidate.method != "autoregressive"
@@ -161,7 +162,11 @@ def time_engine(
         method=candidate.method, num_drafts=max(candidate.num_drafts, 1), draft_length=length,
         temperature=warp.temperature, top_k=warp.top_k, top_p=warp.top_p, eos_token_id=None,
     )
-    batcher.admit(rows, max_new_tokens=budget, seed=seed)
+    room = batcher.max_length - max(map(len, rows))  # the models' positions may allow fewer tokens
+    iterations = min(iterations, (room - 1) // (length + 1) - 1)
+    if iterations < 1:
+        return None
+    batcher.admit(rows, max_new_tokens=(iterations + 1) * (length + 1) + 1, seed=seed)
     device = batcher.device
     _sync(device)
     started = time.perf_counter()

@@ -125,6 +125,11 @@ def test_time_engine_times_whole_iterations_of_any_candidate():
                              seed=0, iterations=3)
         assert timing.candidate == candidate
         assert timing.iteration_seconds > 0 and timing.prefill_seconds_per_row > 0
+    # a model with few positions: fewer iterations fit, or none (then the component model stands)
+    short = tiny_model(seed=0, max_positions=24)
+    warp = SamplingWarp(1.0, 0, 1.0)
+    assert time_engine(short, draft, Candidate("spectr", 2, 3), [[1, 2, 3]], 2, warp, 0, iterations=5) is not None
+    assert time_engine(short, draft, Candidate("spectr", 2, 8), [[1, 2, 3] * 4], 2, warp, 0) is None
 
 
 def test_single_draft_reach_is_the_closed_form_for_context_free_acceptance():
