@@ -403,7 +403,7 @@ class ShardFeed:
 
     @staticmethod
     def _zero_batch() -> dict[str, float]:
-        return {"iterations": 0, **dict.fromkeys(PHASE_FIELDS, 0.0), "wall_seconds": 0.0}
+        return {"iterations": 0, **dict.fromkeys(PHASE_FIELDS, 0.0), "wall_seconds": 0.0, "calibration_seconds": 0.0}
 
     # -- method=auto ----------------------------------------------------------------------------------
     def _calibrate(self, prompts: list[list[int]]) -> None:
@@ -418,6 +418,7 @@ class ShardFeed:
             max_new_tokens=s.max_new_tokens,
         )  # fmt: skip
         self.calibration_s = calibration.seconds
+        self._uncharged["calibration_seconds"] += calibration.seconds  # inside the batch's wall seconds
         log.info("%s (calibration %.1f s)", self.planner.plan.describe(), calibration.seconds)
 
     def _config_of(self, candidate: Any, capacity: int) -> EngineConfig:

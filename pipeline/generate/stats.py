@@ -20,9 +20,10 @@ from typing import Any
 # Statistic fields summed over batches (lists element-wise). `iterations`: batched target calls (one
 # forward of the target over every row in flight), where `target_calls` counts them per row.
 # `predicted_seconds` (method=auto): the seconds one actor would need for the shard's tokens at the
-# planner's predicted tokens/s.
+# planner's predicted tokens/s; `calibration_seconds`: the planner's calibration, inside `wall_seconds`.
 _SUMMED = (
     "predicted_seconds",
+    "calibration_seconds",
     "iterations",
     "tested_positions",
     "draft_seconds",

@@ -97,6 +97,7 @@ class JobSummary:
     num_shards: int = 0
     plan: str = ""  # method=auto: "auto chose ..., predicted X tok/s (Y x autoregressive)"
     planner_predicted_tokens_per_s: float = 0.0  # method=auto: the job's predicted throughput (all actors)
+    planner_measured_tokens_per_s: float = 0.0  # the same quantity measured: the actors' batches, calibration out
 
     @classmethod
     def build(
@@ -149,6 +150,7 @@ class JobSummary:
             num_shards=num_shards,
             plan=str(this_run.get("plan") or total.get("plan") or ""),
             planner_predicted_tokens_per_s=predicted_throughput(total, num_actors),
+            planner_measured_tokens_per_s=batch_throughput(total, num_actors),
         )
 
     @property
@@ -180,14 +182,15 @@ class JobSummary:
             values[f"acceptance_at_position_{i + 1}"] = rate
         if self.planner_predicted_tokens_per_s > 0:
             values["planner_predicted_tokens_per_s"] = self.planner_predicted_tokens_per_s
+            values["planner_measured_tokens_per_s"] = self.planner_measured_tokens_per_s
             values["planner_measured_over_predicted"] = self.measured_over_predicted
         return values
 
     @property
     def measured_over_predicted(self) -> float:
-        """method=auto: measured throughput / the planner's prediction (0 when there is none)."""
+        """method=auto: the actors' measured batch throughput / the planner's prediction (0: none)."""
         predicted = self.planner_predicted_tokens_per_s
-        return self.throughput_tokens_per_s / predicted if predicted > 0 else 0.0
+        return self.planner_measured_tokens_per_s / predicted if predicted > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -217,7 +220,9 @@ class JobSummary:
             lines.insert(0, ("method", self.plan))
         if self.planner_predicted_tokens_per_s > 0:
             lines.insert(1, ("planner", f"predicted {self.planner_predicted_tokens_per_s:.1f} tokens/s for "
-                                        f"{self.num_actors} actor(s), measured {self.measured_over_predicted:.2f}x that"))
+                                        f"{self.num_actors} actor(s); their batches made "
+                                        f"{self.planner_measured_tokens_per_s:.1f} (calibration excluded) = "
+                                        f"{self.measured_over_predicted:.2f}x"))
         width = max(len(name) for name, _ in lines)
         return "\n".join(f"  {name.ljust(width)}  {value}" for name, value in lines)
 
@@ -273,3 +278,12 @@ def predicted_throughput(total: dict[str, Any], num_actors: int) -> float:
     weighted by the tokens generated under each plan); 0 without a prediction."""
     seconds = total.get("predicted_seconds", 0.0)
     return num_actors * total["generated_tokens"] / seconds if seconds > 0 else 0.0
+
+
+def batch_throughput(total: dict[str, Any], num_actors: int) -> float:
+    """The actors' tokens per second of batch time (`wall_seconds`, the planner's calibration taken out),
+    times the number of actors: what the planner predicts, measured; 0 without a prediction."""
+    seconds = total.get("wall_seconds", 0.0) - total.get("calibration_seconds", 0.0)
+    if total.get("predicted_seconds", 0.0) <= 0 or seconds <= 0:
+        return 0.0
+    return num_actors * total["generated_tokens"] / seconds

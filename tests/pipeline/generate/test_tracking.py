@@ -149,15 +149,19 @@ def test_planner_prediction_against_the_measured_throughput():
     """method=auto: each shard carries the seconds one actor would need at its plan's predicted tok/s;
     the summary turns them into the job's predicted throughput and the measured / predicted ratio."""
     fast, slow = shard(4, 60, 20, [10, 5], 25), shard(4, 40, 20, [12, 6], 26)
-    fast.update(plan="auto chose speculative L=2, predicted 30.0 tok/s", predicted_seconds=60 / 30.0)
-    slow.update(plan="auto chose autoregressive, predicted 10.0 tok/s", predicted_seconds=40 / 10.0)
+    fast.update(plan="auto chose speculative L=2, predicted 30.0 tok/s", predicted_seconds=60 / 30.0,
+                wall_seconds=3.0, calibration_seconds=1.0)
+    slow.update(plan="auto chose autoregressive, predicted 10.0 tok/s", predicted_seconds=40 / 10.0, wall_seconds=3.0)
     common = dict(num_prompts=8, startup_s=1.0, num_actors=2, actor_device="cpu", output_dir="o", num_shards=2)
     summary = JobSummary.build([fast, slow], [fast, slow], wall_time_s=12.0, generation_s=10.0, **common)
     assert summary.planner_predicted_tokens_per_s == pytest.approx(2 * 100 / 6.0)  # two actors
     metrics = summary.metrics()
     assert metrics["planner_predicted_tokens_per_s"] == pytest.approx(100 / 3.0)
-    assert metrics["planner_measured_over_predicted"] == pytest.approx(10.0 / (100 / 3.0))
-    assert "predicted 33.3 tokens/s for 2 actor(s), measured 0.30x that" in summary.table()
+    # measured: 100 tokens in 5 s of batches (6 s minus 1 s of calibration) per actor, two actors
+    assert summary.planner_measured_tokens_per_s == pytest.approx(2 * 100 / 5.0)
+    assert metrics["planner_measured_over_predicted"] == pytest.approx(40.0 / (100 / 3.0))
+    assert "predicted 33.3 tokens/s for 2 actor(s); their batches made 40.0 (calibration excluded) = 1.20x" in (
+        summary.table())
     fixed = JobSummary.build([shard(4, 60, 20, [10, 5], 25)], [], wall_time_s=1.0, generation_s=1.0, **common)
     assert "planner_predicted_tokens_per_s" not in fixed.metrics() and "planner" not in fixed.table()
 
