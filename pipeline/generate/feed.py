@@ -334,6 +334,7 @@ class ShardFeed:
             self._observe()
             if shard_run.plan is not None:
                 stats["plan"] = shard_run.plan["description"]
+                stats["plan_choice"] = {k: shard_run.plan[k] for k in ("method", "num_drafts", "draft_length")}
                 predicted = shard_run.plan["predicted_tokens_per_s"]  # per actor
                 stats["predicted_seconds"] = stats["generated_tokens"] / predicted if predicted > 0 else 0.0
         self._open.discard(shard_run)

@@ -63,11 +63,11 @@ class LiveMetrics:
         checkpoint: Callable[[float], None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
         heartbeat_s: float = HEARTBEAT_S,
-        on_plan: Callable[[str], None] | None = None,
+        on_plan: Callable[[str, dict | None], None] | None = None,
     ):
         """log_metrics: takes a list of `mlflow.entities.Metric` (run on the background thread);
         started: the `clock()` time generation started; checkpoint(generation seconds so far): called
-        after each shard (the run file's record of time spent); on_plan(plan): a new choice of the planner
+        after each shard (the run file's record of time spent); on_plan(plan, choice): a new choice of the planner (its description, and its method, num_drafts, draft_length)
         (method="auto"), called on the background thread."""
         self._log_metrics = log_metrics
         self.total = total_stats(earlier_stats)
@@ -93,7 +93,8 @@ class LiveMetrics:
         merge_stats(self.this_run, stats)
         if self.on_plan is not None and stats.get("plan") and stats["plan"] != self.plan:
             self.plan = stats["plan"]
-            self._background.submit(self._call, self.on_plan, self.plan)
+            choice = stats.get("plan_choice")
+            self._background.submit(self._call, lambda plan: self.on_plan(plan, choice), self.plan)
         if worker is not None and stats.get("resources"):
             number = self.workers.setdefault(worker_key(worker), len(self.workers))
             self.pending_usage[number] = merge_usage(self.pending_usage.get(number, {}), stats["resources"])

@@ -63,6 +63,8 @@ def merge_stats(total: dict[str, Any], part: dict[str, Any]) -> dict[str, Any]:
         total[name] = [x + y for x, y in zip(a, b)]
     if part.get("plan"):
         total["plan"] = part["plan"]  # the planner's latest choice (method="auto")
+    if part.get("plan_choice"):
+        total["plan_choice"] = part["plan_choice"]  # its method, num_drafts, draft_length
     return total
 
 

@@ -6,8 +6,9 @@ the job's runs have spent so far, so that a resumed job's throughput covers all 
 continues that run; one still RUNNING there belonged to a job that died, and is marked KILLED when this
 is detected, then reopened.
 
-Logged: params = the flattened resolved config, plus `num_actors` (and `planner_choice` under
-method="auto", also a tag that follows the planner's latest choice); tags = method, K, L, target and draft
+Logged: params = the flattened resolved config, plus `num_actors` (and `planner_choice`,
+`planner_method`, `planner_num_drafts`, `planner_draft_length` under method="auto", also tags that
+follow the planner's latest choice); tags = method, K, L, target and draft
 names, device kind, number of workers, git commit, output directory, config hash; the prompts as a dataset
 input; MLflow's system metrics on the driver; live metrics while the job runs (`pipeline.generate.live`);
 the final metrics (`pipeline.generate.summary.JobSummary.metrics`, the MLflow contract names) at
@@ -203,11 +204,14 @@ class MlflowTracker(MlflowRun):
             on_plan=self.planner_chose,
         )
 
-    def planner_chose(self, plan: str) -> None:
-        """method="auto": the planner's choice as a tag (its latest) and a param (its first)."""
-        self.set_tags({"planner_choice": plan})
+    def planner_chose(self, plan: str, choice: dict | None = None) -> None:
+        """method="auto": the planner's choice (its description, and its method, K and L as
+        `planner_method`, `planner_num_drafts`, `planner_draft_length`) as tags (its latest) and params
+        (its first)."""
+        values = {"planner_choice": plan, **{f"planner_{k}": str(v) for k, v in (choice or {}).items()}}
+        self.set_tags(values)
         if "planner_choice" not in self.client.get_run(self.run_id).data.params:
-            self.log_params({"planner_choice": plan})
+            self.log_params(values)
 
     def finish(self, summary: JobSummary, resolved_config: dict[str, Any], status: str) -> None:
         """The final metrics at step = prompts completed (the live series' last point), the files, the

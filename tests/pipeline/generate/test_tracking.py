@@ -239,14 +239,38 @@ def test_mlflow_run_experiment_kind_reopen_and_dataset(tmp_path):
     assert client.get_run(run_id).info.status == "FINISHED"
 
 
+def test_planner_choice_becomes_params_first_and_tags_latest(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.generate.tracking import MlflowTracker
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run = MlflowRun(MlflowConfig(tracking_uri=uri, experiment="e"))
+    run_id = run.start({}, {})
+    MlflowTracker.planner_chose(run, "auto chose speculative L=4, ...", {"method": "speculative", "num_drafts": 1,
+                                                                        "draft_length": 4})
+    MlflowTracker.planner_chose(run, "auto chose spectr K=2 L=3, ...", {"method": "spectr", "num_drafts": 2,
+                                                                        "draft_length": 3})
+    data = MlflowClient(tracking_uri=uri).get_run(run_id).data
+    assert (data.params["planner_method"], data.params["planner_num_drafts"], data.params["planner_draft_length"]) == (
+        "speculative", "1", "4")
+    assert (data.tags["planner_method"], data.tags["planner_num_drafts"], data.tags["planner_draft_length"]) == (
+        "spectr", "2", "3")
+    assert data.tags["planner_choice"].startswith("auto chose spectr K=2 L=3")
+    run.terminate()
+
+
 def test_planner_choice_is_passed_on_when_it_changes():
     sent: list = []
     plans: list = []
     clock = Clock()
-    live = LiveMetrics(sent.extend, [], 0.0, 10, 5.0, started=clock(), clock=clock, on_plan=plans.append)
+    live = LiveMetrics(sent.extend, [], 0.0, 10, 5.0, started=clock(), clock=clock,
+                       on_plan=lambda plan, choice: plans.append((plan, choice)))
+    choices = {"speculative L=4": {"method": "speculative", "num_drafts": 1, "draft_length": 4},
+               "spectr K=2 L=3": {"method": "spectr", "num_drafts": 2, "draft_length": 3}}
     for plan in ("speculative L=4", "speculative L=4", "spectr K=2 L=3", ""):
-        live.shard_written({**shard(1, 4, 2, [1], 2), "plan": plan}, None)
+        live.shard_written({**shard(1, 4, 2, [1], 2), "plan": plan, "plan_choice": choices.get(plan)}, None)
     live.stop()
-    assert plans == ["speculative L=4", "spectr K=2 L=3"]
+    assert plans == [(label, choices[label]) for label in ("speculative L=4", "spectr K=2 L=3")]
     total = merge_stats(merge_stats(empty_stats(), {"plan": "a"}), {"plan": ""})
     assert total["plan"] == "a"
