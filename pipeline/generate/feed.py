@@ -328,7 +328,8 @@ class ShardFeed:
         self._fold_batcher()
         for name, value in self._uncharged.items():
             stats[name] = stats.get(name, 0) + value
-        stats["other_seconds"] = max(0.0, stats["wall_seconds"] - sum(stats[name] for name in PHASE_FIELDS))
+        inside = sum(stats[name] for name in PHASE_FIELDS) + stats.get("calibration_seconds", 0.0)
+        stats["other_seconds"] = max(0.0, stats["wall_seconds"] - inside)
         self._uncharged = self._zero_batch()
         if self.planner is not None:
             self._observe()

@@ -145,6 +145,7 @@ class JobSummary:
                 "target": total["target_seconds"],
                 "selection": total["selection_seconds"],
                 "other": total["other_seconds"],
+                **({"calibration": total["calibration_seconds"]} if total.get("calibration_seconds") else {}),
             },
             output_dir=output_dir,
             num_shards=num_shards,

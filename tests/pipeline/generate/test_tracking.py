@@ -162,7 +162,9 @@ def test_planner_prediction_against_the_measured_throughput():
     assert metrics["planner_measured_over_predicted"] == pytest.approx(40.0 / (100 / 3.0))
     assert "predicted 33.3 tokens/s for 2 actor(s); their batches made 40.0 (calibration excluded) = 1.20x" in (
         summary.table())
+    assert summary.seconds_by_phase["calibration"] == 1.0  # its own share of the split, not "other"
     fixed = JobSummary.build([shard(4, 60, 20, [10, 5], 25)], [], wall_time_s=1.0, generation_s=1.0, **common)
+    assert "calibration" not in fixed.seconds_by_phase
     assert "planner_predicted_tokens_per_s" not in fixed.metrics() and "planner" not in fixed.table()
 
 
