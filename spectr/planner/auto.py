@@ -47,6 +47,7 @@ PROBE_TOKENS = 16  # tokens per continuation
 PROBE_SEED_OFFSET = 2**61
 COMPONENT_TIMING_FLOOR_S = 0.03  # the component model only ranks; its likely choices are timed whole
 ENGINE_BUDGET_S = 1.0  # whole-iteration timings beyond the first candidate of each family stop here
+BEST_TOKENS_SLACK = 1.25  # the acceptance probe is short: wider forwards are skipped only with this slack
 AR_ITERATION_FACTOR = 2  # autoregressive, the baseline, is timed over this many times more iterations
 
 
@@ -86,15 +87,17 @@ def auto_planner(
     target_lm, draft_lm = HFCausalLM(target, role="target"), HFCausalLM(draft, role="draft")
     context = max(len(p) for p in prompts)
     started = time.perf_counter()
-    with timing_floor(COMPONENT_TIMING_FLOOR_S):
-        cost = measure_cost_model(target_lm, draft_lm, candidates, batch_size, context, warp)
-    measured = time.perf_counter()
     probe = [list(p) for p in prompts[:PROBE_PROMPTS]]
     ks = sorted({c.num_drafts for c in candidates if c.num_drafts > 1}) or [2]
     acceptance = measure_acceptance(target, draft, probe, PROBE_TOKENS, warp, seed + PROBE_SEED_OFFSET, ks)
     accepted = time.perf_counter()
+    best = max(acceptance.expected_tokens(c.method, c.num_drafts, c.draft_length) for c in candidates)
+    with timing_floor(COMPONENT_TIMING_FLOOR_S):  # forwards too slow for `best` tokens a call are not timed
+        cost = measure_cost_model(target_lm, draft_lm, candidates, batch_size, context, warp,
+                                  best_tokens_per_call=BEST_TOKENS_SLACK * best)
+    measured = time.perf_counter()
     cost = _timed_whole(cost, candidates, acceptance, (target, draft), prompts, batch_size, warp, seed)
-    calibration = Calibration(measured - started, accepted - measured, time.perf_counter() - accepted)
+    calibration = Calibration(measured - accepted, accepted - started, time.perf_counter() - measured)
     return Planner(candidates, acceptance, cost, batch_size, new_tokens=max_new_tokens), calibration
 
 

@@ -67,8 +67,13 @@ def measure_cost_model(
     context: int,
     warp: SamplingWarp,
     repeats: int = 1,
+    best_tokens_per_call: float | None = None,
 ) -> CostModel:
-    """Every latency `CostModel.iteration_seconds` reads for `candidates` at `batch` rows and `context`."""
+    """Every latency `CostModel.iteration_seconds` reads for `candidates` at `batch` rows and `context`.
+
+    best_tokens_per_call: the most tokens per target call any candidate is expected to yield (default:
+    1 + the longest draft); target forwards costing more than that many one-token forwards are not
+    timed (see `_hopeless`)."""
     speculative = [c for c in candidates if c.method != "autoregressive"]
     widest = max([c.tree_tokens for c in candidates] + [2])
     max_k = max([c.num_drafts for c in speculative] + [1])
@@ -78,7 +83,9 @@ def measure_cost_model(
     for rows in sorted({1, batch}):
         # at the job's batch every candidate's own width; at one row (lower occupancy) a coarser curve
         widths = forward_widths(widest, used if rows == batch else ())
-        timers = _time_forwards(table, target, draft, rows, context, (widths, max_k, max_l), repeats, bool(speculative))
+        bound = best_tokens_per_call or 1 + max_l
+        timers = _time_forwards(table, target, draft, rows, context, (widths, max_k, max_l, bound), repeats,
+                                bool(speculative))
         if rows != batch:
             continue
         _time_steps(table, timers, rows, target.vocab_size, warp, max_k, max_l, repeats, target.device)
@@ -87,17 +94,31 @@ def measure_cost_model(
 
 
 def _time_forwards(table, target, draft, rows, context, sizes, repeats, speculative) -> dict:
-    widths, max_k, max_l = sizes
+    widths, max_k, max_l, bound = sizes
     # slots after the context: the widest forward, and the commit's L + 1 slots (timed on these caches)
     timers = {TARGET: ForwardTimer(target, rows, context, max(max(widths), max_l + 2))}
+    measured: list[tuple[int, float]] = []
     for w in widths:
-        table.add(TARGET, rows, (w,), timers[TARGET].seconds(w, repeats))
+        if _hopeless(measured, bound):  # extrapolated: no candidate this wide can beat autoregressive
+            (w0, t0), (w1, t1) = measured[-2:]
+            table.add(TARGET, rows, (w,), t1 + (t1 - t0) * (w - w1) / (w1 - w0))
+            continue
+        measured.append((w, timers[TARGET].seconds(w, repeats)))
+        table.add(TARGET, rows, (w,), measured[-1][1])
     timers[DRAFT] = None
     if speculative:
         timers[DRAFT] = ForwardTimer(draft, rows, context, max(2, max_k, max_l + 2))
         for w in sorted({1, 2, max_k} | ({max_k // 2} if max_k > 2 else set())):
             table.add(DRAFT, rows, (w,), timers[DRAFT].seconds(w, repeats))
     return timers
+
+
+def _hopeless(measured: list[tuple[int, float]], bound: float) -> bool:
+    """Whether wider target forwards need no timing: one already costs more than `bound` forwards of
+    one token, `bound` being the most tokens any candidate's call is expected to yield, so wider trees
+    (which cost at least as much) cannot beat autoregressive. Then they are extrapolated linearly (compute-bound: on CPUs, or
+    GPUs at large batch; at small batch on a GPU the forwards stay flat and every width is timed)."""
+    return len(measured) >= 2 and measured[-1][1] >= bound * measured[0][1]
 
 
 def _time_steps(table, timers, rows, vocab_size, warp, max_k, max_l, repeats, device) -> None:

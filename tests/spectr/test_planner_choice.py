@@ -267,3 +267,11 @@ def test_generate_auto_uses_the_planners_choice_and_says_so():
                              draft_length=max(stats.draft_length, 1), max_new_tokens=6, seed=3)
     assert out.tokens == direct.tokens
     assert all(len(t) == 6 for t in out.tokens)
+
+
+def test_forwards_too_slow_for_any_candidate_are_extrapolated_not_timed():
+    from spectr.planner.calibrate import _hopeless
+
+    assert not _hopeless([(1, 1.0)], bound=3.0)  # two points are needed to extrapolate
+    assert not _hopeless([(1, 1.0), (5, 2.9)], bound=3.0)
+    assert _hopeless([(1, 1.0), (5, 3.0)], bound=3.0)  # a 5-token forward costs 3 one-token ones: wider is hopeless
