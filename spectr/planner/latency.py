@@ -55,24 +55,21 @@ from spectr.warps import SamplingWarp
 MIN_TIMED_SECONDS = 0.15  # cheap calls are repeated until they add up to this much (noise on a shared machine)
 MAX_REPEAT_FACTOR = 10
 _min_timed = [MIN_TIMED_SECONDS]  # the current minimum (see `timing_floor`)
-_warm_up = [True]  # one untimed call before the timed ones (see `timing_floor`)
 
 
 @contextlib.contextmanager
-def timing_floor(seconds: float, warm_up: bool = True):
-    """Within the block, cheap calls are repeated until `seconds` (not MIN_TIMED_SECONDS) are timed,
-    and `warm_up=False` drops the untimed first call.
+def timing_floor(seconds: float):
+    """Within the block, cheap calls are repeated until `seconds` (not MIN_TIMED_SECONDS) are timed.
 
-    The planner's calibration uses a low floor (with the warm-up: without it, one-off costs of the
-    first call of a shape mislead the ranking): its cost model only ranks the
-    candidates, and the few it may choose are then timed as whole engine iterations
-    (`spectr.planner.calibrate`)."""
-    previous = _min_timed[0], _warm_up[0]
-    _min_timed[0], _warm_up[0] = seconds, warm_up
+    The planner's calibration uses a low floor: its cost model only ranks the candidates, and the few
+    it may choose are then timed as whole engine iterations (`spectr.planner.calibrate`). (The
+    untimed first call stays: without it, one-off costs of a shape's first call mislead the ranking.)"""
+    previous = _min_timed[0]
+    _min_timed[0] = seconds
     try:
         yield
     finally:
-        _min_timed[0], _warm_up[0] = previous
+        _min_timed[0] = previous
 
 
 def mean_seconds(
@@ -84,8 +81,7 @@ def mean_seconds(
 
     The mean, not the median: a generation run pays for every call, preempted ones included, so on a
     shared machine the expected cost per call is what predicts its wall time."""
-    if _warm_up[0]:
-        call()
+    call()
     times: list[float] = []
     while len(times) < repeats or (sum(times) < _min_timed[0] and len(times) < MAX_REPEAT_FACTOR * repeats):
         if before is not None:
