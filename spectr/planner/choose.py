@@ -116,7 +116,7 @@ class CostModel:
         for t in timings:
             base = self.iteration_seconds(t.candidate, batch, t.reach, corrected=False)
             corrections[t.candidate] = t.iteration_seconds / base if base > 0 else 1.0
-            prefill["target" if t.candidate.method == AUTOREGRESSIVE else "pair"] = t.prefill_seconds_per_row
+            prefill[_prefilled(t.candidate)] = t.prefill_seconds_per_row
         return replace(self, corrections=corrections, prefill_per_row=prefill)
 
     def correction(self, candidate: Candidate) -> float:
@@ -130,7 +130,7 @@ class CostModel:
 
     def prefill_seconds(self, candidate: Candidate) -> float:
         """Seconds of one row's prefill (0 when not measured)."""
-        return self.prefill_per_row.get("target" if candidate.method == AUTOREGRESSIVE else "pair", 0.0)
+        return self.prefill_per_row.get(_prefilled(candidate), 0.0)
 
     def _along(self, component: str, batch: float, size: int) -> float:
         """Interpolate the component's latency over its measured shape sizes at `batch` rows."""
@@ -170,6 +170,11 @@ class CostModel:
         target = self.forward(TARGET, batch, candidate.tree_tokens)
         selection = self._along(f"{SELECTION}_{candidate.method}", batch, k * length)
         return draft + target + selection + self._along(COMMIT, batch, length)
+
+
+def _prefilled(candidate: Candidate) -> str:
+    """Which models a row's admission prefills: the target alone, or the pair."""
+    return "target" if candidate.method == AUTOREGRESSIVE else "pair"
 
 
 @dataclass(frozen=True)
