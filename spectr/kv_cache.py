@@ -30,8 +30,7 @@ Row subsets: `view(rows)` is the same cache seen through a `[R]` index of its ro
 `prefix(R)` is rows [0, R) as a cache of its own over the same storage (views, no copy): an
 iteration runs on it when the slots above R are empty. `move_rows` copies a few rows' used
 slots into empty rows, which is how the engine packs the live rows into [0, R) when slots
-empty at the tail of a run. `select_rows` (one copy of the whole buffer into a new one) is
-kept for the planner's latency table; the engine does not call it.
+empty at the tail of a run. Rows are never compacted by copying the buffer.
 
 This module knows nothing about Hugging Face: `spectr.hf` adapts it to HF's cache API.
 """
@@ -193,15 +192,6 @@ class RowKVCache:
             used = self.buffer[:, :, :, :, :used_slots]  # [layers, 2, B, H, used, D] a view
             used.index_copy_(2, dest, used.index_select(2, source))
         self.lengths.index_fill_(0, source, 0)
-
-    def select_rows(self, row_indices: torch.Tensor) -> None:
-        """Keep only rows `row_indices` ([B'] int64), in that order: one copy of the whole buffer."""
-        if self.buffer is not None:
-            self.buffer = self.buffer.index_select(2, row_indices)
-        self.lengths = self.lengths.index_select(0, row_indices)
-        self._write_slots = None
-        self._write_index = None
-        self._write_rows = None
 
     def committed(self, layer_idx: int, row: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Row `row`'s committed keys and values of one layer, [H, lengths[row], D] each (for tests)."""

@@ -1,60 +1,87 @@
-"""The planner in the benchmark: `auto` calibrates at each batch size, and its choice is timed like the rest.
+"""The planner in the benchmark: `auto` learns on its own timed runs, next to every fixed configuration.
 
-For each batch size with an `auto` configuration, `plan_auto` runs `spectr.planner.auto.auto_planner` on
-the pair, with the grid's bounds on K and L and that batch size's first prompt batch, before any timed
-run; the calibration's seconds are reported, not timed as generation. The timed runs of `auto` then
-generate with the chosen method, K and L (`pipeline.benchmark.methods`), so its tokens/s is what the
-generation job's default would reach, and it sits next to every fixed configuration of the grid.
+A timed run of an `auto` configuration generates each of its batches with
+`spectr.planner.auto.generate_auto` (K <= the grid's largest num_drafts, L <= its largest
+draft_length): the online chooser picks every iteration's configuration from the batch's measured
+tokens/s. Nothing is measured before the timed runs (no calibration); the first batch of every run
+starts cold, and each next batch of the same run starts from the previous batch's chooser state, as
+a generation actor keeps its chooser across shards. `AutoRun` keeps what one run did: tokens and
+seconds per configuration, the seconds whose tokens were not kept (0 by design), and the timeline
+(per iteration: seconds since the run started, configuration, live rows) that
+`pipeline.benchmark.plots` draws.
 
-Not here: the goals on it (`pipeline.benchmark.goals`).
+Not here: the goals on it (`pipeline.benchmark.goals`), the chooser (`spectr.planner.chooser`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from pipeline.benchmark.config import AUTO, BenchCase, BenchConfig
-from spectr.planner.auto import auto_planner
-from spectr.planner.choose import Candidate
-from spectr.warps import SamplingWarp
+
+@dataclass
+class AutoRun:
+    """What `auto` ran over one timed run (all its batches)."""
+
+    tokens_by_config: dict[str, int] = field(default_factory=dict)
+    seconds_by_config: dict[str, float] = field(default_factory=dict)
+    wasted_seconds: float = 0.0
+    timeline: list[tuple[float, str, int]] = field(default_factory=list)  # (seconds since start, config, rows)
+    predicted_tokens_per_second: float = 0.0  # the chooser's estimate for its last choice
+    state: dict | None = None  # the last chooser's state: the next batch of the run starts from it
+
+    def add(self, chooser) -> None:
+        """Fold in one batch's chooser (`spectr.planner.chooser.OnlineChooser`)."""
+        for label, tokens in chooser.tokens_by_config().items():
+            self.tokens_by_config[label] = self.tokens_by_config.get(label, 0) + tokens
+        for label, seconds in chooser.seconds_by_config().items():
+            self.seconds_by_config[label] = self.seconds_by_config.get(label, 0.0) + seconds
+        start = self.timeline[-1][0] if self.timeline else 0.0
+        self.timeline += [(start + p.seconds, p.config, p.rows) for p in chooser.timeline]
+        self.wasted_seconds += chooser.wasted_seconds
+        self.predicted_tokens_per_second = chooser.predicted_tokens_per_s
+        self.state = chooser.state()
 
 
 @dataclass(frozen=True)
-class AutoChoice:
-    """What the planner chose at one batch size, what it predicted, and what calibrating cost."""
+class AutoSummary:
+    """`auto` pooled over the timed runs of one configuration; `timeline` is the first run's."""
 
-    candidate: Candidate
+    tokens_by_config: dict[str, int]
+    generation_seconds: float
+    wasted_seconds: float
+    timeline: list[tuple[float, str, int]]
     predicted_tokens_per_second: float
-    predicted_speedup: float
-    calibration_seconds: float
-    description: str
-    calibration_split: str = ""  # "cost model X s, acceptance Y s, whole iterations Z s"
+
+    @property
+    def shares(self) -> list[tuple[str, float]]:
+        """(configuration, share of tokens), largest first."""
+        total = sum(self.tokens_by_config.values())
+        return sorted(((c, n / total) for c, n in self.tokens_by_config.items() if total), key=lambda cs: -cs[1])
+
+    @property
+    def dominant(self) -> tuple[str, float]:
+        return self.shares[0] if self.shares else ("", 0.0)
+
+    @property
+    def description(self) -> str:
+        """`auto: speculative L=3 for 81% of tokens, block L=3 12%, autoregressive 7%`."""
+        parts = [f"{c} {100 * s:.0f}%" for c, s in self.shares]
+        if not parts:
+            return "auto: nothing generated"
+        first, share = self.shares[0]
+        parts[0] = f"{first} for {100 * share:.0f}% of tokens"
+        return "auto: " + ", ".join(parts)
 
 
-def plan_auto(config: BenchConfig, pair, cases: list[BenchCase], batches_of) -> dict[int, AutoChoice]:
-    """batch size -> the planner's choice, for every `auto` configuration of the grid."""
-    g = config.bench
-    warp = SamplingWarp(g.temperature, g.top_k, g.top_p)
-    choices = {}
-    for case in cases:
-        if case.method != AUTO or case.batch_size in choices:
-            continue
-        planner, calibration = auto_planner(
-            pair.target,
-            pair.draft,
-            batches_of(case)[0],
-            batch_size=case.batch_size,
-            warp=warp,
-            seed=g.seed,
-            max_num_drafts=max(g.num_drafts),
-            max_draft_length=max(g.draft_lengths),
-            max_new_tokens=g.max_new_tokens,
-        )
-        best = planner.plan.best
-        choices[case.batch_size] = AutoChoice(
-            best.candidate, best.tokens_per_second, planner.plan.speedup, calibration.seconds,
-            planner.plan.describe(),
-            f"cost model {calibration.cost_seconds:.1f} s, acceptance {calibration.acceptance_seconds:.1f} s, "
-            f"whole iterations {calibration.engine_seconds:.1f} s",
-        )
-    return choices
+def summarize(runs) -> AutoSummary | None:
+    """The `auto` runs of one configuration (`CaseRun`s with `.auto`) pooled; None when none ran."""
+    autos = [r.auto for r in runs if getattr(r, "auto", None) is not None]
+    if not autos:
+        return None
+    tokens: dict[str, int] = {}
+    for a in autos:
+        for label, n in a.tokens_by_config.items():
+            tokens[label] = tokens.get(label, 0) + n
+    seconds = sum(sum(a.seconds_by_config.values()) for a in autos)
+    return AutoSummary(tokens, seconds, sum(a.wasted_seconds for a in autos), autos[0].timeline,
+                       autos[-1].predicted_tokens_per_second)

@@ -29,7 +29,7 @@ from pipeline.errors import JobInputError
 
 HF_GENERATE = "hf_generate"
 HF_ASSISTED = "hf_assisted"
-AUTO = "auto"  # the planner's choice at each batch size (pipeline.benchmark.auto)
+AUTO = "auto"  # the online chooser, per iteration (pipeline.benchmark.auto)
 OUR_METHODS = ("autoregressive", "speculative", "block", "spectr", "specinfer")
 METHODS = (HF_GENERATE, HF_ASSISTED, *OUR_METHODS)  # the default grid
 KNOWN_METHODS = (*METHODS, AUTO)
@@ -213,8 +213,8 @@ def expand_grid(g: GridConfig) -> list[BenchCase]:
             cases.append(BenchCase(HF_ASSISTED, batch, 1, g.assisted_tokens))
         if "autoregressive" in g.methods:
             cases.append(BenchCase("autoregressive", batch))
-        if AUTO in g.methods:
-            cases.append(BenchCase(AUTO, batch))
+        if AUTO in g.methods:  # bounded by the grid's largest K and L
+            cases.append(BenchCase(AUTO, batch, max(g.num_drafts), max(g.draft_lengths)))
         for length in g.draft_lengths:
             if want_speculative:
                 cases.append(BenchCase("speculative", batch, 1, length))

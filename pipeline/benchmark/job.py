@@ -35,7 +35,7 @@ import torch
 
 from pipeline import models
 from pipeline import prompts as io
-from pipeline.benchmark.auto import AutoChoice, plan_auto
+from pipeline.benchmark.auto import AutoSummary, summarize
 from pipeline.benchmark.config import AUTO, HF_ASSISTED, HF_GENERATE, BenchCase, BenchConfig, expand_grid
 from pipeline.benchmark.methods import CaseRun, PeakMemory, SamplingSettings, run_case
 from pipeline.benchmark.optimality import OptimalityResult, run_optimality
@@ -48,9 +48,7 @@ from spectr.planner.table import (
     TARGET,
     BatchRun,
     LatencyTable,
-    batch_capacity,
     batch_context,
-    tree_widths,
 )
 from spectr.warps import SamplingWarp
 
@@ -65,7 +63,6 @@ class Pair:
     eos_token_id: int | None
     pad_token_id: int
     device: torch.device
-    auto_choices: dict[int, AutoChoice] = field(default_factory=dict)  # batch size -> the planner's choice
 
 
 @dataclass
@@ -77,7 +74,6 @@ class CaseResult:
     error: str | None = None
     predictions: list[Prediction] = field(default_factory=list)
     context: int | None = None  # the cached context of its forwards in the cost model (case_context)
-    auto: AutoChoice | None = None  # method auto: what the planner chose and predicted
     speedup_vs_autoregressive: float | None = None
     speedup_vs_hf_generate: float | None = None
 
@@ -161,6 +157,11 @@ class CaseResult:
         return max((r.peak_memory_bytes for r in self.runs), default=0)
 
     @property
+    def auto(self) -> AutoSummary | None:
+        """Method auto: what the chooser ran, pooled over the timed runs (None for the other methods)."""
+        return summarize(self.runs) if self.case.method == AUTO else None
+
+    @property
     def predicted_tokens_per_second(self) -> float | None:
         if self.auto is not None:
             return self.auto.predicted_tokens_per_second
@@ -174,7 +175,7 @@ class CaseResult:
     def prediction_error(self) -> float | None:
         """Median over repeats of (predicted - measured) / measured tokens/s, each repeat's prediction
         made from that repeat's own target calls and acceptance (so the two are paired)."""
-        if self.auto is not None:  # the planner's steady-state prediction against each repeat
+        if self.auto is not None:  # the chooser's estimate of its last choice against each repeat
             predicted = self.auto.predicted_tokens_per_second
             errors = [predicted / r.tokens_per_second - 1.0 for r in self.runs if r.tokens_per_second]
             return statistics.median(errors) if errors else None
@@ -367,20 +368,13 @@ def attach_predictions(
     )
     shapes = _batch_shapes(config, ours, bench_prompts)
     for r in ours:
-        r.context = case_context(config, [b for b, _, _ in shapes[r.case]])
-    capacities = [
-        caps[i]
-        for case, s in shapes.items()
-        for _, _, caps in s
-        for i in ((0,) if case.method == "autoregressive" else (0, 1))
-    ]
+        r.context = case_context(config, [b for b, _ in shapes[r.case]])
     table = measure_latencies(
         target_lm,
         draft_lm,
         [r.case for r in ours],
         batch_sizes,
         {r.context for r in ours},
-        {min(capacities), max(capacities)},
         SamplingWarp(g.temperature, g.top_k, g.top_p),
         g.cost_model.latency_repeats,
         on_step,
@@ -390,24 +384,17 @@ def attach_predictions(
         speculative = r.case.method != "autoregressive"
         batch_prefills = [
             (prefills.of(TARGET, target_lm, b), prefills.of(DRAFT, draft_lm, b) if speculative else 0.0)
-            for b, _, _ in shapes[r.case]
+            for b, _ in shapes[r.case]
         ]
         r.predictions = _predict_runs(table, r, batch_prefills, shapes[r.case])
     return table
 
 
 def _batch_shapes(config: BenchConfig, ours: list[CaseResult], bench_prompts) -> dict:
-    """case -> per batch: (its prompts, context, (target, draft) cache capacities)."""
+    """case -> per batch: (its prompts, context)."""
     g = config.bench
-    shapes = {}
-    for r in ours:
-        widths = tree_widths(r.case.method, r.case.num_drafts, r.case.draft_length)  # draft 0: no draft cache
-        shapes[r.case] = [
-            (batch, batch_context(batch, g.max_new_tokens),
-             tuple(batch_capacity(batch, g.max_new_tokens, w) for w in widths))
-            for batch in batches_for(bench_prompts, r.case.batch_size, g.num_prompts)
-        ]
-    return shapes
+    return {r.case: [(batch, batch_context(batch, g.max_new_tokens))
+                     for batch in batches_for(bench_prompts, r.case.batch_size, g.num_prompts)] for r in ours}
 
 
 class _PrefillLatencies:
@@ -434,8 +421,8 @@ def _predict_runs(table: LatencyTable, r: CaseResult, batch_prefills, shapes) ->
             r.case.num_drafts,
             r.case.draft_length,
             [
-                BatchRun(calls, prefill, context, caps)
-                for calls, prefill, (_, context, caps) in zip(run.row_target_calls, batch_prefills, shapes)
+                BatchRun(calls, prefill, context)
+                for calls, prefill, (_, context) in zip(run.row_target_calls, batch_prefills, shapes)
             ],
             run.tokens_per_call_histogram,
             calibration=calibration,
@@ -526,13 +513,10 @@ def _run_grid(config: BenchConfig, pair: Pair, bench_prompts: list[list[int]]) -
     def batches_of(case: BenchCase):
         return batches_for(bench_prompts, case.batch_size, g.num_prompts)
 
-    pair.auto_choices = plan_auto(config, pair, cases, batches_of)
     try:
         results = measure_cases(config, pair, cases, batches_of, calibrator, on_run)
     finally:
         bar.close()
-    for r in results:
-        r.auto = pair.auto_choices.get(r.case.batch_size) if r.case.method == AUTO else None
     return results
 
 

@@ -4,8 +4,8 @@
 method and returns a `CaseRun`: wall time, generated tokens, target calls per row, accepted tokens per
 draft position, the time split and the peak memory. The three kinds of runner share that result:
 
-- ours (`autoregressive`, `speculative`, `spectr`, `specinfer`, and `auto` with the planner's choice):
-  `spectr.generate`, whose stats give
+- ours (`autoregressive`, `speculative`, `spectr`, `specinfer`, and `auto`, whose chooser picks each
+  iteration's configuration, `pipeline.benchmark.auto`): `spectr.generate`, whose stats give
   the time split (draft / target / selection; other = wall - the three) and the acceptance counts;
 - `hf_generate`: `target.generate(do_sample=True, top_k=0, ...)` on the left-padded batch;
 - `hf_assisted`: `target.generate(assistant_model=draft, ...)` with a constant schedule of
@@ -34,7 +34,9 @@ from typing import Any
 import torch
 
 import spectr
+from pipeline.benchmark.auto import AutoRun
 from pipeline.benchmark.config import AUTO, HF_ASSISTED, HF_GENERATE, BenchCase
+from spectr.planner.auto import generate_auto
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,7 @@ class CaseRun:
     draft_calls: int = 0  # HF assisted: draft forwards (ours: L per iteration, not counted here)
     cpu_seconds: float = 0.0  # process CPU time (all threads) during the run; cpu/wall shows contention
     calibration: dict = field(default_factory=dict)  # the cost model's forward latencies right after this run
+    auto: AutoRun | None = None  # method auto: what the chooser ran (pipeline.benchmark.auto)
 
     @property
     def target_calls(self) -> int:
@@ -162,24 +165,15 @@ def run_case(
 def _ours_batch(
     pair, case: BenchCase, prompts, settings: SamplingSettings, seeds: list[int], run: CaseRun
 ) -> None:
-    method, num_drafts, draft_length = case.method, case.num_drafts, case.draft_length
-    if method == AUTO:  # the planner chose before the timed runs (pipeline.benchmark.auto)
-        choice = pair.auto_choices[case.batch_size].candidate
-        method, num_drafts, draft_length = choice.method, choice.num_drafts, choice.draft_length
-    output = spectr.generate(
-        pair.target,
-        None if method == "autoregressive" else pair.draft,
-        prompts,
-        method=method,
-        num_drafts=max(num_drafts, 1),
-        draft_length=max(draft_length, 1),
-        max_new_tokens=settings.max_new_tokens,
-        temperature=settings.temperature,
-        top_k=settings.top_k,
-        top_p=settings.top_p,
-        eos_token_id=settings.eos_token_id,
-        seed=seeds,
-    )
+    if case.method == AUTO:
+        output = _auto_batch(pair, case, prompts, settings, seeds, run)
+    else:
+        output = spectr.generate(
+            pair.target, None if case.method == "autoregressive" else pair.draft, prompts, method=case.method,
+            num_drafts=max(case.num_drafts, 1), draft_length=max(case.draft_length, 1),
+            max_new_tokens=settings.max_new_tokens, temperature=settings.temperature, top_k=settings.top_k,
+            top_p=settings.top_p, eos_token_id=settings.eos_token_id, seed=seeds,
+        )  # fmt: skip
     stats = output.stats
     run.generated_tokens += stats.total_generated_tokens
     run.row_target_calls.append(list(stats.target_calls))
@@ -188,6 +182,20 @@ def _ours_batch(
     run.draft_seconds += stats.draft_seconds
     run.target_seconds += stats.target_seconds
     run.selection_seconds += stats.selection_seconds
+
+
+def _auto_batch(pair, case: BenchCase, prompts, settings: SamplingSettings, seeds: list[int], run: CaseRun):
+    """`auto` on one batch (`pipeline.benchmark.auto`): K <= case.num_drafts, L <= case.draft_length, the
+    chooser starting from the previous batch's of this run."""
+    if run.auto is None:
+        run.auto = AutoRun()
+    output = generate_auto(
+        pair.target, pair.draft, prompts, num_drafts=max(case.num_drafts, 1), draft_length=max(case.draft_length, 1),
+        max_new_tokens=settings.max_new_tokens, temperature=settings.temperature, top_k=settings.top_k,
+        top_p=settings.top_p, eos_token_id=settings.eos_token_id, seed=seeds, warm_state=run.auto.state,
+    )  # fmt: skip
+    run.auto.add(output.chooser)
+    return output
 
 
 def _add(total: list[int], part: Sequence[int]) -> list[int]:

@@ -165,3 +165,28 @@ def plot_cost_model(results, table, path: Path) -> None:
     right.legend(fontsize=6, ncol=2)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_planner_timeline(results, path: Path) -> None:
+    """`auto`: the configuration of every iteration over the first timed run, one panel per batch size,
+    colored by the live rows; the title gives the token shares and the ratio to the best fixed configuration."""
+    autos = [r for r in results if r.ok and r.auto is not None and r.auto.timeline]
+    plt = _pyplot()
+    fig, axes = plt.subplots(len(autos) or 1, 1, figsize=(9, 2.6 * max(len(autos), 1)), squeeze=False,
+                             layout="constrained")
+    for ax, r in zip(axes[:, 0], autos):
+        labels = sorted({c for _, c, _ in r.auto.timeline}, key=lambda c: (c != "autoregressive", c))
+        row_of = {c: i for i, c in enumerate(labels)}
+        seconds, configs, rows = zip(*r.auto.timeline)
+        points = ax.scatter(seconds, [row_of[c] for c in configs], c=rows, s=8, cmap="viridis", marker="|")
+        fig.colorbar(points, ax=ax, label="live rows", pad=0.01)
+        ax.set_yticks(range(len(labels)), labels, fontsize=7)
+        fixed = [f for f in results if f.ok and f.case.batch_size == r.case.batch_size
+                 and f.case.method in ("autoregressive", "speculative", "block", "spectr", "specinfer")]
+        best = max(fixed, key=lambda f: f.tokens_per_second, default=None)
+        ratio = f"; {r.tokens_per_second / best.tokens_per_second:.2f}x the best fixed ({best.case.label})" if best else ""
+        ax.set_title(f"B={r.case.batch_size}: {r.auto.description}{ratio}", fontsize=8)
+        ax.set_xlabel("seconds since the run started (first timed run)")
+        ax.grid(True, alpha=0.3)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -23,7 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.benchmark.goals import best_configurations, evaluate_goals
-from pipeline.benchmark.plots import plot_block_efficiency, plot_cost_model, plot_optimality, plot_speedup
+from pipeline.benchmark.plots import (
+    plot_block_efficiency,
+    plot_cost_model,
+    plot_optimality,
+    plot_planner_timeline,
+    plot_speedup,
+)
 from pipeline.benchmark.tables import (
     latency_markdown,
     markdown_results,
@@ -169,13 +175,15 @@ def report_markdown(report, rows, goals, best) -> list[str]:
 
 
 def _auto_lines(report, bullet: str) -> list[str]:
-    """What `auto` chose at each batch size, its prediction and its calibration time (empty without auto)."""
+    """What `auto` ran at each batch size and the seconds it wasted (empty without auto)."""
     lines = [
         f"{bullet}B={r.case.batch_size}: {r.auto.description}; measured {r.tokens_per_second:.1f} tok/s; "
-        f"calibration {r.auto.calibration_seconds:.1f} s ({r.auto.calibration_split})"
+        f"wasted {r.auto.wasted_seconds:.2f} s of {r.auto.generation_seconds:.1f} s generating"
         for r in report.results
         if r.ok and r.auto is not None
     ]
+    if lines and bullet == "- ":
+        lines.append(f"{bullet}the configuration of every iteration over time: ![planner timeline](planner_timeline.png)")
     return ["Planner (auto):", *lines, ""] if lines else []
 
 
@@ -227,4 +235,11 @@ def _write_figures(report) -> list[Path]:
     plot_block_efficiency(report.results, g.draft_lengths, out / "block_efficiency_vs_k.png")
     plot_speedup(report.results, g.batch_sizes, g.draft_lengths, out / "speedup_vs_k.png")
     files += [out / "block_efficiency_vs_k.png", out / "speedup_vs_k.png"]
+    autos = [r for r in report.results if r.ok and r.auto is not None]
+    if autos:
+        _write_csv(out / "planner_timeline.csv", [
+            {"batch_size": r.case.batch_size, "seconds": seconds, "config": config, "rows": rows}
+            for r in autos for seconds, config, rows in r.auto.timeline])
+        plot_planner_timeline(report.results, out / "planner_timeline.png")
+        files += [out / "planner_timeline.csv", out / "planner_timeline.png"]
     return files

@@ -43,13 +43,13 @@ COLUMNS = [
 def result_row(r) -> dict[str, Any]:
     """One configuration as a flat dict (the CSV row; the tables format a subset of it)."""
     c = r.case
-    chosen = r.auto.candidate if getattr(r, "auto", None) is not None else None
-    method = chosen.method if chosen else c.method  # what generated the rows
+    auto = getattr(r, "auto", None)  # method auto: a mix of configurations, K and L are its bounds
+    method = "spectr" if auto is not None else c.method  # auto reports its speculative iterations' acceptance
     row: dict[str, Any] = {
         "method": c.method,
         "batch_size": c.batch_size,
-        "num_drafts": chosen.num_drafts if chosen else c.num_drafts,
-        "draft_length": chosen.draft_length if chosen else c.draft_length,
+        "num_drafts": c.num_drafts,
+        "draft_length": c.draft_length,
         "repeats": len(r.runs),
         "error": r.error or "",
     }
@@ -86,8 +86,8 @@ def result_row(r) -> dict[str, Any]:
         row.update({f"predicted_{k}_pct": 100 * v for k, v in predicted.items()})
     if c.method == HF_ASSISTED:
         row["draft_calls"] = sum(run.draft_calls for run in r.runs)
-    if chosen:
-        row.update(auto_choice=chosen.label, calibration_s=r.auto.calibration_seconds)
+    if auto is not None:
+        row.update(auto_choice=auto.description, planner_wasted_s=auto.wasted_seconds)
     return row
 
 

@@ -8,11 +8,10 @@
   branches at draft steps 1..L-1);
 - the draft's sampling after each draft forward (warp + inverse-CDF sample of K tokens per row);
 - the selection phase (warps of the target logits [B, 1+K*L, V], the tree gather, and
-  `spectr.sequence.select_sequences`) at its two extremes: every row rejects at the first position
+  `spectr.sequence.select_sequences_with_uniforms`) at its two extremes: every row rejects at the first position
   (disjoint p and q) and every row accepts all L positions (p = q); autoregressive: warp + sample;
 - the commit of an iteration (`RowKVCache.keep_path` of the accepted path in both caches and the
-  iteration's one host sync) and the removal of finished rows (`RowKVCache.select_rows`, which
-  copies every cache buffer, so its cost grows with the cache capacity);
+  iteration's one host sync);
 - the prompt prefill of each benchmark batch, for each model (`spectr.generate.prefill`);
 each at the batch sizes `latency_batch_sizes`, linearly interpolated in between. Forwards are measured
 at the cached context of each benchmark batch size and interpolated linearly in the context: a batch
@@ -27,7 +26,6 @@ Not here: the prediction (`spectr.planner.predict`).
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -44,46 +42,29 @@ from spectr.planner.table import (
     DRAFT_SAMPLE,
     DRAFT_SAMPLE_FIRST,
     REJECT_ALL,
-    SELECT_ROWS,
     TARGET,
     LatencyTable,
 )
-from spectr.rng import make_generators, sample_categorical
-from spectr.sequence import select_sequences
+from spectr.rng import counter_uniforms, row_keys, sample_categorical
+from spectr.sequence import select_sequences_with_uniforms, uniforms_shape
 from spectr.warps import SamplingWarp
 
 MIN_TIMED_SECONDS = 0.15  # cheap calls are repeated until they add up to this much (noise on a shared machine)
 MAX_REPEAT_FACTOR = 10
-_min_timed = [MIN_TIMED_SECONDS]  # the current minimum (see `timing_floor`)
-
-
-@contextlib.contextmanager
-def timing_floor(seconds: float):
-    """Within the block, cheap calls are repeated until `seconds` (not MIN_TIMED_SECONDS) are timed.
-
-    The planner's calibration uses a low floor: its cost model only ranks the candidates, and the few
-    it may choose are then timed as whole engine iterations (`spectr.planner.calibrate`). (The
-    untimed first call stays: without it, one-off costs of a shape's first call mislead the ranking.)"""
-    previous = _min_timed[0]
-    _min_timed[0] = seconds
-    try:
-        yield
-    finally:
-        _min_timed[0] = previous
 
 
 def mean_seconds(
     call: Callable[[], object], repeats: int, device: torch.device, before: Callable[[], object] | None = None
 ) -> float:
     """Mean wall time of `call` after one untimed call: at least `repeats` timed calls, more (up to
-    10x) for cheap calls until MIN_TIMED_SECONDS (see `timing_floor`) have been timed. `before` runs untimed before each
+    10x) for cheap calls until MIN_TIMED_SECONDS have been timed. `before` runs untimed before each
     timed call (see `cache_evictor`).
 
     The mean, not the median: a generation run pays for every call, preempted ones included, so on a
     shared machine the expected cost per call is what predicts its wall time."""
     call()
     times: list[float] = []
-    while len(times) < repeats or (sum(times) < _min_timed[0] and len(times) < MAX_REPEAT_FACTOR * repeats):
+    while len(times) < repeats or (sum(times) < MIN_TIMED_SECONDS and len(times) < MAX_REPEAT_FACTOR * repeats):
         if before is not None:
             before()
         _sync(device)
@@ -226,15 +207,6 @@ def commit_latency(
 
 
 @torch.inference_mode()
-def select_rows_latency(model: HFCausalLM, batch: int, capacity: int, repeats: int) -> float:
-    """Mean seconds of `RowKVCache.select_rows` keeping `batch` rows of a cache with `capacity` slots
-    per row (it copies every buffer; the engine calls it when rows finish)."""
-    timer = ForwardTimer(model, batch, 1, capacity - 1)  # one cached token allocates the buffers
-    rows = torch.arange(batch, device=model.device)
-    return mean_seconds(lambda: timer.cache.rows.select_rows(rows), repeats, model.device, cache_evictor(model.device))
-
-
-@torch.inference_mode()
 def selection_latency(
     method: str,
     batch: int,
@@ -271,19 +243,16 @@ def selection_latency(
     draft_tokens = draft_tokens.reshape(batch, num_drafts, draft_length)  # [B, K, L]
     draft_tokens, draft_probs, target_probs = draft_tokens.to(device), draft_probs.to(device), target_probs.to(device)
 
-    generators = make_generators(range(batch), device)  # the engine makes them once per generation
+    keys = row_keys(range(batch), device)  # [B]
+    iterations = torch.zeros(batch, dtype=torch.int64, device=device)  # [B]
+    shape = uniforms_shape(num_drafts, draft_length)
 
     def call():
         node_probs = warp.probs(logits)  # [B, T, V] (the engine's warp; its values are not used here)
         node_probs[:, node_of]  # the tree gather, [B, K, L+1, V]
-        return select_sequences(
-            draft_tokens,
-            draft_probs,
-            target_probs,
-            generators,
-            method=method,
-            validate=False,
-        )
+        uniforms = counter_uniforms(keys, iterations, shape[0] * shape[1]).reshape(batch, *shape)  # [B, L+1, K+1]
+        return select_sequences_with_uniforms(draft_tokens, draft_probs, target_probs, uniforms, method=method,
+                                              validate=False)
 
     return mean_seconds(call, repeats, device, cache_evictor(device))
 
@@ -324,19 +293,18 @@ def measure_latencies(
     cases: Sequence,
     batch_sizes: Sequence[int],
     contexts: Iterable[int],
-    capacities: Iterable[int],
     warp: SamplingWarp,
     repeats: int,
     on_step: Callable[[str], None] | None = None,
 ) -> LatencyTable:
     """Every latency the prediction of `cases` needs, at each of `batch_sizes`; forwards at each of
-    `contexts`, select_rows at each of `capacities` (see the module docstring)."""
+    `contexts` (see the module docstring)."""
     shapes = latency_shapes(cases)
     table = LatencyTable()
-    contexts, capacities = sorted(set(contexts)), sorted(set(capacities))
+    contexts = sorted(set(contexts))
     for batch in batch_sizes:
         timers = _measure_forwards(table, target, draft, shapes, batch, contexts, repeats)
-        _measure_steps(table, target, draft, timers, shapes, batch, capacities, warp, repeats)
+        _measure_steps(table, target, timers, shapes, batch, warp, repeats)
         _measure_selection(table, target, shapes, batch, warp, repeats)
         if on_step is not None:
             on_step(f"latencies at B={batch}")
@@ -359,7 +327,7 @@ def _measure_forwards(table, target, draft, shapes, batch, contexts, repeats) ->
     return timers
 
 
-def _measure_steps(table, target, draft, timers, shapes, batch, capacities, warp, repeats) -> None:
+def _measure_steps(table, target, timers, shapes, batch, warp, repeats) -> None:
     """The cheap steps: the draft's sampling, the commit, and the removal of finished rows."""
     device = target.device
     for drafts in sorted(shapes["sample"]):
@@ -369,12 +337,6 @@ def _measure_steps(table, target, draft, timers, shapes, batch, capacities, warp
     for length in sorted(shapes["commit"]):
         seconds = commit_latency(timers[TARGET], timers[DRAFT] if length else None, length, repeats)
         table.add(COMMIT, batch, (length,), seconds)
-    for capacity in capacities:
-        table.add(f"{SELECT_ROWS}_{TARGET}", batch, (), select_rows_latency(target, batch, capacity, repeats),
-                  capacity)
-        if shapes["draft"]:
-            table.add(f"{SELECT_ROWS}_{DRAFT}", batch, (), select_rows_latency(draft, batch, capacity, repeats),
-                      capacity)
 
 
 def _measure_selection(table, target, shapes, batch, warp, repeats) -> None:

@@ -8,9 +8,12 @@ where step 0 feeds 2 tokens when the previous iteration accepted all L drafts of
 (probability 1 - (1 - f)^a, f = the run's fraction of all-accepted calls) and the selection walk is
 interpolated between its extremes by the expected number of positions walked (the walk stops when
 no row of the batch accepts: P(reach j) = 1 - (1 - s_j)^a, s_j = the run's fraction of calls that
-accepted >= j tokens). Autoregressive: target(a, 1) + selection + commit. Every time rows finish,
-the remaining a' rows are copied out of each cache: select_rows(a'). Plus one prefill per batch and
-model. Predicted tokens/s = generated tokens / predicted seconds.
+accepted >= j tokens). Autoregressive: target(a, 1) + selection + commit. Plus one prefill per
+batch and model. Predicted tokens/s = generated tokens / predicted seconds.
+
+This is the project's one cost model: the benchmark evaluates it on measured latency tables
+(`spectr.planner.latency`), the online chooser on latencies guessed from parameter counts
+(`spectr.planner.prior`) to rank what it tries first.
 
 What the model leaves out, and the relative error therefore includes: the engine's Python
 bookkeeping per row, the growth of the context within a run beyond linear, and machine noise.
@@ -29,7 +32,6 @@ from spectr.planner.table import (
     DRAFT_SAMPLE,
     DRAFT_SAMPLE_FIRST,
     REJECT_ALL,
-    SELECT_ROWS,
     TARGET,
     BatchRun,
     LatencyTable,
@@ -43,7 +45,7 @@ class Prediction:
     draft_seconds: float
     target_seconds: float
     selection_seconds: float
-    other_seconds: float  # commit and removal of finished rows
+    other_seconds: float  # commit
     prefill_seconds: float  # included in draft_seconds / target_seconds
 
     def tokens_per_second(self, generated_tokens: int) -> float:
@@ -110,18 +112,6 @@ def iteration_seconds(
     return draft, target, selection, table.at(COMMIT, active, (draft_length,))
 
 
-def row_removal_seconds(table: LatencyTable | ScaledTable, method: str, active: Sequence[int],
-                        capacities: tuple[int, int]) -> float:
-    """Seconds spent copying the remaining rows out of the caches each time rows finish."""
-    seconds = 0.0
-    for before, after in zip(active, list(active[1:]) + [0]):
-        if after < before and after > 0:
-            seconds += table.at(f"{SELECT_ROWS}_{TARGET}", after, (), capacities[0])
-            if method != "autoregressive":
-                seconds += table.at(f"{SELECT_ROWS}_{DRAFT}", after, (), capacities[1])
-    return seconds
-
-
 def predict_seconds(
     table: LatencyTable,
     method: str,
@@ -149,7 +139,6 @@ def predict_seconds(
         for rows in active:
             d, t, s, c = iteration_seconds(latencies, method, rows, num_drafts, draft_length, reach, batch.context)
             draft, target, selection, other = draft + d, target + t, selection + s, other + c
-        other += row_removal_seconds(latencies, method, active, batch.capacities)
         prefill_target += batch.prefill_seconds[0]
         prefill_draft += batch.prefill_seconds[1]
     if calibration:

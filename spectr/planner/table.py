@@ -1,6 +1,6 @@
 """The cost model's latency table: seconds per call by (component, batch, shape, context), interpolated.
 
-Also the shape of a benchmark batch as the engine sizes it (context, cache capacity, tree widths) and
+Also the shape of a benchmark batch as the engine sizes it (its context) and
 `ScaledTable`, a table rescaled to a local calibration. Not here: measuring (`spectr.planner.latency`),
 predicting (`spectr.planner.predict`).
 """
@@ -14,7 +14,6 @@ TARGET, DRAFT = "target", "draft"
 REJECT_ALL, ACCEPT_ALL = "reject_all", "accept_all"
 DRAFT_SAMPLE, DRAFT_SAMPLE_FIRST = "draft_sample", "draft_sample_first"
 COMMIT = "commit"
-SELECT_ROWS = "select_rows"  # + "_target" / "_draft"; its context is the cache capacity
 
 
 @dataclass
@@ -24,7 +23,7 @@ class LatencyTable:
     `at` interpolates linearly in the batch size at each measured context, then linearly in the
     context; components measured at one context (or none, `None`) do not depend on it, and
     `at(..., context=None)` takes the widest measured context. The "context" of the forwards is the
-    cached tokens they attend; that of `select_rows_*` is the cache capacity in slots per row.
+    cached tokens they attend.
     """
 
     seconds: dict[tuple, float] = field(default_factory=dict)
@@ -97,18 +96,6 @@ def batch_context(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> floa
     return max(len(p) for p in prompts) - 1 + max_new_tokens / 2
 
 
-def batch_capacity(prompts: Sequence[Sequence[int]], max_new_tokens: int, tree_width: int) -> int:
-    """Cache slots per row the engine allocates for this batch (spectr.generate: prompt + new + tree)."""
-    return max(len(p) for p in prompts) + max_new_tokens + tree_width
-
-
-def tree_widths(method: str, num_drafts: int, draft_length: int) -> tuple[int, int]:
-    """(target, draft) scratch slots per row beyond the committed tokens, as the engine sizes them."""
-    if method == "autoregressive":
-        return 1, 0
-    return 1 + num_drafts * draft_length, 2 + num_drafts * draft_length
-
-
 @dataclass(frozen=True)
 class BatchRun:
     """One batch of one measured run, as the prediction needs it."""
@@ -116,7 +103,6 @@ class BatchRun:
     row_target_calls: Sequence[int]  # target calls of each row
     prefill_seconds: tuple[float, float]  # (target, draft) prefill latency of this batch (draft 0: none)
     context: float  # batch_context
-    capacities: tuple[int, int]  # (target, draft) cache slots per row (batch_capacity)
 
 
 class ScaledTable:

@@ -17,6 +17,7 @@ from hydra import compose, initialize_config_dir
 from jobs.benchmark import benchmark
 from pipeline.benchmark.config import bench_config_from_omegaconf, expand_grid
 from pipeline.errors import JobInputError
+from spectr.steps import StepConfig
 
 REPO = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -184,7 +185,8 @@ def test_single_draft_grid_gets_a_cost_model(tiny_pair, prompts_jsonl, tmp_path)
     assert all(r.predicted_tokens_per_second for r in report.results)
 
 
-def test_auto_is_timed_with_the_planners_choice_next_to_the_fixed_grid(tiny_pair, prompts_jsonl, tmp_path):
+def test_auto_learns_on_its_timed_runs_next_to_the_fixed_grid_and_plots_its_timeline(tiny_pair, prompts_jsonl,
+                                                                                      tmp_path):
     out = tmp_path / "out"
     cfg = composed(tiny_pair, prompts_jsonl, f"output_dir={out}", "mlflow.enabled=false",
                    "bench.methods=[autoregressive,speculative,spectr,auto]", "bench.num_drafts=[1,2]",
@@ -196,19 +198,21 @@ def test_auto_is_timed_with_the_planners_choice_next_to_the_fixed_grid(tiny_pair
     autos = [r for r in report.results if r.case.method == "auto"]
     assert [r.case.batch_size for r in autos] == list(g.batch_sizes)
     for r in autos:
-        chosen = r.auto.candidate
-        assert chosen.num_drafts <= 2 and chosen.draft_length <= 2  # the grid's bounds
         prompts = sum(len(b) for b in _batches(config, r.case.batch_size))
         assert r.generated_tokens == g.repeats * prompts * g.max_new_tokens
-        if chosen.method == "autoregressive":
-            assert r.block_efficiency == 1.0
-        else:
-            assert 1.0 <= r.block_efficiency <= chosen.draft_length + 1
-        assert r.auto.calibration_seconds > 0 and r.predicted_tokens_per_second > 0
-        assert r.prediction_error is not None
+        assert sum(r.auto.tokens_by_config.values()) == r.generated_tokens  # every token is kept and counted
+        assert r.auto.wasted_seconds == 0.0 and r.auto.generation_seconds > 0
+        for label in r.auto.tokens_by_config:  # within the grid's bounds K <= 2, L <= 2
+            config_ = StepConfig.parse(label)
+            assert config_.num_drafts <= 2 and config_.draft_length <= 2
+        assert r.auto.timeline and r.auto.description.startswith("auto: ")
+        assert 1.0 <= r.block_efficiency <= 3
     goal_names = [goal.name for goal in report.goals]
     assert any(name.startswith("auto >=") for name in goal_names)
-    assert any("auto's calibration" in name for name in goal_names)
+    assert any("auto's wasted seconds" in name for name in goal_names)
     with open(out / "results.csv") as f:
         rows = [row for row in csv.DictReader(f) if row["method"] == "auto"]
-    assert len(rows) == len(autos) and all(row["auto_choice"] for row in rows)
+    assert len(rows) == len(autos) and all(row["auto_choice"].startswith("auto: ") for row in rows)
+    assert (out / "planner_timeline.png").read_bytes()[:8] == PNG_MAGIC
+    with open(out / "planner_timeline.csv") as f:
+        assert {int(row["batch_size"]) for row in csv.DictReader(f)} == set(g.batch_sizes)

@@ -13,7 +13,7 @@ from spectr.kv_cache import RowKVCache, tree_attention
 # --- unit ---------------------------------------------------------------------------------
 
 
-def test_write_keep_path_advance_and_select_rows():
+def test_write_keep_path_and_advance():
     cache = RowKVCache(num_layers=1, batch_size=2, capacity=8, device="cpu")
     cache.lengths = torch.tensor([1, 3])
     # 4 new tokens per row, values = 10 * row + token index, written after each row's prefix
@@ -32,9 +32,6 @@ def test_write_keep_path_advance_and_select_rows():
     assert cache.lengths.tolist() == [3, 4]
     assert cache.committed(0, 0)[0][0, :, 0].tolist() == [0, 0, 2]
     assert cache.committed(0, 1)[1][0, 3:, 0].tolist() == [110]
-    cache.select_rows(torch.tensor([1]))
-    assert cache.batch_size == 1 and cache.lengths.tolist() == [4]
-    assert cache.keys[0].shape == (1, 1, 8, 1)
 
 
 def test_capacity_is_enforced():

@@ -17,16 +17,12 @@ from spectr.planner.table import (
     DRAFT_SAMPLE,
     DRAFT_SAMPLE_FIRST,
     REJECT_ALL,
-    SELECT_ROWS,
     TARGET,
     BatchRun,
     LatencyTable,
-    batch_capacity,
     batch_context,
     interpolate,
 )
-
-NO_ROWS_REMOVED = (0, 0)  # cache capacities for batches where no row leaves before the last iteration
 
 
 def synthetic_table() -> LatencyTable:
@@ -42,9 +38,6 @@ def synthetic_table() -> LatencyTable:
         table.add(DRAFT_SAMPLE, batch, (2,), 0.0001 * scale)
         table.add(COMMIT, batch, (0,), 0.0001 * scale)
         table.add(COMMIT, batch, (2,), 0.0004 * scale)
-        for capacity, wider in ((50, 1.0), (100, 2.0)):
-            table.add(f"{SELECT_ROWS}_{TARGET}", batch, (), 0.001 * scale * wider, capacity)
-            table.add(f"{SELECT_ROWS}_{DRAFT}", batch, (), 0.0005 * scale * wider, capacity)
         table.add("selection_autoregressive", batch, (), 0.0005 * scale)
         table.add(f"selection_spectr_{REJECT_ALL}", batch, (2, 2), 0.003 * scale)
         table.add(f"selection_spectr_{ACCEPT_ALL}", batch, (2, 2), 0.005 * scale)
@@ -74,7 +67,6 @@ def test_table_interpolates_in_batch_then_context():
 def test_batch_shape_follows_the_longest_prompt():
     prompts = [[1] * 5, [1] * 9]
     assert batch_context(prompts, 24) == 8 + 12  # longest prompt but its pending token, + half the new tokens
-    assert batch_capacity(prompts, 24, 5) == 9 + 24 + 5
 
 
 def test_pooled_calibration_is_the_mean_over_runs():
@@ -90,18 +82,16 @@ def test_active_rows_and_reach_probabilities():
 
 def test_autoregressive_prediction_by_hand():
     table = synthetic_table()
-    # one batch of 2 rows, 3 and 2 target calls: iterations with 2, 2, 1 active rows, context 10;
-    # after iteration 2 one row leaves: select_rows keeps 1 row of a 50-slot cache (1 ms, target only:
-    # the draft capacity is given, but an autoregressive run has no draft cache to copy)
-    batch = BatchRun([3, 2], (0.1, 0.0), 10, (50, 50))
+    # one batch of 2 rows, 3 and 2 target calls: iterations with 2, 2, 1 active rows, context 10
+    batch = BatchRun([3, 2], (0.1, 0.0), 10)
     prediction = predict_seconds(table, "autoregressive", 0, 0, [batch], [])
     per_two = 0.015 + 0.00075 + 0.00015  # target(2, 1) + selection(2) + commit(2)
     per_one = 0.010 + 0.0005 + 0.0001
     assert prediction.target_seconds == pytest.approx(2 * 0.015 + 0.010 + 0.1)
     assert prediction.selection_seconds == pytest.approx(2 * 0.00075 + 0.0005)
-    assert prediction.other_seconds == pytest.approx(2 * 0.00015 + 0.0001 + 0.001)
+    assert prediction.other_seconds == pytest.approx(2 * 0.00015 + 0.0001)
     assert prediction.draft_seconds == 0.0
-    assert prediction.seconds == pytest.approx(2 * per_two + per_one + 0.001 + 0.1)
+    assert prediction.seconds == pytest.approx(2 * per_two + per_one + 0.1)
     assert prediction.tokens_per_second(10) == pytest.approx(10 / prediction.seconds)
 
 
@@ -118,8 +108,8 @@ def test_spectr_prediction_by_hand():
     #   walk: positions 0 and 1 reached with 1 and 0.5 -> 1.5 walked; share (1.5 - 1)/(2 - 1) = 0.5
     #   selection 3 ms + (5 - 3) * 0.5 = 4 ms
     #   commit 0.4 ms
-    # two iterations, plus prefill 30 ms (target) + 5 ms (draft); the one row finishes last: no select_rows
-    batch = BatchRun([2], (0.030, 0.005), 10, NO_ROWS_REMOVED)
+    # two iterations, plus prefill 30 ms (target) + 5 ms (draft)
+    batch = BatchRun([2], (0.030, 0.005), 10)
     prediction = predict_seconds(table, "spectr", 2, 2, [batch], histogram)
     assert prediction.draft_seconds == pytest.approx(2 * 0.0038 + 0.005)
     assert prediction.target_seconds == pytest.approx(2 * 0.020 + 0.030)
@@ -129,18 +119,17 @@ def test_spectr_prediction_by_hand():
     assert prediction.prefill_seconds == pytest.approx(0.035)
 
 
-def test_spectr_prediction_interpolates_a_shrinking_batch_a_longer_context_and_a_wider_cache():
+def test_spectr_prediction_interpolates_a_shrinking_batch_and_a_longer_context():
     table = synthetic_table()
     histogram = [0, 4, 0, 0]  # nothing ever accepted: s = [1, 0, 0]
     # rows with 2 and 1 calls: iteration 1 has 2 active rows, iteration 2 has 1; context 15: forwards x1.25
     # a = 2: draft 1.25 * (1.5 + 3) + 0.3 + 0.15 = 6.075 ms; target 1.25 * 30 ms; selection 4.5 ms; commit 0.6 ms
     # a = 1: draft 1.25 * (1 + 2) + 0.2 + 0.1 = 4.05 ms;     target 1.25 * 20 ms; selection 3 ms;   commit 0.4 ms
-    # one row leaves after iteration 1: select_rows(1) of a 75-slot target cache (1.5 ms) and draft cache (0.75 ms)
-    batch = BatchRun([2, 1], (0.0, 0.0), 15, (75, 75))
+    batch = BatchRun([2, 1], (0.0, 0.0), 15)
     prediction = predict_seconds(table, "spectr", 2, 2, [batch], histogram)
     first = 0.006075 + 0.0375 + 0.0045 + 0.0006
     second = 0.00405 + 0.025 + 0.003 + 0.0004
-    assert prediction.seconds == pytest.approx(first + second + 0.0015 + 0.00075)
+    assert prediction.seconds == pytest.approx(first + second)
 
 
 def test_missing_latency_names_the_shape():
@@ -154,19 +143,18 @@ def test_calibration_rescales_each_calibrated_shape_and_the_prefill():
     # the run's own latencies at B=2, context 10, were twice the table's for the target tree and the
     # draft's K=2 step
     calibration = {(TARGET, (5,)): 0.060, (DRAFT, (1,)): 0.0015, (DRAFT, (2,)): 0.006}
-    batch = BatchRun([2, 1], (0.010, 0.001), 10, (50, 50))
+    batch = BatchRun([2, 1], (0.010, 0.001), 10)
     prediction = predict_seconds(
         table, "spectr", 2, 2, [batch], histogram, calibration=calibration, batch_size=2, calibration_context=10
     )
     # factors: target(5) x2, draft(1) x1, draft(2) x2 (at every batch size); sampling, selection, commit unscaled
     # a = 2: draft 1.5 + 2 * 3 + 0.45 = 7.95 ms; target 2 * 30 = 60 ms; selection 4.5 ms; commit 0.6 ms
     # a = 1: draft 1 + 2 * 2 + 0.3 = 5.3 ms;     target 2 * 20 = 40 ms; selection 3 ms;   commit 0.4 ms
-    # select_rows(1) after iteration 1 at 50 slots: 1 ms + 0.5 ms (unscaled)
     # prefill: target x2 (its widest calibrated forward), draft x2 (widest calibrated draft shape: T=2)
     assert prediction.draft_seconds == pytest.approx(0.00795 + 0.0053 + 2 * 0.001)
     assert prediction.target_seconds == pytest.approx(0.060 + 0.040 + 2 * 0.010)
     assert prediction.selection_seconds == pytest.approx(0.0045 + 0.003)
-    assert prediction.other_seconds == pytest.approx(0.0006 + 0.0004 + 0.0015)
+    assert prediction.other_seconds == pytest.approx(0.0006 + 0.0004)
 
 
 def test_later_draft_steps_attend_the_earlier_branch_tokens():
