@@ -44,6 +44,18 @@ def test_spectr_source_never_names_the_job_stack():
             )
 
 
+def test_the_engine_never_imports_the_planner():
+    """`spectr/planner` sits above the engine: only the planner itself and the public entry point above both
+    (`spectr/api.py`, re-exported by `spectr/__init__.py`) may import it."""
+    above = {REPO / "spectr" / "api.py", REPO / "spectr" / "__init__.py"}
+    for path in package_files("spectr"):
+        if path in above or (REPO / "spectr" / "planner") in path.parents:
+            continue
+        for module in imported_modules(path):
+            assert not module.startswith("spectr.planner"), f"{path.relative_to(REPO)} imports {module}"
+            assert module != "spectr.api", f"{path.relative_to(REPO)} imports {module}"
+
+
 def test_shared_pipeline_modules_do_not_import_a_job_package():
     shared = [p for p in (REPO / "pipeline").glob("*.py")]
     assert shared

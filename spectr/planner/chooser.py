@@ -11,15 +11,18 @@ kept (`wasted_seconds` is 0).
 - Measurement: per occupancy bucket (the live rows, rounded to a power of two above 2) and
   configuration, the last `WINDOW` iterations' tokens and seconds; the measured tokens/s of the
   batch is their ratio of sums (robust to one slow iteration on a shared machine).
-- Exploration: in a bucket, autoregressive is always measured (the baseline the choice must not
-  lose to), then each candidate whose estimate reaches within `EXPLORE_SLACK` of the best
-  measured rate is tried for `TRIAL` iterations, best estimate first. A candidate's estimate is
-  its prior scaled by what it measured in the nearest other bucket (else by the median
-  measured/prior ratio of this bucket): a new bucket, e.g. the batch draining at the end of a
-  job, re-explores only what may win there.
+- Exploration: with nothing measured yet, autoregressive (the baseline the choice must not lose
+  to) and the prior's best `COLD_EXPLORE` speculative candidates are tried for `TRIAL` iterations
+  each; after that, in any bucket, each unmeasured candidate whose estimate reaches within
+  `EXPLORE_SLACK` of the best (measured rate, else estimate) is tried, best estimate first. An
+  unmeasured candidate's estimate is its prior scaled by what it measured in the nearest other
+  bucket, else by the measured/prior ratio of its nearest measured kin in this bucket (same family,
+  nearest K and L: the search walks along L as measured): a new bucket, e.g. the
+  batch draining at the end of a job, re-explores only what may win there.
 - Exploitation: the best measured rate; the current choice is kept unless another beats it by
   `SWITCH_MARGIN` (no thrashing on noise). A bounded share (`RECHECK_SHARE`) of iterations
-  re-measures the runner-up, so that drift (longer contexts, a different acceptance) is seen.
+  re-measures the rival most likely to have been under-measured (highest rate x (1 + 1/sqrt(n))),
+  so that noise in a short trial and drift (longer contexts, another acceptance) are corrected.
 - Warm start: `state()` is a JSON-able summary (tokens and seconds per configuration per bucket,
   acceptance); `OnlineChooser(..., warm_state=state)` starts from it and explores only what it
   did not measure.
@@ -37,11 +40,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from spectr.planner.prior import DEFAULT_ACCEPTANCE
-from spectr.steps import AUTOREGRESSIVE, StepConfig, StepReport
+from spectr.steps import AUTOREGRESSIVE, SINGLE_DRAFT, StepConfig, StepReport
 
 WINDOW = 24  # iterations per (bucket, configuration) that make its measured rate
 TRIAL = 4  # iterations a candidate is tried before it counts as measured
-EXPLORE_SLACK = 0.15  # explore candidates whose estimate is within this of the best measured rate
+EXPLORE_SLACK = 0.2  # explore candidates whose estimate is within this of the best measured rate
+COLD_EXPLORE = 3  # with nothing measured yet: autoregressive and the prior's best 3 speculative candidates
 SWITCH_MARGIN = 0.04  # another configuration must be measured this much faster to replace the current one
 RECHECK_SHARE = 0.08  # at most this share of iterations re-measures the runner-up
 RECHECK_LENGTH = 2  # iterations per recheck
@@ -61,6 +65,13 @@ def default_candidates(max_num_drafts: int, max_draft_length: int, greedy: bool 
         found += [StepConfig.of("spectr", k, n) for k in (2, 4) if k <= max_num_drafts
                   for n in range(2, min(4, max_draft_length) + 1)]
     return found
+
+
+def family(config: StepConfig) -> str:
+    """Configurations whose iterations cost alike: autoregressive, one draft, several drafts."""
+    if not config.speculative:
+        return AUTOREGRESSIVE
+    return "single_draft" if config.method in SINGLE_DRAFT else "multi_draft"
 
 
 def bucket_of(rows: int) -> int:
@@ -188,8 +199,23 @@ class OnlineChooser:
         if others:
             nearest = others[0][1]
             return prior * self.buckets[nearest][config].rate / self.prior(config, nearest, self.acceptance_rate)
-        ratios = [m.rate / self.prior(c, rows, self.acceptance_rate) for c, m in here.items() if m.measured]
-        return prior * statistics.median(ratios) if ratios else prior
+        return prior * self._ratio(config, here, rows)
+
+    def _ratio(self, config: StepConfig, here: dict[StepConfig, _Measured], rows: int) -> float:
+        """Measured / prior of the nearest measured configuration of the same family in this bucket (one
+        draft, several drafts; nearest in K and L, so that the search follows the measurements along L),
+        else the median over the speculative ones, else over all; 1 when nothing was measured."""
+        measured = [(c, m.rate / self.prior(c, rows, self.acceptance_rate)) for c, m in here.items() if m.measured]
+        kin = [(abs(c.draft_length - config.draft_length) + abs(c.num_drafts - config.num_drafts), r)
+               for c, r in measured if family(c) == family(config)]
+        if kin:
+            nearest = min(d for d, _ in kin)
+            return statistics.median(r for d, r in kin if d == nearest)
+        for same in (lambda c: c.speculative == config.speculative, lambda c: True):
+            ratios = [r for c, r in measured if same(c)]
+            if ratios:
+                return statistics.median(ratios)
+        return 1.0
 
     def choose(self, rows: int) -> StepConfig:
         """The configuration of the next iteration, with `rows` live rows."""
@@ -202,26 +228,37 @@ class OnlineChooser:
         if to_try is not None:
             self._trial = (to_try, TRIAL - 1) if TRIAL > 1 else None
             return self._set(to_try, rows)
-        ranked = sorted(self.candidates, key=lambda c: -self.estimate(c, rows))
-        best = ranked[0]
-        if self.current in self.candidates and self.estimate(self.current, rows) * (1 + SWITCH_MARGIN) >= \
-                self.estimate(best, rows):
-            best = self.current
+        estimates = {c: self.estimate(c, rows) for c in self.candidates}
+        best = max(self.candidates, key=lambda c: estimates[c])
+        if self.current in estimates and estimates[self.current] * (1 + SWITCH_MARGIN) >= estimates[best]:
+            best = self.current  # not measured faster by the margin: no switch
         self._since_recheck += 1
-        if len(ranked) > 1 and self._since_recheck * RECHECK_SHARE >= RECHECK_LENGTH:
+        recheck = self._recheck(bucket, best) if self._since_recheck * RECHECK_SHARE >= RECHECK_LENGTH else None
+        if recheck is not None:
             self._since_recheck = 0
-            runner_up = next(c for c in ranked if c != best)
-            self._trial = (runner_up, RECHECK_LENGTH - 1) if RECHECK_LENGTH > 1 else None
-            return self._set(runner_up, rows)
+            self._trial = (recheck, RECHECK_LENGTH - 1) if RECHECK_LENGTH > 1 else None
+            return self._set(recheck, rows)
         return self._set(best, rows)
 
+    def _recheck(self, bucket: dict[StepConfig, _Measured], best: StepConfig) -> StepConfig | None:
+        """The measured rival most likely to be better than it looked: the highest rate x (1 + 1/sqrt(n))."""
+        rivals = [(m.rate * (1 + 1 / math.sqrt(len(m.samples))), c) for c, m in bucket.items()
+                  if c != best and c in self.candidates and m.measured]
+        return max(rivals, key=lambda rc: rc[0])[1] if rivals else None
+
     def _to_explore(self, bucket: dict[StepConfig, _Measured], rows: int) -> StepConfig | None:
-        """The unmeasured candidate with the best estimate that may beat the best measured rate."""
-        baseline = next(c for c in self.candidates if not c.speculative)
-        if not (baseline in bucket and bucket[baseline].measured):
-            return baseline
-        best = max(m.rate for c, m in bucket.items() if m.measured and c in self.candidates)
-        open_ = [(self.estimate(c, rows), c) for c in self.candidates if not (c in bucket and bucket[c].measured)]
+        """The next candidate to try in this bucket, or None (see the module docstring)."""
+        unmeasured = [c for c in self.candidates if not (c in bucket and bucket[c].measured)]
+        if not unmeasured:
+            return None
+        if not any(m.measured for configs in self.buckets.values() for m in configs.values()):
+            # cold start: autoregressive, then the prior's best speculative candidates
+            ranked = sorted((c for c in self.candidates if c.speculative), key=lambda c: -self.estimate(c, rows))
+            first = [c for c in self.candidates if not c.speculative] + ranked[:COLD_EXPLORE]
+            return next((c for c in first if c in unmeasured), None)
+        measured_here = [m.rate for c, m in bucket.items() if m.measured and c in self.candidates]
+        best = max(measured_here or [self.estimate(c, rows) for c in self.candidates])
+        open_ = [(self.estimate(c, rows), c) for c in unmeasured]
         open_ = [(e, c) for e, c in open_ if e >= (1 - EXPLORE_SLACK) * best]
         return max(open_, key=lambda ec: ec[0])[1] if open_ else None
 

@@ -1,0 +1,189 @@
+"""The online chooser (`method="auto"`) on a simulated machine, then on the real engine with tiny models.
+
+The simulated machine gives each (configuration, live rows) a true tokens/s and every iteration a
+timing noise of +-15% (seeded), like the 2 shared CPU cores this project is developed on; nothing is
+timed for real. Checked: the chooser converges to the best configuration, never settles below
+autoregressive where autoregressive is best, keeps re-exploration to a bounded share, re-explores
+when the batch drains to another occupancy, starts warm from its own `state()` with little
+exploration, and keeps every token (no wasted seconds). On the engine: `AutoBatcher` has the
+`ContinuousBatcher` surface, and `spectr.generate(method="auto")` keeps its contract.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from hf_tiny import noisy_copy, tiny_model
+
+import spectr
+from spectr.planner import AutoBatcher
+from spectr.planner.chooser import RECHECK_SHARE, OnlineChooser, default_candidates
+from spectr.planner.prior import PriorLatencies, prior_tokens_per_second
+from spectr.steps import StepConfig, StepReport
+
+AR = StepConfig.parse("autoregressive")
+SPEC3 = StepConfig.parse("speculative L=3")
+BLOCK3 = StepConfig.parse("block L=3")
+EMBEDDED = PriorLatencies(33_600_000, 2_500_000, 32_000)  # the embedded pair's sizes
+
+
+def prior(config, rows, acceptance):
+    return prior_tokens_per_second(EMBEDDED, config, rows, acceptance)
+
+
+class Machine:
+    """True tokens/s of the batch per configuration: `rates(rows)` -> {label: tokens/s}, default `other`."""
+
+    def __init__(self, rates, seed=0, noise=0.15):
+        self.rates, self.random, self.noise = rates, random.Random(seed), noise
+
+    def run(self, config: StepConfig, rows: int) -> StepReport:
+        tokens = rows if not config.speculative else rows * (1 + self.random.randint(0, config.draft_length))
+        rate = self.rates(rows).get(config.label, self.rates(rows)["other"])
+        seconds = tokens / rate * (1 + self.random.uniform(-self.noise, self.noise))
+        accepted = tokens - rows if config.speculative else 0
+        return StepReport(config, rows, tokens, seconds, accepted=accepted,
+                          tested=rows * config.draft_length if config.speculative else 0)
+
+
+def drive(chooser, machine, occupancy):
+    """Run one iteration per entry of `occupancy` (live rows); returns the configurations chosen."""
+    chosen = []
+    for rows in occupancy:
+        config = chooser.choose(rows)
+        chooser.observe(machine.run(config, rows))
+        chosen.append(config)
+    return chosen
+
+
+def new_chooser(**kwargs):
+    return OnlineChooser(default_candidates(4, 4), prior, **kwargs)
+
+
+def batch_one(seed=0):
+    """Batch 1 on this CPU: speculation pays, most at L = 3 (speculative / block about 1.25x autoregressive)."""
+    rates = {"autoregressive": 100.0, "speculative L=1": 106.0, "speculative L=2": 118.0, "speculative L=3": 128.0,
+             "speculative L=4": 121.0, "block L=2": 116.0, "block L=3": 124.0, "block L=4": 119.0, "other": 95.0}
+    return Machine(lambda rows: rates, seed)
+
+
+def batch_eight(seed=0):
+    """Batch 8 on this CPU: autoregressive is best, the wider the tree the worse."""
+    rates = {"autoregressive": 300.0, "speculative L=1": 280.0, "speculative L=2": 265.0, "block L=2": 262.0,
+             "other": 220.0}
+    return Machine(lambda rows: rates, seed)
+
+
+def measured_rate(chooser, first: int = 0) -> float:
+    """Tokens/s of the batch over the iterations from `first` on (from the chooser's timeline)."""
+    points = chooser.timeline
+    start = points[first - 1].seconds if first else 0.0
+    return sum(p.tokens for p in points[first:]) / (points[-1].seconds - start)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_converges_to_the_best_configurations_with_noisy_timings(seed):
+    chooser = new_chooser()
+    chosen = drive(chooser, batch_one(seed), [1] * 400)
+    assert measured_rate(chooser, 200) >= 0.95 * 128  # within 5% of the best, timing noise included
+    assert measured_rate(chooser) >= 0.93 * 128  # the whole run, exploration included
+    late = chosen[200:]
+    assert sum(1 for c in late if c in (SPEC3, BLOCK3)) >= 0.6 * len(late)
+    assert chooser.predicted_tokens_per_s > 110
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_where_autoregressive_is_best_the_chooser_stays_there(seed):
+    chooser = new_chooser()
+    chosen = drive(chooser, batch_eight(seed), [8] * 400)
+    assert chosen[100:].count(AR) >= 0.7 * 300  # the rest mostly speculative L=1, 7% slower
+    assert measured_rate(chooser) >= 0.95 * 300.0  # never meaningfully below autoregressive
+
+
+def test_re_exploration_is_a_bounded_share_and_the_choice_does_not_thrash():
+    chooser = new_chooser()
+    chosen = drive(chooser, batch_eight(), [8] * 600)
+    late = chosen[200:]
+    off_best = sum(1 for c in late if c != AR)
+    assert off_best <= RECHECK_SHARE * len(late) + 2
+    switches = sum(1 for a, b in zip(late, late[1:]) if a != b)
+    assert switches <= 2 * off_best  # only out to a recheck and back
+
+
+def test_a_draining_batch_is_re_explored_at_its_new_occupancy():
+    # AR is best while the batch is full, speculation once one row is left
+    machine = Machine(lambda rows: {"autoregressive": 100.0 * rows, "other": 75.0 * rows} if rows > 2 else
+                      {"autoregressive": 100.0, "speculative L=3": 130.0, "other": 95.0})
+    chooser = new_chooser()
+    full = drive(chooser, machine, [8] * 150)
+    assert full[50:].count(AR) >= 0.85 * 100
+    drained = drive(chooser, machine, [1] * 150)
+    assert drained[75:].count(SPEC3) >= 0.7 * 75
+    assert measured_rate(chooser, 225) >= 0.93 * 130
+    assert {p.rows for p in chooser.timeline} == {8, 1}
+
+
+def test_a_warm_start_from_state_explores_little():
+    first = new_chooser()
+    drive(first, batch_one(), [1] * 300)
+    state = json.loads(json.dumps(first.state()))  # JSON-able
+    assert state["buckets"]["1"]["speculative L=3"]["iterations"] > 0
+    warm = new_chooser(warm_state=state)
+    chosen = drive(warm, batch_one(1), [1] * 40)
+    assert sum(1 for c in chosen if c in (SPEC3, BLOCK3)) >= 0.8 * 40
+    cold = new_chooser()
+    drive(cold, batch_one(1), [1] * 40)
+    assert measured_rate(warm) > measured_rate(cold)
+
+
+def test_every_token_is_kept_and_the_mix_is_described():
+    chooser = new_chooser()
+    drive(chooser, batch_one(), [1] * 60)
+    assert chooser.wasted_seconds == 0.0
+    assert sum(chooser.tokens_by_config().values()) == sum(p.tokens for p in chooser.timeline)
+    assert len(chooser.timeline) == 60 and chooser.timeline[-1].seconds == pytest.approx(
+        sum(chooser.seconds_by_config().values()))
+    assert chooser.describe().startswith("auto: ") and "% of tokens" in chooser.describe()
+
+
+def test_candidates_stay_within_the_bounds_and_greedy_drafts_one_path():
+    assert all(c.num_drafts <= 2 and c.draft_length <= 2 for c in default_candidates(2, 2))
+    assert {c.method for c in default_candidates(4, 4, greedy=True)} == {"autoregressive", "speculative", "block"}
+    assert default_candidates(4, 4, speculative=False) == [AR]
+
+
+# --- on the engine ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_model(vocab_size=64, init_std=0.2, seed=3, max_positions=128)
+    return target, noisy_copy(target, noise_std=0.08, seed=4)
+
+
+def test_auto_batcher_has_the_continuous_batcher_surface_and_reports_to_its_chooser(pair):
+    batcher = AutoBatcher(*pair, batch_size=3, max_length=64, max_num_drafts=2, max_draft_length=3)
+    assert batcher.waiting == 0 and batcher.idle and batcher.pool_nbytes > 0
+    batcher.admit([[1, 2, 3], [4, 5], [6]], max_new_tokens=[20, 9, 14], seed=5, tags=["a", "b", "c"])
+    rows = {row.tag: row for row in batcher.finished()}
+    assert {tag: len(row.tokens) for tag, row in rows.items()} == {"a": 20, "b": 9, "c": 14}
+    chooser = batcher.chooser
+    assert sum(chooser.tokens_by_config().values()) == 43 and chooser.wasted_seconds == 0.0
+    assert len(chooser.timeline) == batcher.stats.iterations
+    assert all(StepConfig.parse(p.config).num_drafts <= 2 for p in chooser.timeline)
+    assert batcher.snapshot().plan == chooser.describe() and batcher.stats.method == "auto"
+
+
+def test_generate_auto_keeps_the_contract_and_says_what_ran(pair):
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    out = spectr.generate(*pair, prompts, method="auto", num_drafts=2, draft_length=2, max_new_tokens=[12, 5, 9],
+                          seed=3, eos_token_id=None)
+    assert [len(t) for t in out.tokens] == [12, 5, 9] and out.stats.generated_tokens == [12, 5, 9]
+    assert out.stats.plan.startswith("auto: ")
+    labels = out.chooser.tokens_by_config()
+    assert sum(labels.values()) == 26
+    assert all(StepConfig.parse(label).draft_length <= 2 for label in labels)
+    without_draft = spectr.generate(pair[0], None, prompts, method="auto", max_new_tokens=4)
+    assert without_draft.chooser.tokens_by_config() == {"autoregressive": 12}
