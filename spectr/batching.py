@@ -201,6 +201,8 @@ class ContinuousBatcher:
 
     def check_config(self, config: StepConfig) -> StepConfig:
         """`config` in normal form for this run (greedy: one draft), or ValueError when it does not fit."""
+        if config.method not in known_methods():
+            raise ValueError(f"unknown method {config.method!r}; expected one of {known_methods()}")
         if config.speculative and self.settings.warp.greedy:
             config = StepConfig.of(config.method, 1, config.draft_length)
         max_k, max_l = self.bounds

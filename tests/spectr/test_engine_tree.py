@@ -272,8 +272,7 @@ def test_drafter_draws_a_nodes_children_from_its_leaders_row_even_when_duplicate
     batch, num_drafts, length = 64, 4, 4
     cache = SimpleNamespace(rows=RowKVCache(1, batch, 64, "cpu"))
     cache.rows.lengths = torch.full((batch,), 3)
-    drafter = TreeDrafter(_SlotDependentModel(), cache, SamplingWarp(), num_drafts, length,
-                          torch.arange(batch) % 6)
+    drafter = TreeDrafter(_SlotDependentModel(), cache, SamplingWarp(), torch.arange(batch) % 6)  # K, L: uniforms
     uniforms = torch.rand(batch, length, num_drafts, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     tree = drafter.propose(uniforms, (4, 1), torch.ones(batch, dtype=torch.bool))
     own_row_mismatches = duplicates = 0

@@ -49,6 +49,8 @@ def test_a_step_outside_the_bounds_or_without_a_draft_is_refused(pair):
         batcher.step(StepConfig.of("spectr", 4, 2))
     with pytest.raises(ValueError, match="L <= 3"):
         batcher.step(StepConfig.of("block", 1, 4))
+    with pytest.raises(ValueError, match="unknown method 'beam'"):
+        batcher.step(StepConfig.of("beam", 2, 2))
     plain = ContinuousBatcher(pair[0], None, batch_size=2, max_length=32, method="autoregressive")
     plain.admit([[1, 2, 3]], max_new_tokens=4)
     with pytest.raises(ValueError, match="draft model absent"):
