@@ -27,8 +27,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from spectr.rng import counter_uniforms, make_generators, row_keys, sample_categorical  # noqa: E402
-from spectr.sequence import row_splits, select_sequences, select_tree  # noqa: E402
+from spectr.rng import counter_uniforms, row_keys, sample_categorical  # noqa: E402
+from spectr.sequence import row_splits, select_sequences, select_tree, uniforms_shape  # noqa: E402
 from spectr.tree import prefix_leaders, shared_depths  # noqa: E402
 
 
@@ -113,15 +113,11 @@ def main() -> None:
 
     def select(validate: bool):
         call["n"] += 1
-        seeds = range(call["n"] * args.batch, (call["n"] + 1) * args.batch)
-        return select_sequences(
-            draft_tokens,
-            draft_probs,
-            target_probs,
-            make_generators(seeds),
-            method=args.method,
-            validate=validate,
-        )
+        keys = row_keys(range(call["n"] * args.batch, (call["n"] + 1) * args.batch))  # [B]
+        shape = uniforms_shape(args.drafts, args.length)
+        uniforms = counter_uniforms(keys, torch.zeros_like(keys), shape[0] * shape[1]).view(args.batch, *shape)
+        return select_sequences(draft_tokens, draft_probs, target_probs, uniforms, method=args.method,
+                                validate=validate)
 
     steps = {
         "softmax": softmax,

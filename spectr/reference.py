@@ -4,7 +4,7 @@ Everything here is plain Python on lists of floats, one row and one draft at a t
 can be read against the algorithm text in docs/architecture.md line by line. It consumes uniforms
 exactly like the batched code (`spectr.selection`, `spectr.sequence`): at a node, uniform j
 decides the test of draft j and uniform K the correction token; a sequence uses row i of its
-[L + 1, K + 1] block at position i and row L for the bonus token. Under the same generators
+[L + 1, K + 1] block at position i and row L for the bonus token. Under the same uniforms
 the batched code must return the same tensors.
 
 Block verification (`spectr.block`, K = 1) has its sampler `reference_block_sequence` (same
@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from spectr.sequence import PAD_TOKEN, SequenceSelection, uniforms_shape
+from spectr.sequence import PAD_TOKEN, SequenceSelection
 
 # Same bisection budget as the batched code, so both stop at the same float64 end point.
 _BISECTION_STEPS = 64
@@ -160,26 +160,23 @@ def reference_select_sequences(
     draft_tokens: torch.Tensor,  # [B, K, L]
     draft_probs: torch.Tensor,  # [B, K, L, V]
     target_probs: torch.Tensor,  # [B, K, L + 1, V]
-    generators: Sequence[torch.Generator],
+    uniforms: torch.Tensor,  # [B, L + 1, K + 1] float64
     *,
     method: str = "spectr",
 ) -> SequenceSelection:
-    """Row by row version of `spectr.sequence.select_sequences`, same uniforms per row."""
+    """Row by row version of `spectr.sequence.select_sequences`, on the same uniforms."""
     batch_size, num_drafts, draft_length = draft_tokens.shape
     tokens = torch.full((batch_size, draft_length + 1), PAD_TOKEN, dtype=torch.int64)
     num_tokens = torch.zeros(batch_size, dtype=torch.int64)
     draft_index = torch.zeros(batch_size, dtype=torch.int64)
     accepted_per_position = torch.zeros(draft_length, dtype=torch.int64)
     for row in range(batch_size):
-        uniforms = torch.rand(
-            uniforms_shape(num_drafts, draft_length), generator=generators[row], dtype=torch.float64
-        ).tolist()
         produced, index, accepted = reference_select_sequence(
             method,
             draft_tokens[row].tolist(),
             draft_probs[row].to(torch.float64).tolist(),
             target_probs[row].to(torch.float64).tolist(),
-            uniforms,
+            uniforms[row].tolist(),
         )
         tokens[row, : len(produced)] = torch.tensor(produced)
         num_tokens[row] = len(produced)

@@ -30,10 +30,8 @@ The slots of one iteration (`IterationSlots`), for K drafts of L tokens:
   row i and the uniform of its last token from column 1 of row L;
 - autoregressive decoding uses slot 0 only (S = 1).
 
-Also here: `make_generators` / `draw_uniforms` for callers that hold one `torch.Generator`
-per row (the selection functions' generator API; the engine does not use them), and
-`sample_categorical` / `sample_categorical_many` (inverse CDF with given uniforms). This
-module does not warp or hold model outputs.
+Also here: `sample_categorical` / `sample_categorical_many` (inverse CDF with given uniforms).
+This module does not warp or hold model outputs.
 """
 
 from __future__ import annotations
@@ -111,41 +109,6 @@ class IterationSlots:
         drafting = uniforms[:, : self.num_draft_slots].reshape(batch, length, k)
         selection = uniforms[:, self.num_draft_slots :].reshape(batch, length + 1, k + 1)
         return drafting, selection
-
-
-# ---------------------------------------------------------------------------------------
-# generator-based streams (for callers that hold torch.Generators; not used by the engine)
-# ---------------------------------------------------------------------------------------
-
-
-def make_generators(seeds: Sequence[int], device: torch.device | str = "cpu") -> list[torch.Generator]:
-    """One seeded generator per row, on `device`."""
-    generators = []
-    for seed in seeds:
-        g = torch.Generator(device=device)
-        g.manual_seed(int(seed))
-        generators.append(g)
-    return generators
-
-
-def draw_uniforms(
-    generators: Sequence[torch.Generator],
-    shape: Sequence[int],
-    device: torch.device | str | None = None,
-) -> torch.Tensor:
-    """Uniforms in [0, 1), float64, one independent block per row: [N, *shape].
-
-    Row n is drawn from `generators[n]` only. One `torch.rand` per row: for tests and for
-    callers of the generator API, not for the engine's loop (see `counter_uniforms`).
-    """
-    shape = tuple(int(s) for s in shape)
-    if len(generators) == 0:
-        return torch.empty((0, *shape), dtype=torch.float64, device=device)
-    rows = [torch.rand(shape, generator=g, dtype=torch.float64, device=g.device) for g in generators]
-    out = torch.stack(rows)  # [N, *shape]
-    if device is not None and out.device != torch.device(device):
-        out = out.to(device)
-    return out
 
 
 # ---------------------------------------------------------------------------------------

@@ -41,11 +41,11 @@ positions (see `spectr.sequence`) and it does not draw drafts.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
-from spectr.rng import draw_uniforms, sample_categorical
+from spectr.rng import sample_categorical
 from spectr.validation import check_probabilities, check_shape, check_token_ids, check_uniforms
 
 # Upper bound on the bisection steps for rho* (float64 inputs reach adjacent floats first).
@@ -277,27 +277,6 @@ def select_tokens(
     if validate:
         _check_token_inputs(draft_tokens, alive, draft_probs, target_probs, uniforms)
     return selector(draft_tokens, alive, draft_probs, target_probs, uniforms)
-
-
-def sample_tokens(
-    method: str,
-    draft_tokens: torch.Tensor,  # [N, K] int64
-    alive: torch.Tensor,  # [N, K] bool
-    draft_probs: torch.Tensor,  # [N, V]
-    target_probs: torch.Tensor,  # [N, V]
-    generators: Sequence[torch.Generator],  # N
-    *,
-    validate: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`select_tokens` with K + 1 float64 uniforms drawn from each node's own generator."""
-    if len(generators) != draft_tokens.shape[0]:
-        raise ValueError(
-            f"generators has {len(generators)} entries, expected one per node (N = {draft_tokens.shape[0]})"
-        )
-    uniforms = draw_uniforms(
-        generators, (draft_tokens.shape[1] + 1,), device=draft_tokens.device
-    )  # [N, K + 1]
-    return select_tokens(method, draft_tokens, alive, draft_probs, target_probs, uniforms, validate=validate)
 
 
 def _check_token_inputs(draft_tokens, alive, draft_probs, target_probs, uniforms) -> None:

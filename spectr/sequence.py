@@ -24,6 +24,9 @@ it accepts, so a row's randomness never depends on the other rows.
 Block verification (`spectr.block`, method "block", K = 1) is a sequence-level rule of its
 own, registered in `SEQUENCE_RULES`; `select_tree` and `select_sequences` dispatch to it by name.
 
+Randomness is passed in: the caller gives each row's [L + 1, K + 1] uniforms (the engine draws
+them from its counter-based streams, `spectr.rng.counter_uniforms`).
+
 Target distributions come either per draft (`[B, K, L + 1, V]`, `select_sequences`) or per
 tree node (`[B, M, V]` with a node map `[B, K, L + 1]`, `select_tree`); the walk is the same.
 
@@ -39,13 +42,13 @@ import torch
 
 from spectr.block import block_rule, block_stop_probabilities
 from spectr.outcome import PAD_TOKEN, SequenceSelection
-from spectr.rng import draw_uniforms, sample_categorical
+from spectr.rng import sample_categorical
 from spectr.selection import TOKEN_SELECTORS, get_token_selector
 from spectr.tree import prefix_leaders, shared_depths
 from spectr.validation import check_probabilities, check_shape, check_token_ids, check_uniforms
 
-__all__ = ["PAD_TOKEN", "SEQUENCE_RULES", "SequenceSelection", "row_splits", "select_sequences",
-           "select_sequences_with_uniforms", "select_tree", "sequence_methods", "uniforms_shape"]
+__all__ = ["PAD_TOKEN", "SEQUENCE_RULES", "SequenceSelection", "row_splits", "select_sequences", "select_tree",
+           "sequence_methods", "uniforms_shape"]
 
 # Sequence-level rules that are not a walk of a token-level rule; same signature as the walk
 # (draft_tokens, draft_probs, node_target_probs, node_of, uniforms) -> SequenceSelection.
@@ -68,30 +71,6 @@ def uniforms_shape(num_drafts: int, draft_length: int) -> tuple[int, int]:
 
 
 def select_sequences(
-    draft_tokens: torch.Tensor,  # [B, K, L] int64, drafts in sampling order
-    draft_probs: torch.Tensor,  # [B, K, L, V] p at each draft position given that draft's prefix
-    target_probs: torch.Tensor,  # [B, K, L + 1, V] q given that draft's prefix (L = bonus position)
-    generators: Sequence[torch.Generator],  # one per row
-    *,
-    method: str = "spectr",
-    validate: bool = True,
-) -> SequenceSelection:
-    """Sequence-level selection for a batch of draft sets; see the module docstring."""
-    if validate:
-        _check_method(method)
-        _check_sequence_inputs(draft_tokens, draft_probs, target_probs, method)
-    if len(generators) != draft_tokens.shape[0]:
-        raise ValueError(
-            f"generators has {len(generators)} entries, expected one per row (B = {draft_tokens.shape[0]})"
-        )
-    batch_size, num_drafts, draft_length = draft_tokens.shape
-    uniforms = draw_uniforms(generators, uniforms_shape(num_drafts, draft_length), device=draft_tokens.device)
-    return select_sequences_with_uniforms(
-        draft_tokens, draft_probs, target_probs, uniforms, method=method, validate=False
-    )
-
-
-def select_sequences_with_uniforms(
     draft_tokens: torch.Tensor,  # [B, K, L] int64
     draft_probs: torch.Tensor,  # [B, K, L, V]
     target_probs: torch.Tensor,  # [B, K, L + 1, V]
@@ -100,7 +79,7 @@ def select_sequences_with_uniforms(
     method: str = "spectr",
     validate: bool = True,
 ) -> SequenceSelection:
-    """`select_sequences` with the uniforms given instead of drawn (for tests and replays)."""
+    """Sequence-level selection for a batch of draft sets with the given uniforms; see the module docstring."""
     if validate:
         _check_method(method)
         _check_sequence_inputs(draft_tokens, draft_probs, target_probs, method)

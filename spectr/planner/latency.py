@@ -8,7 +8,7 @@
   branches at draft steps 1..L-1);
 - the draft's sampling after each draft forward (warp + inverse-CDF sample of K tokens per row);
 - the selection phase (warps of the target logits [B, 1+K*L, V], the tree gather, and
-  `spectr.sequence.select_sequences_with_uniforms`) at its two extremes: every row rejects at the first position
+  `spectr.sequence.select_sequences`) at its two extremes: every row rejects at the first position
   (disjoint p and q) and every row accepts all L positions (p = q); autoregressive: warp + sample;
 - the commit of an iteration (`RowKVCache.keep_path` of the accepted path in both caches and the
   iteration's one host sync);
@@ -46,7 +46,7 @@ from spectr.planner.table import (
     LatencyTable,
 )
 from spectr.rng import counter_uniforms, row_keys, sample_categorical
-from spectr.sequence import select_sequences_with_uniforms, uniforms_shape
+from spectr.sequence import select_sequences, uniforms_shape
 from spectr.warps import SamplingWarp
 
 MIN_TIMED_SECONDS = 0.15  # cheap calls are repeated until they add up to this much (noise on a shared machine)
@@ -251,7 +251,7 @@ def selection_latency(
         node_probs = warp.probs(logits)  # [B, T, V] (the engine's warp; its values are not used here)
         node_probs[:, node_of]  # the tree gather, [B, K, L+1, V]
         uniforms = counter_uniforms(keys, iterations, shape[0] * shape[1]).reshape(batch, *shape)  # [B, L+1, K+1]
-        return select_sequences_with_uniforms(draft_tokens, draft_probs, target_probs, uniforms, method=method,
+        return select_sequences(draft_tokens, draft_probs, target_probs, uniforms, method=method,
                                               validate=False)
 
     return mean_seconds(call, repeats, device, cache_evictor(device))

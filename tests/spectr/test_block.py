@@ -17,8 +17,7 @@ from spectr.reference import (
     reference_block_sequence,
     sequence_output_distribution,
 )
-from spectr.rng import make_generators
-from spectr.sequence import SEQUENCE_RULES, select_sequences, select_sequences_with_uniforms
+from spectr.sequence import SEQUENCE_RULES, select_sequences
 
 VOCAB_SIZE = 3
 
@@ -135,7 +134,7 @@ def test_batched_block_equals_reference_under_the_same_uniforms(toy_pair_factory
     generator = torch.Generator().manual_seed(seed)
     inputs = pair.sample_draft_set(300, 1, draft_length, generator)
     uniforms = torch.rand(300, draft_length + 1, 2, generator=generator, dtype=torch.float64)
-    batched = select_sequences_with_uniforms(*inputs, uniforms, method="block")
+    batched = select_sequences(*inputs, uniforms, method="block")
     expected = reference_rows(*inputs, uniforms)
     for b, (produced, tau) in enumerate(expected):
         assert int(batched.num_accepted[b]) == tau
@@ -159,14 +158,13 @@ def test_batched_block_on_float32_engine_like_inputs_and_the_generator_api():
     draft_probs, target_probs = draft_logits.softmax(-1), target_logits.softmax(-1)
     draft_tokens = torch.multinomial(draft_probs.view(-1, vocab), 1, generator=g).view(batch, 1, length)
     uniforms = torch.rand(batch, length + 1, 2, generator=g, dtype=torch.float64)
-    batched = select_sequences_with_uniforms(draft_tokens, draft_probs, target_probs, uniforms, method="block")
+    batched = select_sequences(draft_tokens, draft_probs, target_probs, uniforms, method="block")
     for b, (produced, tau) in enumerate(reference_rows(draft_tokens, draft_probs, target_probs, uniforms)):
         assert batched.tokens[b, : tau + 1].tolist() == produced
-    drawn = select_sequences(draft_tokens, draft_probs, target_probs, make_generators(range(batch)), method="block")
-    assert drawn.tokens.shape == (batch, length + 1)
     with pytest.raises(ValueError, match="method 'block' needs K = 1"):
         select_sequences(draft_tokens.expand(-1, 2, -1), draft_probs.expand(-1, 2, -1, -1),
-                         target_probs.expand(-1, 2, -1, -1), make_generators(range(batch)), method="block")
+                         target_probs.expand(-1, 2, -1, -1), torch.rand(batch, length + 1, 3, dtype=torch.float64),
+                         method="block")
 
 
 def test_the_negative_control_rule_is_registered_through_the_same_code(monkeypatch, toy_pair_factory):
@@ -176,8 +174,8 @@ def test_the_negative_control_rule_is_registered_through_the_same_code(monkeypat
     inputs = pair.sample_draft_set(400, 1, 3, generator)
     uniforms = torch.rand(400, 4, 2, generator=generator, dtype=torch.float64)
     monkeypatch.setitem(SEQUENCE_RULES, "block_token_stops", block_rule(lambda w, s: w))
-    good = select_sequences_with_uniforms(*inputs, uniforms, method="block", validate=False)
-    broken = select_sequences_with_uniforms(*inputs, uniforms, method="block_token_stops", validate=False)
+    good = select_sequences(*inputs, uniforms, method="block", validate=False)
+    broken = select_sequences(*inputs, uniforms, method="block_token_stops", validate=False)
     assert not torch.equal(good.tokens, broken.tokens)
     for b in range(50):  # the broken variant is the reference with the same broken h, row for row
         produced, tau = reference_block_sequence(inputs[0][b, 0].tolist(), inputs[1][b, 0].tolist(),

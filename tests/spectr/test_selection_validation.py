@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spectr.rng import make_generators
-from spectr.selection import kseq_acceptance, kseq_rho, optimal_acceptance, sample_tokens, select_tokens
+from spectr.selection import kseq_acceptance, kseq_rho, optimal_acceptance, select_tokens
 from spectr.sequence import select_sequences
 
 B, K, L, V = 3, 2, 2, 5
@@ -20,7 +19,7 @@ def good_sequence_inputs():
         "draft_tokens": torch.randint(0, V, (B, K, L), generator=g),
         "draft_probs": draft_probs / draft_probs.sum(-1, keepdim=True),
         "target_probs": target_probs / target_probs.sum(-1, keepdim=True),
-        "generators": make_generators(range(B)),
+        "uniforms": torch.rand(B, L + 1, K + 1, generator=g, dtype=torch.float64),
     }
 
 
@@ -64,7 +63,7 @@ def corrupt(name, index, value):
             r"draft_tokens must be a \[B, K, L\] tensor",
         ),
         ({"draft_tokens": torch.zeros(B, K, L)}, r"draft_tokens must be an integer tensor"),
-        ({"generators": make_generators(range(B + 1))}, r"generators has 4 entries"),
+        ({"uniforms": torch.rand(B + 1, L + 1, K + 1, dtype=torch.float64)}, r"uniforms has shape"),
     ],
 )
 def test_sequence_entry_point_rejects_bad_numbers(changes, message):
@@ -113,14 +112,6 @@ def test_token_entry_point_rejects_bad_inputs(position, value, message):
     args[position] = value
     with pytest.raises(ValueError, match=message):
         select_tokens("spectr", *args)
-
-
-def test_sample_tokens_needs_one_generator_per_node():
-    args = good_token_inputs()[:4]
-    with pytest.raises(ValueError, match=r"generators has 2 entries, expected one per node \(N = 4\)"):
-        sample_tokens("spectr", *args, make_generators([0, 1]))
-    token, accepted = sample_tokens("spectr", *args, make_generators(range(4)))
-    assert token.shape == (4,) and accepted.shape == (4,)
 
 
 @pytest.mark.parametrize("fn", [kseq_rho, kseq_acceptance, optimal_acceptance])

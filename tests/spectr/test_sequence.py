@@ -1,5 +1,5 @@
 """Batched sequence-level selection (`spectr.sequence.select_sequences`): agreement with the
-slow reference under identical generators, the output invariants, per-row randomness, and
+slow reference under identical uniforms, the output invariants, per-row randomness, and
 a Monte-Carlo chi-square test with a negative control on the real batched code."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import itertools
 import pytest
 import torch
 from scipy.stats import chisquare, norm
+from uniforms import call_uniforms
 
 from spectr import selection
 from spectr.reference import (
@@ -16,7 +17,7 @@ from spectr.reference import (
     sequence_output_distribution,
     token_output_distribution,
 )
-from spectr.rng import make_generators, sample_categorical
+from spectr.rng import sample_categorical
 from spectr.sequence import PAD_TOKEN, select_sequences
 
 FIELDS = ("tokens", "num_tokens", "num_accepted", "draft_index", "accepted_per_position")
@@ -67,8 +68,8 @@ def test_batched_equals_reference_on_toy_pair(toy_pair_factory, method, num_draf
     pair = toy_pair_factory(3, draft_length, seed)
     inputs = pair.sample_draft_set(64, num_drafts, draft_length, torch.Generator().manual_seed(seed))
     seeds = list(range(1000 * seed, 1000 * seed + 64))
-    batched = select_sequences(*inputs, make_generators(seeds), method=method)
-    reference = reference_select_sequences(*inputs, make_generators(seeds), method=method)
+    batched = select_sequences(*inputs, call_uniforms(inputs[0], seeds), method=method)
+    reference = reference_select_sequences(*inputs, call_uniforms(inputs[0], seeds), method=method)
     assert_same_selection(batched, reference)
     assert int(batched.num_accepted.max()) >= 1  # the walk went past position 0
 
@@ -78,8 +79,8 @@ def test_batched_equals_reference_on_toy_pair(toy_pair_factory, method, num_draf
 def test_batched_equals_reference_on_random_inputs(method, num_drafts, draft_length, seed, zeros):
     inputs = random_inputs(48, num_drafts, draft_length, 7, seed, zeros)
     seeds = [seed * 100 + b for b in range(48)]
-    batched = select_sequences(*inputs, make_generators(seeds), method=method)
-    reference = reference_select_sequences(*inputs, make_generators(seeds), method=method)
+    batched = select_sequences(*inputs, call_uniforms(inputs[0], seeds), method=method)
+    reference = reference_select_sequences(*inputs, call_uniforms(inputs[0], seeds), method=method)
     assert_same_selection(batched, reference)
 
 
@@ -111,8 +112,8 @@ def test_batched_token_selection_equals_reference():
 
 def test_speculative_equals_single_draft_kseq():
     inputs = random_inputs(32, 1, 4, 5, seed=9)
-    a = select_sequences(*inputs, make_generators(range(32)), method="speculative")
-    b = select_sequences(*inputs, make_generators(range(32)), method="spectr")
+    a = select_sequences(*inputs, call_uniforms(inputs[0], range(32)), method="speculative")
+    b = select_sequences(*inputs, call_uniforms(inputs[0], range(32)), method="spectr")
     assert_same_selection(a, b)
 
 
@@ -124,7 +125,7 @@ def test_output_invariants(toy_pair_factory, method):
         200, num_drafts, draft_length, torch.Generator().manual_seed(3)
     )
     out = select_sequences(
-        draft_tokens, draft_probs, target_probs, make_generators(range(200)), method=method
+        draft_tokens, draft_probs, target_probs, call_uniforms(draft_tokens, range(200)), method=method
     )
     assert out.tokens.shape == (200, draft_length + 1) and out.tokens.dtype == torch.int64
     assert bool(((out.num_tokens >= 1) & (out.num_tokens <= draft_length + 1)).all())
@@ -148,22 +149,11 @@ def test_output_invariants(toy_pair_factory, method):
 def test_row_randomness_does_not_depend_on_batch():
     inputs = random_inputs(16, 3, 4, 6, seed=11)
     seeds = [7 * b + 1 for b in range(16)]
-    together = select_sequences(*inputs, make_generators(seeds))
+    together = select_sequences(*inputs, call_uniforms(inputs[0], seeds))
     for b in (0, 5, 15):
-        alone = select_sequences(*(x[b : b + 1] for x in inputs), make_generators([seeds[b]]))
+        alone = select_sequences(*(x[b : b + 1] for x in inputs), call_uniforms(inputs[0], [seeds[b]]))
         assert torch.equal(alone.tokens[0], together.tokens[b])
         assert torch.equal(alone.draft_index[0], together.draft_index[b])
-
-
-def test_each_row_consumes_a_fixed_number_of_uniforms():
-    num_drafts, draft_length = 3, 4
-    inputs = random_inputs(8, num_drafts, draft_length, 6, seed=12)
-    generators = make_generators(range(8))
-    select_sequences(*inputs, generators)
-    for b, g in enumerate(generators):
-        fresh = torch.Generator().manual_seed(b)
-        torch.rand((draft_length + 1) * (num_drafts + 1), generator=fresh, dtype=torch.float64)
-        assert torch.equal(torch.rand(3, generator=g), torch.rand(3, generator=fresh))
 
 
 # ---------------------------------------------------------------------------------------
@@ -259,7 +249,7 @@ def noncentrality(pair, law):
 def run_mc(pair, method, seed):
     draft_set = pair.sample_draft_set(MC_ROWS, MC_DRAFTS, MC_LENGTH, torch.Generator().manual_seed(seed))
     out = select_sequences(
-        *draft_set, make_generators(range(seed, seed + MC_ROWS)), method=method, validate=False
+        *draft_set, call_uniforms(draft_set[0], range(seed, seed + MC_ROWS)), method=method, validate=False
     )
     return out, completed_sample(pair, out, MC_LENGTH + 1, torch.Generator().manual_seed(seed + 1))
 
@@ -291,19 +281,13 @@ def test_sequence_monte_carlo_specinfer_follows_target(toy_pair_factory):
     assert chi_square_over_sequences(pair, tokens) > 1e-3
 
 
-def test_given_uniforms_replay_the_generator_run():
-    from spectr.rng import draw_uniforms
-    from spectr.sequence import select_sequences_with_uniforms, uniforms_shape
-
+def test_uniforms_of_the_wrong_shape_or_dtype_are_refused():
     inputs = random_inputs(10, 3, 4, 6, seed=13)
-    drawn = select_sequences(*inputs, make_generators(range(10)), method="specinfer")
-    uniforms = draw_uniforms(make_generators(range(10)), uniforms_shape(3, 4))  # [B, L + 1, K + 1]
-    replayed = select_sequences_with_uniforms(*inputs, uniforms, method="specinfer")
-    assert_same_selection(drawn, replayed)
+    uniforms = call_uniforms(inputs[0], range(10))  # [B, L + 1, K + 1]
     with pytest.raises(ValueError, match=r"uniforms has shape \(10, 4, 4\), expected \[B, L \+ 1, K \+ 1\]"):
-        select_sequences_with_uniforms(*inputs, uniforms[:, :4])
+        select_sequences(*inputs, uniforms[:, :4])
     with pytest.raises(ValueError, match=r"uniforms must be float64"):
-        select_sequences_with_uniforms(*inputs, uniforms.float())
+        select_sequences(*inputs, uniforms.float())
 
 
 def test_float32_inputs_match_reference(toy_pair_factory):
@@ -315,9 +299,9 @@ def test_float32_inputs_match_reference(toy_pair_factory):
     draft_probs, target_probs = draft_probs.float(), target_probs.float()
     for method in ("spectr", "specinfer"):
         batched = select_sequences(
-            draft_tokens, draft_probs, target_probs, make_generators(range(64)), method=method
+            draft_tokens, draft_probs, target_probs, call_uniforms(draft_tokens, range(64)), method=method
         )
         reference = reference_select_sequences(
-            draft_tokens, draft_probs, target_probs, make_generators(range(64)), method=method
+            draft_tokens, draft_probs, target_probs, call_uniforms(draft_tokens, range(64)), method=method
         )
         assert_same_selection(batched, reference)
