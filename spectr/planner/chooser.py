@@ -19,6 +19,8 @@ kept (`wasted_seconds` is 0).
   bucket, else by the measured/prior ratio of its nearest measured kin in this bucket (same family,
   nearest K and L: the search walks along L as measured): a new bucket, e.g. the
   batch draining at the end of a job, re-explores only what may win there.
+  A bucket with nothing left worth a trial looks again after `REEXPLORE_EVERY` iterations (the
+  acceptance measured meanwhile moves the estimates).
 - Exploitation: the best measured rate; the current choice is kept unless another beats it by
   `SWITCH_MARGIN` (no thrashing on noise). A bounded share (`RECHECK_SHARE`) of iterations
   re-measures the rival most likely to have been under-measured (highest rate x (1 + 1/sqrt(n))),
@@ -27,8 +29,9 @@ kept (`wasted_seconds` is 0).
   acceptance); `OnlineChooser(..., warm_state=state)` starts from it and explores only what it
   did not measure.
 
-Not here: running iterations (`spectr.planner.batcher.AutoBatcher`), the cost model's formula
-(`spectr.planner.predict`).
+Per iteration it costs a few dict lookups (priors are cached, rates are running sums): no device
+read, nothing on the engine's hot path. Not here: running iterations
+(`spectr.planner.batcher.AutoBatcher`), the cost model's formula (`spectr.planner.predict`).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ SWITCH_MARGIN = 0.04  # another configuration must be measured this much faster 
 RECHECK_SHARE = 0.08  # at most this share of iterations re-measures the runner-up
 RECHECK_LENGTH = 2  # iterations per recheck
 MAX_CANDIDATES = 8  # candidates kept after trimming by the prior (autoregressive always)
+REEXPLORE_EVERY = 64  # iterations after which a bucket looks again for candidates worth a trial
 STATE_VERSION = 1
 
 
@@ -81,19 +85,22 @@ def bucket_of(rows: int) -> int:
 
 @dataclass
 class _Measured:
-    """The recent iterations of one configuration in one bucket."""
+    """The recent iterations of one configuration in one bucket (running sums over the window)."""
 
     samples: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # (tokens, seconds)
-    iterations: int = 0
+    tokens: float = 0.0
+    seconds: float = 0.0
 
     def add(self, tokens: float, seconds: float) -> None:
+        if len(self.samples) == WINDOW:
+            old_tokens, old_seconds = self.samples[0]
+            self.tokens, self.seconds = self.tokens - old_tokens, self.seconds - old_seconds
         self.samples.append((tokens, seconds))
-        self.iterations += 1
+        self.tokens, self.seconds = self.tokens + tokens, self.seconds + seconds
 
     @property
     def rate(self) -> float:
-        seconds = sum(s for _, s in self.samples)
-        return sum(t for t, _ in self.samples) / seconds if seconds > 0 else 0.0
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
     @property
     def measured(self) -> bool:
@@ -117,7 +124,9 @@ class OnlineChooser:
 
     def __init__(self, candidates: Sequence[StepConfig], prior: Callable[[StepConfig, float, float], float], *,
                  warm_state: dict | None = None):
-        self.prior = prior
+        self._prior = prior
+        self._priors: dict[tuple[StepConfig, int, float], float] = {}
+        self._explored: dict[int, int] = {}  # bucket -> iteration at which nothing was left to explore
         self.acceptance = [0, 0]  # accepted, tested draft positions over speculative iterations
         self.buckets: dict[int, dict[StepConfig, _Measured]] = {}
         self._tokens: dict[StepConfig, int] = {}
@@ -132,6 +141,7 @@ class OnlineChooser:
         if warm_state:
             self._load(warm_state)
         self.candidates = self._trimmed(list(candidates))
+        self._candidate_set = set(self.candidates)
 
     # -- what was learned ------------------------------------------------------------------------
     @property
@@ -154,8 +164,7 @@ class OnlineChooser:
         """JSON-able summary for a warm start: per bucket and configuration, tokens, seconds, iterations."""
         buckets = {}
         for bucket, configs in self.buckets.items():
-            buckets[str(bucket)] = {c.label: {"tokens": sum(t for t, _ in m.samples),
-                                              "seconds": sum(s for _, s in m.samples), "iterations": len(m.samples)}
+            buckets[str(bucket)] = {c.label: {"tokens": m.tokens, "seconds": m.seconds, "iterations": len(m.samples)}
                                     for c, m in configs.items() if m.samples}
         return {"version": STATE_VERSION, "acceptance": {"accepted": self.acceptance[0], "tested": self.acceptance[1]},
                 "buckets": buckets}
@@ -172,7 +181,7 @@ class OnlineChooser:
                     continue
                 measured = self._measured(int(bucket), StepConfig.parse(label))
                 for _ in range(min(count, TRIAL)):  # a warm entry counts as measured, but new iterations soon dominate
-                    measured.samples.append((entry["tokens"] / count, entry["seconds"] / count))
+                    measured.add(entry["tokens"] / count, entry["seconds"] / count)
 
     def _trimmed(self, candidates: list[StepConfig]) -> list[StepConfig]:
         """Autoregressive and the best of the others by the prior at a full batch (and what warm state measured)."""
@@ -182,6 +191,13 @@ class OnlineChooser:
         known = {c for configs in self.buckets.values() for c in configs}
         kept = speculative[: MAX_CANDIDATES - 1] + [c for c in speculative[MAX_CANDIDATES - 1:] if c in known]
         return [c for c in candidates if not c.speculative] + kept
+
+    def prior(self, config: StepConfig, rows: int, acceptance: float) -> float:
+        """The prior's tokens/s (cached; acceptance to 0.01)."""
+        key = (config, rows, round(acceptance, 2))
+        if key not in self._priors:
+            self._priors[key] = self._prior(config, rows, key[2])
+        return self._priors[key]
 
     def _measured(self, bucket: int, config: StepConfig) -> _Measured:
         return self.buckets.setdefault(bucket, {}).setdefault(config, _Measured())
@@ -223,14 +239,20 @@ class OnlineChooser:
             config, left = self._trial
             self._trial = (config, left - 1) if left > 1 else None
             return self._set(config, rows)
-        bucket = self.buckets.setdefault(bucket_of(rows), {})
-        to_try = self._to_explore(bucket, rows)
-        if to_try is not None:
-            self._trial = (to_try, TRIAL - 1) if TRIAL > 1 else None
-            return self._set(to_try, rows)
-        estimates = {c: self.estimate(c, rows) for c in self.candidates}
-        best = max(self.candidates, key=lambda c: estimates[c])
-        if self.current in estimates and estimates[self.current] * (1 + SWITCH_MARGIN) >= estimates[best]:
+        number = bucket_of(rows)
+        bucket = self.buckets.setdefault(number, {})
+        if self._explored.get(number, -REEXPLORE_EVERY) + REEXPLORE_EVERY <= self.iterations:
+            to_try = self._to_explore(bucket, rows)
+            if to_try is not None:
+                self._trial = (to_try, TRIAL - 1) if TRIAL > 1 else None
+                return self._set(to_try, rows)
+            self._explored[number] = self.iterations
+        # what is left unmeasured was estimated below the best by EXPLORE_SLACK: the best is a measured one
+        rates = {c: m.rate for c, m in bucket.items() if m.measured and c in self._candidate_set}
+        if not rates:
+            return self._set(max(self.candidates, key=lambda c: self.estimate(c, rows)), rows)
+        best = max(rates, key=rates.get)
+        if self.current in rates and rates[self.current] * (1 + SWITCH_MARGIN) >= rates[best]:
             best = self.current  # not measured faster by the margin: no switch
         self._since_recheck += 1
         recheck = self._recheck(bucket, best) if self._since_recheck * RECHECK_SHARE >= RECHECK_LENGTH else None
@@ -238,7 +260,8 @@ class OnlineChooser:
             self._since_recheck = 0
             self._trial = (recheck, RECHECK_LENGTH - 1) if RECHECK_LENGTH > 1 else None
             return self._set(recheck, rows)
-        return self._set(best, rows)
+        self.current, self.predicted_tokens_per_s = best, rates[best]
+        return best
 
     def _recheck(self, bucket: dict[StepConfig, _Measured], best: StepConfig) -> StepConfig | None:
         """The measured rival most likely to be better than it looked: the highest rate x (1 + 1/sqrt(n))."""
