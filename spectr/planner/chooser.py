@@ -304,6 +304,10 @@ class OnlineChooser:
         self.elapsed += report.seconds + report.prefill_seconds
         self.timeline.append(TimelinePoint(self.iterations - 1, self.elapsed, config.label, report.rows, report.tokens))
 
+    def change_points(self) -> list[TimelinePoint]:
+        """The timeline's points where the configuration changed (the first point included)."""
+        return [p for i, p in enumerate(self.timeline) if i == 0 or p.config != self.timeline[i - 1].config]
+
     def describe(self) -> str:
         """`auto: speculative L=3 for 81% of tokens, block L=3 12%, autoregressive 7%`."""
         total = sum(self._tokens.values())

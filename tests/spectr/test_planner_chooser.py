@@ -146,6 +146,8 @@ def test_every_token_is_kept_and_the_mix_is_described():
     assert len(chooser.timeline) == 60 and chooser.timeline[-1].seconds == pytest.approx(
         sum(chooser.seconds_by_config().values()))
     assert chooser.describe().startswith("auto: ") and "% of tokens" in chooser.describe()
+    changes = chooser.change_points()
+    assert changes[0] is chooser.timeline[0] and all(a.config != b.config for a, b in zip(changes, changes[1:]))
 
 
 def test_candidates_stay_within_the_bounds_and_greedy_drafts_one_path():
@@ -174,6 +176,14 @@ def test_auto_batcher_has_the_continuous_batcher_surface_and_reports_to_its_choo
     assert len(chooser.timeline) == batcher.stats.iterations
     assert all(StepConfig.parse(p.config).num_drafts <= 2 for p in chooser.timeline)
     assert batcher.snapshot().plan == chooser.describe() and batcher.stats.method == "auto"
+
+
+def test_the_public_generate_keeps_its_signature():
+    import inspect
+
+    assert list(inspect.signature(spectr.generate).parameters) == [
+        "target", "draft", "prompts", "method", "num_drafts", "draft_length", "max_new_tokens", "temperature",
+        "top_k", "top_p", "eos_token_id", "seed", "batch_size"]
 
 
 def test_generate_auto_keeps_the_contract_and_says_what_ran(pair):
