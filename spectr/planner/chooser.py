@@ -11,9 +11,9 @@ kept (`wasted_seconds` is 0).
 - Measurement: per occupancy bucket (the live rows, rounded to a power of two above 2) and
   configuration, the last `WINDOW` iterations' tokens and seconds; the measured tokens/s of the
   batch is their ratio of sums (robust to one slow iteration on a shared machine).
-- Exploration: with nothing measured yet, autoregressive (the baseline the choice must not lose
-  to) and the prior's best `COLD_EXPLORE` speculative candidates are tried for `TRIAL` iterations
-  each; after that, in any bucket, each unmeasured candidate whose estimate reaches within
+- Exploration: autoregressive (the baseline the choice must not lose to) and, until
+  `COLD_EXPLORE` speculative candidates have been measured, the best-estimated speculative one are
+  tried for `TRIAL` iterations each whatever the prior says; after that, in any bucket, each unmeasured candidate whose estimate reaches within
   `EXPLORE_SLACK` of the best (measured rate, else estimate) is tried, best estimate first. An
   unmeasured candidate's estimate is its prior scaled by what it measured in the nearest other
   bucket, else by the measured/prior ratio of its nearest measured kin in this bucket (same family,
@@ -49,7 +49,7 @@ from spectr.steps import AUTOREGRESSIVE, SINGLE_DRAFT, StepConfig, StepReport
 WINDOW = 24  # iterations per (bucket, configuration) that make its measured rate
 TRIAL = 4  # iterations a candidate is tried before it counts as measured
 EXPLORE_SLACK = 0.2  # explore candidates whose estimate is within this of the best measured rate
-COLD_EXPLORE = 3  # with nothing measured yet: autoregressive and the prior's best 3 speculative candidates
+COLD_EXPLORE = 2  # speculative candidates tried (best estimate first) before estimates may stop exploring
 SWITCH_MARGIN = 0.04  # another configuration must be measured this much faster to replace the current one
 RECHECK_SHARE = 0.05  # at most this share of iterations re-measures a rival
 RECHECK_LENGTH = 2  # iterations per recheck
@@ -278,11 +278,14 @@ class OnlineChooser:
         unmeasured = [c for c in self.candidates if not (c in bucket and bucket[c].measured)]
         if not unmeasured:
             return None
-        if not any(m.measured for configs in self.buckets.values() for m in configs.values()):
-            # cold start: autoregressive, then the prior's best speculative candidates
-            ranked = sorted((c for c in self.candidates if c.speculative), key=lambda c: -self.estimate(c, rows))
-            first = [c for c in self.candidates if not c.speculative] + ranked[:COLD_EXPLORE]
-            return next((c for c in first if c in unmeasured), None)
+        tried = {c for configs in self.buckets.values() for c, m in configs.items() if m.measured and c.speculative}
+        if len(tried) < COLD_EXPLORE:
+            # cold start: autoregressive, then speculative candidates by estimate whatever it says, so that
+            # a pessimistic prior cannot hide speculation (later estimates rest on measured kin)
+            baseline = [c for c in self.candidates if not c.speculative and c in unmeasured]
+            ranked = sorted((c for c in unmeasured if c.speculative), key=lambda c: -self.estimate(c, rows))
+            if baseline or ranked:
+                return (baseline or ranked)[0]
         measured_here = [m.rate for c, m in bucket.items() if m.measured and c in self.candidates]
         best = max(measured_here or [self.estimate(c, rows) for c in self.candidates])
         open_ = [(self.estimate(c, rows), c) for c in unmeasured]
