@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ from spectr.iteration import Loop, autoregressive_step, speculative_step
 from spectr.records import DRAFT_NONFINITE, TARGET_NONFINITE, Records, SlotResult
 from spectr.rng import row_keys
 from spectr.rows import RowState, prefill
+from spectr.sequence import sequence_methods
 from spectr.settings import (
     AUTOREGRESSIVE,
     Settings,
@@ -66,6 +68,7 @@ from spectr.settings import (
     check_seeds,
 )
 from spectr.stats import GenerationStats, PhaseTimer
+from spectr.steps import StepConfig, StepReport
 
 # Pack live rows into the holes below them when at most this fraction of the slots is live, by
 # device type. Measured on the CPU (scripts/bench_batching.py --sections policy --batch-sizes 16
@@ -109,16 +112,16 @@ class _Request:
     tag: Any
 
 
-def _known_methods() -> list[str]:
-    from spectr.generate import known_methods  # the method list lives with the public entry point
+def known_methods() -> list[str]:
+    """The concrete methods (`spectr.generate(method="auto")` picks among them per iteration)."""
+    return [AUTOREGRESSIVE, *sequence_methods()]
 
-    return known_methods()
 
-
-def load_models(target, draft, settings: Settings) -> tuple[HFCausalLM, HFCausalLM | None]:
-    """Wrap the pair (`draft` unused by autoregressive) and check that it is one: vocabulary, device."""
+def load_models(target, draft, settings: Settings, speculative: bool | None = None) -> tuple[HFCausalLM, HFCausalLM | None]:
+    """Wrap the pair and check that it is one: vocabulary, device. The draft is kept when some
+    iteration may speculate (`speculative`, default: the settings' method is speculative)."""
     target_lm = HFCausalLM(target, role="target")
-    if not settings.speculative:
+    if not (settings.speculative if speculative is None else speculative):
         return target_lm, None
     if draft is None:
         raise ValueError(f"method {settings.method!r} needs a draft model; got draft=None")
@@ -150,19 +153,22 @@ class ContinuousBatcher:
     """
 
     def __init__(self, target, draft, *, batch_size: int, max_length: int | None = None, method: str = "spectr",
-                 num_drafts: int = 4, draft_length: int = 4, temperature: float = 1.0, top_k: int = 0,
+                 num_drafts: int = 4, draft_length: int = 4, max_num_drafts: int | None = None,
+                 max_draft_length: int | None = None, temperature: float = 1.0, top_k: int = 0,
                  top_p: float = 1.0, eos_token_id=None, pack_below: float | None = None):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-        self.settings = Settings.for_run(methods=_known_methods(), method=method, num_drafts=num_drafts,
+        self.settings = Settings.for_run(methods=known_methods(), method=method, num_drafts=num_drafts,
                                          draft_length=draft_length, temperature=temperature, top_k=top_k,
                                          top_p=top_p, eos_token_id=eos_token_id)
-        self.target, self.draft = load_models(target, draft, self.settings)
+        s = self.settings
+        self.config = StepConfig.of(s.method, s.num_drafts, s.draft_length)
+        self.bounds = self._bounds(max_num_drafts, max_draft_length)
+        self.target, self.draft = load_models(target, draft, s, speculative=self.bounds[1] > 0)
         self.batch_size = batch_size
         self.max_length = self._max_length(max_length)
         self.device = self.target.device
         self.pack_below = float(DEFAULT_PACK_BELOW.get(self.device.type, 0.0) if pack_below is None else pack_below)
-        s = self.settings
         self.stats = GenerationStats(method=s.method, num_drafts=s.num_drafts, draft_length=s.draft_length)
         with torch.inference_mode():
             self._allocate()
@@ -174,6 +180,34 @@ class ContinuousBatcher:
         self._top = 0  # the highest occupied slot + 1 (host)
         self._next_request = 0
         self.rows_running = 0  # host copy of running.sum()
+        self._totals = [0, 0, 0]  # host copy of records.totals(occupied) after the last iteration
+        self.last_step: StepReport | None = None
+
+    def _bounds(self, max_num_drafts: int | None, max_draft_length: int | None) -> tuple[int, int]:
+        """(Kmax, Lmax): what the allocation fits; default the default config's own K and L."""
+        bounds = []
+        for name, value, default in (("max_num_drafts", max_num_drafts, self.config.num_drafts),
+                                     ("max_draft_length", max_draft_length, self.config.draft_length)):
+            if value is None:
+                value = default
+            elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
+            bounds.append(max(value, default))
+        if bounds[1] == 0:  # autoregressive without bounds: no draft, no tree
+            return 0, 0
+        if self.settings.warp.greedy:
+            bounds[0] = 1  # greedy drafts one path (see Settings.for_run)
+        return max(bounds[0], 1), bounds[1]
+
+    def check_config(self, config: StepConfig) -> StepConfig:
+        """`config` in normal form for this run (greedy: one draft), or ValueError when it does not fit."""
+        if config.speculative and self.settings.warp.greedy:
+            config = StepConfig.of(config.method, 1, config.draft_length)
+        max_k, max_l = self.bounds
+        if config.speculative and (self.draft is None or config.num_drafts > max_k or config.draft_length > max_l):
+            raise ValueError(f"configuration {config.label} does not fit this batcher (K <= {max_k}, L <= {max_l}, "
+                             f"draft model {'present' if self.draft is not None else 'absent'})")
+        return config
 
     def _max_length(self, max_length: int | None) -> int:
         limit = model_limit([m for m in (self.target, self.draft) if m is not None])
@@ -188,16 +222,17 @@ class ContinuousBatcher:
     def _allocate(self) -> None:
         """The cache pool and the per-slot state, once for the batcher's life."""
         s, slots = self.settings, self.batch_size
-        tree = s.num_drafts * s.draft_length
+        max_k, max_l = self.bounds
+        tree = max_k * max_l  # the widest tree any iteration may draft
         self.target_cache = self.target.new_cache(slots, self.max_length + 1 + tree)
         drafter = None
-        if s.speculative:
+        if self.draft is not None:
             draft_cache = self.draft.new_cache(slots, self.max_length + 2 + tree)
-            drafter = TreeDrafter(self.draft, draft_cache, s.warp, s.num_drafts, s.draft_length,
-                                  torch.zeros(slots, dtype=torch.int64, device=self.device))
+            drafter = TreeDrafter(self.draft, draft_cache, s.warp, torch.zeros(slots, dtype=torch.int64,
+                                                                                device=self.device))
         self.rows = RowState.pool(slots, self.target_cache, drafter, self.device)
         self.occupied = torch.zeros(slots, dtype=torch.bool, device=self.device)  # [B] admitted, not retired
-        self.records = Records(slots, self.max_length, s.draft_length + 1, s.draft_length, s.eos_ids, self.device)
+        self.records = Records(slots, self.max_length, max_l + 1, max_l, s.eos_ids, self.device)
 
     # -- the caller's view -------------------------------------------------------------
     @property
@@ -245,17 +280,25 @@ class ContinuousBatcher:
             self._waiting.append(_Request(first + row, prompt, budget, row_seed, None if tags is None else tags[row]))
         return list(range(first, self._next_request))
 
-    def step(self) -> list[FinishedRow]:
-        """Fill free slots, run one iteration, return the rows that finished in it (in slot order)."""
+    def step(self, config: StepConfig | None = None) -> list[FinishedRow]:
+        """Fill free slots, run one iteration with `config` (default: `self.config`), return the rows
+        that finished in it (in slot order); `last_step` then says what the iteration did."""
+        config = self.config if config is None else self.check_config(config)
+        self.last_step = None
         with self._engaged():
+            started = time.perf_counter()
             self.fill()
+            filled = time.perf_counter()
             if self.rows_running == 0:
                 return []
             before = self.rows_running
-            self._iterate()
-            self._sync()
+            self._iterate(config)
+            tokens, accepted, tested = self._sync()
             finished = self._retire(before - self.rows_running) if self.rows_running < before else []
             self.loop.timer.collect()
+        self.last_step = StepReport(config=config, rows=before, tokens=tokens, seconds=time.perf_counter() - filled,
+                                    prefill_seconds=filled - started, accepted=accepted, tested=tested,
+                                    finished=len(finished))
         return finished
 
     def finished(self) -> Iterator[FinishedRow]:
@@ -300,9 +343,10 @@ class ContinuousBatcher:
         self.stats.admissions += 1
 
     # -- one iteration -------------------------------------------------------------------
-    def _iterate(self) -> None:
-        """One iteration on the slots [0, top), after packing the live rows down if that is due."""
-        step = autoregressive_step if self.settings.method == AUTOREGRESSIVE else speculative_step
+    def _iterate(self, config: StepConfig) -> None:
+        """One iteration of `config` on the slots [0, top), after packing the live rows down if that is due."""
+        self.loop.configure(config.method, config.num_drafts, config.draft_length)
+        step = speculative_step if config.speculative else autoregressive_step
         live = self.rows_running
         if self._top > live and live <= self.pack_below * self.batch_size:
             self._pack()
@@ -338,15 +382,20 @@ class ContinuousBatcher:
         self._top = live
         self.stats.packed_rows += len(holes)
 
-    def _sync(self) -> None:
-        """The iteration's host copy: running rows and the longest cache rows (they size the next forwards)."""
+    def _sync(self) -> tuple[int, int, int]:
+        """The iteration's host copy: running rows, the longest cache rows (they size the next forwards)
+        and the records' totals; returns the tokens, accepted and tested positions of the iteration."""
         extent = torch.stack([self.rows.running.sum(), self.target_cache.rows.lengths.max()])  # [2]
+        parts = [extent, self.records.totals(self.occupied)]  # [2], [3]
         if self.rows.drafter is not None:
-            extent = torch.cat([extent, self.rows.drafter.host_extent()])  # [4]
-        host = extent.tolist()  # the host sync of every iteration (the only one with a single draft)
+            parts.append(self.rows.drafter.host_extent())  # [2]
+        host = torch.cat(parts).tolist()  # the host sync of every iteration (the only one with a single draft)
         self.rows_running, self.loop.target_longest = host[0], host[1]
         if self.rows.drafter is not None:
-            self.loop.draft_extent = (host[2], host[3])
+            self.loop.draft_extent = (host[5], host[6])
+        done = [now - before for now, before in zip(host[2:5], self._totals)]
+        self._totals = host[2:5]
+        return done[0], done[1], done[2]
 
     # -- retirement ----------------------------------------------------------------------
     def _retire(self, count: int) -> list[FinishedRow]:
@@ -362,6 +411,10 @@ class ContinuousBatcher:
             if broken:  # a row with non-finite logits may have left non-finite cache entries
                 cache.reset_rows(torch.tensor(broken, dtype=torch.int64, device=self.device), zero=True)
         rows = [self._finished_row(result) for result in results]
+        for result in results:  # their counters leave the occupied slots' totals
+            self._totals[0] -= len(result.tokens)
+            self._totals[1] -= sum(result.accepted_per_position)
+            self._totals[2] -= result.tested_positions
         for result in results:
             self._in_slot[result.slot] = None
             heapq.heappush(self._free, result.slot)

@@ -49,26 +49,29 @@ def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
 class TreeDrafter:
     """Owns the draft model's per-row cache and pending tokens for the rows of the batch."""
 
-    def __init__(self, model, cache, warp: SamplingWarp, num_drafts: int, draft_length: int,
-                 pending_tokens: torch.Tensor):
-        """pending_tokens: [B] the last prompt token of each row (the cache holds the rest)."""
+    def __init__(self, model, cache, warp: SamplingWarp, pending_tokens: torch.Tensor):
+        """pending_tokens: [B] the last prompt token of each row (the cache holds the rest).
+
+        K and L are the iteration's (the shapes of `propose`'s uniforms), so that consecutive
+        iterations may draft different trees over the same cache and pending tokens."""
         self.model = model
         self.cache = cache
         self.warp = warp
-        self.num_drafts = num_drafts
-        self.draft_length = draft_length
         batch = pending_tokens.shape[0]
         device = pending_tokens.device
         self.pending = torch.zeros(batch, 2, dtype=torch.int64, device=device)  # [B, 2]
         self.pending[:, 0] = pending_tokens
         self.num_pending = torch.ones(batch, dtype=torch.int64, device=device)  # [B]
-        self._branch_visibility = [self._visibility(depth) for depth in range(draft_length)]
+        self._branch_visibility: dict[tuple[int, int], torch.Tensor] = {}  # (K, depth) -> [K, depth*K]
 
-    def _visibility(self, depth: int) -> torch.Tensor:
+    def _visibility(self, num_drafts: int, depth: int) -> torch.Tensor:
         """[K, depth*K] bool: draft k's query at depth `depth` sees its own tokens of depth < depth."""
-        k = self.num_drafts
-        columns = torch.arange(depth * k, device=self.pending.device)
-        return (columns[None, :] % k) == torch.arange(k, device=self.pending.device)[:, None]
+        key = (num_drafts, depth)
+        if key not in self._branch_visibility:
+            columns = torch.arange(depth * num_drafts, device=self.pending.device)
+            drafts = torch.arange(num_drafts, device=self.pending.device)
+            self._branch_visibility[key] = (columns[None, :] % num_drafts) == drafts[:, None]
+        return self._branch_visibility[key]
 
     def host_extent(self) -> torch.Tensor:
         """[2] int64 on the device: max(lengths + num_pending) and max(num_pending), for the host copy."""
@@ -80,7 +83,7 @@ class TreeDrafter:
         extent: host copy of `host_extent()` (max base, max pending count); running: [B] bool,
         rows still generating (the others draft token 0 everywhere: a one-path tree).
         """
-        batch, num_drafts, draft_length = uniforms.shape[0], self.num_drafts, self.draft_length
+        batch, draft_length, num_drafts = uniforms.shape
         max_base, max_pending = extent
         lengths = self.cache.rows.lengths  # [B]
         device = lengths.device
@@ -110,7 +113,7 @@ class TreeDrafter:
         for depth in range(1, draft_length):
             slots = base[:, None] + (depth - 1) * num_drafts + branch  # [B, K]
             positions = (base + depth - 1)[:, None].expand(batch, num_drafts)  # [B, K]
-            allowed = tree_attention(base, self._branch_visibility[depth], max_base + depth * num_drafts)
+            allowed = tree_attention(base, self._visibility(num_drafts, depth), max_base + depth * num_drafts)
             logits = self.model.forward(tokens[:, :, depth - 1], positions, allowed, self.cache, slots)  # [B, K, V]
             nonfinite |= nonfinite_rows(logits).any(1)
             probs[:, :, depth] = self.warp.probs(logits)
@@ -139,7 +142,7 @@ class TreeDrafter:
         when all L were accepted, the last draft token and the bonus become the 2 pending tokens.
         Rows not running keep their cache, pending tokens and lengths as they were.
         """
-        num_drafts, draft_length = self.num_drafts, self.draft_length
+        num_drafts, draft_length = tree.tokens.shape[1:]
         lengths = self.cache.rows.lengths  # [B]
         base = lengths + self.num_pending  # [B]
         kept = torch.where(running, num_accepted.clamp(max=draft_length - 1), 0)  # [B]
@@ -155,6 +158,35 @@ class TreeDrafter:
                                torch.where(all_accepted, next_tokens, 0)], 1)  # [B, 2]
         self.pending = torch.where(running[:, None], pending, self.pending)
         self.num_pending = torch.where(running, 1 + all_accepted.to(torch.int64), self.num_pending)
+
+    def catch_up(self, recent: torch.Tensor, lag: torch.Tensor, view_length: int) -> None:
+        """Feed the draft cache, in ONE forward, the tokens committed while it sat idle.
+
+        recent: [B, M] each row's last M committed tokens (the last one is the row's newest);
+        lag: [B] how many of them the draft has not seen (0..M; 0 for rows that are not running);
+        view_length: host bound of max(cache lengths) + M + 1. Afterwards a row with lag > 0 has
+        its pending tokens and all but the newest missing token in the cache, and the newest
+        pending, as after an admission. No host sync.
+        """
+        batch, missing = recent.shape
+        lengths = self.cache.rows.lengths  # [B]
+        device = lengths.device
+        width = 1 + missing  # the longest fed sequence: 2 pending + M missing - the newest
+        offsets = torch.arange(width, device=device)  # [W]
+        # the row's sequence: its pending tokens, then the missing ones (the right end of `recent`)
+        source = torch.cat([self.pending, recent], 1)  # [B, 2 + M]
+        index = torch.where(offsets < self.num_pending[:, None], offsets,
+                            offsets - self.num_pending[:, None] + 2 + missing - lag[:, None])  # [B, W]
+        fed = source.gather(1, index.clamp(0, 1 + missing))  # [B, W]
+        counts = torch.where(lag > 0, self.num_pending + lag - 1, 0)  # [B] tokens the cache takes
+        slots = (lengths[:, None] + offsets).clamp(max=self.cache.rows.capacity - 1)  # [B, W] padding clamped
+        causal = offsets[:, None] >= offsets[None, :]  # [W, W]
+        allowed = tree_attention(lengths, causal, min(view_length, self.cache.rows.capacity))
+        self.model.forward(fed, lengths[:, None] + offsets, allowed, self.cache, slots, last_only=True)
+        newest = recent[:, -1]  # [B]
+        self.cache.rows.advance(counts)
+        self.pending[:, 0] = torch.where(lag > 0, newest, self.pending[:, 0])
+        self.num_pending = torch.where(lag > 0, 1, self.num_pending)
 
     # -- rows of the pool ------------------------------------------------------------
     def reset(self, rows: torch.Tensor, last_tokens: torch.Tensor) -> None:

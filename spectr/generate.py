@@ -1,6 +1,7 @@
 """The public entry point: `spectr.generate` over a Hugging Face draft/target pair, batched.
 
-`generate(target, draft, prompts, ...)` runs `Generation`: every prompt is admitted, in
+`generate(target, draft, prompts, ...)` (a fixed method; the public `spectr.generate` in
+`spectr.api` adds `method="auto"` on top of it and of `spectr.planner`) runs `Generation`: every prompt is admitted, in
 order, to a `spectr.batching.ContinuousBatcher` of `batch_size` slots (all prompts at once
 by default); when a row finishes, the next waiting prompt takes its slot, and the outputs and
 statistics come back in prompt order. One iteration (draft -> verify -> select -> commit) is
@@ -21,24 +22,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from spectr.batching import ContinuousBatcher, FinishedRow
+from spectr.batching import ContinuousBatcher, FinishedRow, known_methods
 from spectr.rows import prefill
-from spectr.sequence import sequence_methods
-from spectr.settings import AUTOREGRESSIVE, Settings, check_prompts
+from spectr.settings import Settings, check_prompts
 from spectr.stats import GenerationStats
 
 __all__ = ["Generation", "GenerationOutput", "generate", "known_methods", "prefill"]
-
-
-AUTO = "auto"
-
-
-def known_methods() -> list[str]:
-    """The concrete methods (`method="auto"` picks one of them)."""
-    return [AUTOREGRESSIVE, *sequence_methods()]
 
 
 @dataclass
@@ -47,6 +40,7 @@ class GenerationOutput:
 
     tokens: list[list[int]]
     stats: GenerationStats
+    chooser: Any = None  # method="auto": the `spectr.planner.chooser.OnlineChooser` that ran it
 
 
 def generate(
@@ -70,9 +64,8 @@ def generate(
     target, draft: Hugging Face causal LMs sharing a vocabulary (`draft` may be None for
     "autoregressive"). prompts: list of token-id lists. method: "autoregressive",
     "speculative" (one draft: num_drafts is taken as 1), "spectr", "specinfer", "block" (block
-    verification of one draft, num_drafts taken as 1), or "auto" (the planner measures this pair on
-    this device and picks the fastest of the exact methods, with K <= num_drafts and L <=
-    draft_length; `stats.plan` says what it chose).
+    verification of one draft, num_drafts taken as 1). The package's `spectr.generate`
+    (`spectr.api.generate`) also takes "auto", which `spectr.planner` runs; this one does not.
     max_new_tokens: an int or one int per prompt. eos_token_id: None, an int or a list of ints.
     top_k=0 / top_p=1.0 mean no truncation; temperature=0 is greedy (and drafts one path:
     K identical argmax drafts would add nothing). seed: an int (row i uses seed + i) or one
@@ -81,12 +74,6 @@ def generate(
     in order and a finished row's slot takes the next waiting prompt (continuous batching; the
     output is the same). Bad input raises ValueError naming the argument and, per prompt, the row.
     """
-    if method == AUTO:  # the planner picks an exact method, K <= num_drafts and L <= draft_length
-        from spectr.planner.auto import generate_auto
-
-        return generate_auto(target, draft, prompts, num_drafts=num_drafts, draft_length=draft_length,
-                             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                             eos_token_id=eos_token_id, seed=seed, batch_size=batch_size)
     return _run(Generation(target, draft, prompts, method=method, num_drafts=num_drafts, draft_length=draft_length,
                            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                            eos_token_id=eos_token_id, seed=seed, batch_size=batch_size))
@@ -121,13 +108,15 @@ class Generation:
     that want to inspect caches between iterations) can drive the loop themselves. It admits
     every prompt to a `ContinuousBatcher` sized for them (`batch_size` slots, capacity from the
     longest prompt + budget) and puts the finished rows back in prompt order. The constructor
-    validates everything and raises ValueError naming the bad argument or row. Drive it under
+    validates everything and raises ValueError naming the bad argument or row. `make_batcher`
+    (default `ContinuousBatcher`, same arguments) lets a caller above the engine run the rows on
+    another batcher with that surface (`spectr.planner.AutoBatcher`). Drive it under
     `torch.inference_mode()` with models in eval mode.
     """
 
     def __init__(self, target, draft, prompts, *, method="spectr", num_drafts=4, draft_length=4,
                  max_new_tokens=64, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=None, seed=0,
-                 batch_size: int | None = None, pack_below: float | None = None):
+                 batch_size: int | None = None, pack_below: float | None = None, make_batcher=None):
         self.prompts = check_prompts(prompts)
         check_batch_size(batch_size)
         self.settings = Settings.from_arguments(
@@ -136,7 +125,7 @@ class Generation:
             top_p=top_p, eos_token_id=eos_token_id, seed=seed)
         count = len(self.prompts)
         longest = max((len(p) + n for p, n in zip(self.prompts, self.settings.max_new_tokens)), default=2)
-        self.batcher = ContinuousBatcher(
+        self.batcher = (make_batcher or ContinuousBatcher)(
             target, draft, batch_size=max(1, min(batch_size or count, count)), max_length=longest,
             method=method, num_drafts=num_drafts, draft_length=draft_length, temperature=temperature, top_k=top_k,
             top_p=top_p, eos_token_id=eos_token_id, pack_below=pack_below)

@@ -50,7 +50,12 @@ from spectr.warps import SamplingWarp
 @dataclass
 class Loop:
     """What an iteration needs besides its rows; `target_longest` / `draft_extent` are host ints
-    (upper bounds of the rows' cache lengths) that size the forwards without a device read."""
+    (upper bounds of the rows' cache lengths) that size the forwards without a device read.
+
+    method / num_drafts / draft_length are the current iteration's (`configure`), any within the
+    bounds the caches and records were allocated for. `draft_lag` counts the autoregressive
+    iterations since the draft cache last saw the committed tokens (host: each one commits at most
+    one token per row); the next speculative iteration first catches the draft cache up."""
 
     target: HFCausalLM
     warp: SamplingWarp
@@ -62,6 +67,10 @@ class Loop:
     timer: PhaseTimer
     target_longest: int = 0  # max target cache length
     draft_extent: tuple[int, int] = (0, 1)  # max(draft lengths + pending), max pending
+    draft_lag: int = 0  # autoregressive iterations the draft cache has not seen
+
+    def configure(self, method: str, num_drafts: int, draft_length: int) -> None:
+        self.method, self.num_drafts, self.draft_length = method, num_drafts, draft_length
 
     @property
     def slots(self) -> IterationSlots:
@@ -90,6 +99,7 @@ def autoregressive_step(loop: Loop, rows: RowState) -> None:
     rows.pending = torch.where(still, next_tokens, rows.pending)
     rows.running = still
     rows.iteration = rows.iteration + 1
+    loop.draft_lag += 1
 
 
 def speculative_step(loop: Loop, rows: RowState) -> None:
@@ -97,6 +107,8 @@ def speculative_step(loop: Loop, rows: RowState) -> None:
     uniforms = counter_uniforms(rows.keys, rows.iteration, loop.slots.num_slots)  # [R, S]
     draft_uniforms, selection_uniforms = loop.slots.split(uniforms)  # [R, L, K], [R, L+1, K+1]
     with loop.timer.phase("draft"):
+        if loop.draft_lag:
+            _catch_up(loop, rows)
         tree = rows.drafter.propose(draft_uniforms, loop.draft_extent, rows.running)
     width, splits = _tree_extent(loop, tree)
     with loop.timer.phase("target"):
@@ -109,11 +121,30 @@ def speculative_step(loop: Loop, rows: RowState) -> None:
                                 method=loop.method, row_splits=splits)
     errors = target_nonfinite.to(torch.int64) * TARGET_NONFINITE + tree.nonfinite.to(torch.int64) * DRAFT_NONFINITE
     accepted = selection.num_accepted  # [R]
-    loop.records.record_acceptance(rows.slots, rows.running, accepted, tree.num_nodes)
+    loop.records.record_acceptance(rows.slots, rows.running, accepted, tree.num_nodes, loop.draft_length)
     still = loop.records.record(rows.slots, rows.running, selection.tokens, accepted + 1, errors)
     loop.stats.verify_tokens += width
     _commit(loop, rows, tree, selection, still)
     rows.iteration = rows.iteration + 1
+
+
+def _catch_up(loop: Loop, rows: RowState) -> None:
+    """The draft cache takes the tokens committed by the last `draft_lag` autoregressive iterations,
+    in one draft forward (`TreeDrafter.catch_up`); sized by host bounds, no device read."""
+    missing = loop.draft_lag
+    drafter = rows.drafter
+    records = loop.records
+    out_lengths = records.lengths[rows.slots]  # [R]
+    columns = (out_lengths[:, None] - missing + torch.arange(missing, device=out_lengths.device)).clamp(min=0)
+    recent = records.tokens[rows.slots[:, None], columns]  # [R, M] the rows' newest generated tokens
+    # committed tokens the target holds (cache + pending) minus those the draft holds
+    lag = rows.target_cache.rows.lengths + 1 - drafter.cache.rows.lengths - drafter.num_pending  # [R]
+    lag = torch.where(rows.running, lag, 0).clamp(0, missing)
+    drafter.catch_up(recent, lag, loop.draft_extent[0] + missing)
+    # afterwards a caught-up row holds lengths + 1 = its target length + 1; the others are unchanged
+    loop.draft_extent = (max(loop.draft_extent[0], loop.target_longest + 1), loop.draft_extent[1])
+    loop.draft_lag = 0
+    loop.stats.draft_catch_ups += 1
 
 
 def _tree_extent(loop: Loop, tree) -> tuple[int, list | None]:

@@ -7,6 +7,9 @@ at the row's token budget, appends them to the slot's output buffer, and marks r
 finished (EOS, length, or non-finite logits); `read` copies finished slots to the host (one
 copy for all of them) so that the slots can take the next prompts.
 
+Sizes follow the batcher's bounds (E = Lmax + 1, L = Lmax): an iteration of any L <= Lmax writes
+into the same records, so the configuration may change from one iteration to the next.
+
 Layout: `tokens [B, max_new + E]` (E = tokens an iteration can emit), indexed by slot. A row
 writes all E emitted tokens at `length + e`; only the first `kept` count, the rest is
 overwritten by the next iteration or lies past the final length. Every statistic is kept
@@ -122,14 +125,21 @@ class Records:
         return running & ~finished
 
     def record_acceptance(self, slots: torch.Tensor, running: torch.Tensor, num_accepted: torch.Tensor,
-                          num_nodes: torch.Tensor) -> None:
-        """Acceptance counters of one speculative iteration of the rows in `slots` ([R] each)."""
-        draft_length = self.accepted_per_position.shape[1]
-        positions = torch.arange(draft_length, device=num_accepted.device)  # [L]
-        accepted = (num_accepted[:, None] > positions) & running[:, None]  # [R, L]
+                          num_nodes: torch.Tensor, draft_length: int) -> None:
+        """Acceptance counters of one speculative iteration of L = `draft_length` (at most the records'
+        bound) draft tokens, of the rows in `slots` ([R] each)."""
+        positions = torch.arange(self.accepted_per_position.shape[1], device=num_accepted.device)  # [Lmax]
+        accepted = (num_accepted[:, None] > positions) & running[:, None]  # [R, Lmax]
         self.accepted_per_position[slots] += accepted.to(torch.int64)
         self.tested_positions[slots] += torch.where(running, (num_accepted + 1).clamp(max=draft_length), 0)
         self.tree_nodes[slots] += torch.where(running, num_nodes, 0)
+
+    def totals(self, occupied: torch.Tensor) -> torch.Tensor:
+        """[3] int64 on the device: committed tokens, accepted and tested draft positions, summed over
+        the `occupied` ([B] bool) slots; differences between iterations say what one iteration did."""
+        weight = occupied.to(torch.int64)  # [B]
+        per_slot = torch.stack([self.lengths, self.accepted_per_position.sum(1), self.tested_positions])  # [3, B]
+        return (per_slot * weight).sum(1)
 
     def read(self, slots: torch.Tensor) -> list[SlotResult]:
         """Copy the rows of `slots` ([F] int64) to the host: one copy for all of them."""

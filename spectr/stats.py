@@ -24,7 +24,9 @@ Definitions:
   admissions: how often waiting prompts were prefilled into free slots (one prefill each);
   narrow_iterations: iterations run on fewer slots than the pool has (the slots above the
   highest occupied one are skipped); packed_rows: rows moved into empty lower slots (one copy
-  of the row's used cache slots each), so that the iterations cover the live rows only.
+  of the row's used cache slots each), so that the iterations cover the live rows only;
+  draft_catch_ups: speculative iterations that first fed the draft cache, in one forward, the
+  tokens committed by autoregressive iterations before them (per-iteration configurations).
 - seconds: wall time split into draft forwards, target forwards, selection (warps, sampling,
   draft selection) and everything else. On CUDA the phases are timed with CUDA events, so the
   loop needs no extra host syncs; on CPU with perf_counter.
@@ -62,6 +64,7 @@ class GenerationStats:
     admissions: int = 0
     narrow_iterations: int = 0
     packed_rows: int = 0
+    draft_catch_ups: int = 0
     plan: str = ""  # method="auto": what the planner chose and predicted
     draft_seconds: float = 0.0
     target_seconds: float = 0.0

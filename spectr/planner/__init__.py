@@ -1,42 +1,22 @@
-"""The planner's cost model: predict tokens/s of each (method, K, L, B) from measured latencies and acceptance.
+"""The planner: `method="auto"` chooses each iteration's exact configuration online, from real iterations.
 
-Three parts, one module each:
-- `spectr.planner.table`: the latency table (seconds per call by component, batch, shape, context,
-  interpolated), the engine's batch shapes, and a table rescaled to a local calibration;
-- `spectr.planner.latency`: measuring those latencies on the actor's own device through the engine's
-  pieces (forwards, draft sampling, selection, commit, prefill) and calibrating them;
-- `spectr.planner.predict`: predicting a run's seconds from the table and the run's acceptance.
+- `spectr.planner.chooser`: `OnlineChooser` (candidates, measured tokens/s per occupancy bucket,
+  exploration, warm start) and `default_candidates`;
+- `spectr.planner.batcher`: `AutoBatcher`, a `ContinuousBatcher` driven by the chooser;
+- `spectr.planner.auto`: `generate_auto`, `spectr.generate(method="auto")`;
+- `spectr.planner.prior`: the chooser's prior, latencies from parameter counts read through
+- `spectr.planner.predict`: the one cost model (an iteration's seconds from component latencies and
+  acceptance), which the benchmark also evaluates on measured latency tables
+  (`spectr.planner.table`, `spectr.planner.latency`);
+- `spectr.planner.acceptance`: exact per-position acceptance of each rule (the benchmark's optimality
+  analysis).
 
-It needs torch and transformers only (no Ray, MLflow, Hydra or pyarrow), so a worker can plan with it.
-The benchmark job (`pipeline.benchmark`) uses it to predict every configuration it times.
+The planner sits above the engine: it imports `spectr.batching` and friends, never the reverse. It needs
+torch and transformers only (no Ray, MLflow, Hydra or pyarrow).
 """
 
-from spectr.planner.latency import Calibrator, ForwardTimer, measure_latencies, pooled
-from spectr.planner.predict import Prediction, predict_seconds
-from spectr.planner.table import (
-    DRAFT,
-    TARGET,
-    BatchRun,
-    LatencyTable,
-    ScaledTable,
-    batch_capacity,
-    batch_context,
-    tree_widths,
-)
+from spectr.planner.auto import generate_auto
+from spectr.planner.batcher import AUTO, AutoBatcher
+from spectr.planner.chooser import OnlineChooser, default_candidates
 
-__all__ = [
-    "DRAFT",
-    "TARGET",
-    "BatchRun",
-    "Calibrator",
-    "ForwardTimer",
-    "LatencyTable",
-    "Prediction",
-    "ScaledTable",
-    "batch_capacity",
-    "batch_context",
-    "measure_latencies",
-    "pooled",
-    "predict_seconds",
-    "tree_widths",
-]
+__all__ = ["AUTO", "AutoBatcher", "OnlineChooser", "default_candidates", "generate_auto"]

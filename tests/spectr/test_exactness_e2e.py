@@ -23,6 +23,12 @@ Negative controls, which the same test must reject:
 - block verification with h_i = w_i at every i (token verification's stopping with block
   residuals), registered as a sequence-level rule.
 
+Switching: one run whose iterations cycle through autoregressive, spectr, speculative, block
+and specinfer with different K and L (rows admitted at every phase of the cycle, so a row's first
+tokens come from every combination, and the draft cache catches up after autoregressive
+iterations) follows the same law; a commit without path gather and a skip-residual rule inside
+the cycle are rejected.
+
 The default suite runs a representative subset; the full grid (every method, K in {1, 3},
 L in {1, 2, 4}, with and without temperature/top-k/top-p) is marked slow.
 """
@@ -38,10 +44,12 @@ from scipy.stats import chi2
 
 import spectr
 import spectr.selection as selection
+from spectr.batching import ContinuousBatcher
 from spectr.block import block_rule
 from spectr.kv_cache import RowKVCache
 from spectr.rng import sample_categorical
 from spectr.sequence import SEQUENCE_RULES
+from spectr.steps import StepConfig
 from spectr.warps import SamplingWarp
 
 VOCAB = 8
@@ -237,6 +245,60 @@ def test_negative_control_a_prefill_into_the_wrong_slot_is_rejected_mid_run(pair
     monkeypatch.setattr("spectr.batching.prefill", off_by_one)
     out = run(pair, "spectr", 3, 2, "plain", 6000, batch_size=MID_RUN_BATCH)
     assert chi_square_pvalue(out.tokens, exact_laws["plain"]) < REJECT_P
+
+
+# --- per-iteration configurations: one run switches method, K and L every iteration or two -----------
+
+SWITCHING = [StepConfig.of("autoregressive"), StepConfig.of("autoregressive"), StepConfig.of("spectr", 3, 2),
+             StepConfig.of("speculative", 1, 1), StepConfig.of("autoregressive"), StepConfig.of("block", 1, 3),
+             StepConfig.of("specinfer", 2, 2), StepConfig.of("spectr", 2, 4)]
+
+
+def run_switching(pair, schedule, warp_name, num_samples, batch_size=MID_RUN_BATCH):
+    """num_samples copies of PROMPT through one ContinuousBatcher (bounds K <= 3, L <= 4) whose iteration i
+    runs schedule[i % len(schedule)]; budgets cycle through MID_RUN_BUDGETS, so rows are admitted mid-run
+    at every phase of the schedule. Returns each row's first 3 tokens and the batcher."""
+    target, draft = pair
+    temperature, top_k, top_p = WARPS[warp_name]
+    batcher = ContinuousBatcher(target, draft, batch_size=batch_size, max_length=len(PROMPT) + 6,
+                                method="autoregressive", max_num_drafts=3, max_draft_length=4,
+                                temperature=temperature, top_k=top_k, top_p=top_p)
+    budgets = [MID_RUN_BUDGETS[i % 4] for i in range(num_samples)]
+    batcher.admit([PROMPT] * num_samples, max_new_tokens=budgets, seed=list(range(num_samples)))
+    rows, iteration = {}, 0
+    while not batcher.idle:
+        for row in batcher.step(schedule[iteration % len(schedule)]):
+            rows[row.request] = row
+        iteration += 1
+    assert [len(rows[i].tokens) for i in range(num_samples)] == budgets
+    assert batcher.stats.draft_catch_ups > 0 and batcher.stats.admissions > num_samples // batch_size
+    for row in rows.values():
+        batcher.stats.add_row(row)
+    return [rows[i].tokens[:LENGTH] for i in range(num_samples)], batcher
+
+
+@pytest.mark.parametrize("warp", ["plain", "warped"])
+def test_a_run_switching_method_k_and_l_every_iteration_follows_the_target(pair, exact_laws, warp):
+    tokens, batcher = run_switching(pair, SWITCHING, warp, 6000)
+    assert 0.05 < batcher.stats.acceptance_rate < 0.95
+    assert chi_square_pvalue(tokens, exact_laws[warp]) > ACCEPT_P
+
+
+def test_negative_control_switching_with_a_commit_without_path_gather_is_rejected(pair, exact_laws, monkeypatch):
+    monkeypatch.setattr(RowKVCache, "keep_path", lambda self, source, dest, rows=None: None)
+    several_drafts = [StepConfig.of("autoregressive"), StepConfig.of("spectr", 3, 1), StepConfig.of("specinfer", 3, 2),
+                      StepConfig.of("autoregressive"), StepConfig.of("spectr", 2, 1)]  # the path gather matters
+    tokens, _ = run_switching(pair, several_drafts, "plain", 6000)
+    assert chi_square_pvalue(tokens, exact_laws["plain"]) < REJECT_P
+
+
+def test_negative_control_switching_through_a_rule_that_skips_the_residual_is_rejected(pair, exact_laws,
+                                                                                         monkeypatch):
+    monkeypatch.setitem(selection.TOKEN_SELECTORS, "skip_residual", _skip_residual)
+    broken = [StepConfig.of("autoregressive"), StepConfig("skip_residual", 1, 2), StepConfig("skip_residual", 1, 1),
+              StepConfig.of("autoregressive"), StepConfig("skip_residual", 1, 3)]
+    tokens, _ = run_switching(pair, broken, "warped", 6000)
+    assert chi_square_pvalue(tokens, exact_laws["warped"]) < REJECT_P
 
 
 def test_bfloat16_models_follow_their_own_law(pair_bf16, exact_law_bf16):

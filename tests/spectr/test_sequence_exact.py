@@ -4,7 +4,10 @@ For every draft set of K drafts of length L drawn from a context-dependent toy d
 `spectr.reference.sequence_output_distribution` gives the exact law of the tokens one call
 produces (walking the algorithm's branches with their probabilities). Weighted by the draft
 set's probability and completed with exact target sampling up to L + 1 tokens, it must
-equal the target model's law of L + 1 tokens to 1e-9. The toy pair mixes random, identical,
+equal the target model's law of L + 1 tokens to 1e-9. A run that switches method, K and L
+between iterations (each iteration from the tokens committed so far) is composed the same
+way and must equal the target's law of its first 4 tokens; a broken rule inside the schedule
+and a switch that starts from a stale context (the newest token dropped) are rejected. The toy pair mixes random, identical,
 disjoint and zero-probability distributions across prefixes.
 """
 
@@ -87,6 +90,83 @@ def test_sequence_enumeration_rejects_broken_rules(toy_pair_factory, broken):
     pair = toy_pair_factory(VOCAB_SIZE, 2, seed=0)
     law = iteration_law(pair, broken, 3, 2)
     assert max_error_to_target(pair, law, 3) > 1e-3
+
+
+# --- per-iteration configurations: a run switches method, K and L between iterations ----------------
+
+
+class AfterPrefix:
+    """The toy pair seen after a committed `prefix`: p and q of prefix + x (what an iteration drafts from)."""
+
+    def __init__(self, pair, prefix: tuple[int, ...]):
+        self.pair, self.prefix = pair, tuple(prefix)
+
+    def p(self, tokens):
+        return self.pair.p(self.prefix + tuple(tokens))
+
+    def q(self, tokens):
+        return self.pair.q(self.prefix + tuple(tokens))
+
+    def sequence_probability(self, tokens, which: str) -> float:
+        law = self.p if which == "p" else self.q
+        return math.prod(law(tokens[:i])[t] for i, t in enumerate(tokens))
+
+    def draft_inputs(self, drafts):
+        draft_length = len(drafts[0])
+        return ([[self.p(d[:i]) for i in range(draft_length)] for d in drafts],
+                [[self.q(d[:i]) for i in range(draft_length + 1)] for d in drafts])
+
+
+def schedule_law(pair, schedule, total_length, context=lambda produced: produced):
+    """{first total_length tokens: probability} of a run whose iteration i uses schedule[i] =
+    (method or broken rule, K, L); "autoregressive" samples one token from q. Each iteration starts
+    from `context(produced)` (the committed tokens; a broken switch passes something else)."""
+    law = {(): 1.0}
+    for method, num_drafts, draft_length in schedule:
+        after: dict[tuple[int, ...], float] = {}
+        for produced, mass in law.items():
+            if len(produced) >= total_length:
+                after[produced] = after.get(produced, 0.0) + mass
+                continue
+            view = AfterPrefix(pair, context(produced))
+            if method == "autoregressive":
+                step = {(t,): q for t, q in enumerate(view.q(())) if q > 0}
+            else:
+                step = iteration_law(view, method, num_drafts, draft_length)
+            for tokens, probability in step.items():
+                key = (produced + tokens)[:total_length]
+                after[key] = after.get(key, 0.0) + mass * probability
+        law = after
+    return law
+
+
+SCHEDULES = [
+    [("autoregressive", 1, 1), ("spectr", 2, 2), ("speculative", 1, 1)],
+    [("specinfer", 2, 1), ("autoregressive", 1, 1), ("spectr", 3, 1), ("speculative", 1, 2)],
+    [("speculative", 1, 2), ("spectr", 2, 1), ("autoregressive", 1, 1)],
+]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: " > ".join(m for m, _, _ in s))
+def test_a_run_switching_configurations_between_iterations_samples_the_target_exactly(toy_pair_factory, schedule):
+    total = 4
+    pair = toy_pair_factory(VOCAB_SIZE, total - 1 + max(length for _, _, length in schedule), 0)
+    law = schedule_law(pair, schedule, total)
+    assert sum(law.values()) == pytest.approx(1.0, abs=1e-12)
+    assert max_error_to_target(pair, law, total) < 1e-9
+
+
+@pytest.mark.parametrize("broken", ["rule", "stale context"])
+def test_switching_enumeration_rejects_a_broken_rule_or_a_stale_context(toy_pair_factory, broken):
+    """A switch must start the next iteration from every committed token: dropping the newest one (what a
+    draft or target cache that missed the last iteration's tokens would do) changes the law."""
+    schedule = [("autoregressive", 1, 1), ("spectr", 2, 2), ("speculative", 1, 1)]
+    pair = toy_pair_factory(VOCAB_SIZE, 5, 0)
+    if broken == "rule":
+        law = schedule_law(pair, [("autoregressive", 1, 1), (distinct_count_kseq, 3, 1), ("speculative", 1, 1)], 4)
+    else:
+        law = schedule_law(pair, schedule, 4, context=lambda produced: produced[:-1])
+    assert max_error_to_target(pair, law, 4) > 1e-3
 
 
 @pytest.mark.parametrize("draft_length", [1, 2, 4])

@@ -1,0 +1,56 @@
+"""The public `spectr.generate`: a fixed method runs on the engine, `method="auto"` on the planner.
+
+This module sits above both: the engine (`spectr.generate`, `spectr.batching`, ...) never imports
+the planner, and `spectr.planner` imports the engine. It only dispatches; the arguments, checks
+and behaviour are those of `spectr.generate.generate` (fixed methods) and
+`spectr.planner.auto.generate_auto` (`auto`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from spectr.generate import GenerationOutput
+from spectr.generate import generate as generate_fixed
+from spectr.planner.auto import AUTO, generate_auto
+
+
+def generate(
+    target,
+    draft,
+    prompts: Sequence[Sequence[int]],
+    *,
+    method: str = "spectr",
+    num_drafts: int = 4,
+    draft_length: int = 4,
+    max_new_tokens: int | Sequence[int] = 64,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    eos_token_id: int | Sequence[int] | None = None,
+    seed: int | Sequence[int] = 0,
+    batch_size: int | None = None,
+) -> GenerationOutput:
+    """Generate up to `max_new_tokens` tokens per prompt from `target`, exactly its (warped) distribution.
+
+    target, draft: Hugging Face causal LMs sharing a vocabulary (`draft` may be None for
+    "autoregressive"). prompts: list of token-id lists. method: "autoregressive",
+    "speculative" (one draft: num_drafts is taken as 1), "spectr", "specinfer", "block" (block
+    verification of one draft, num_drafts taken as 1), or "auto" (`spectr.planner`: each
+    iteration runs an exact configuration with K <= num_drafts and L <= draft_length, chosen
+    online by the measured tokens/s of the batch; `stats.plan` says what ran).
+    max_new_tokens: an int or one int per prompt. eos_token_id: None, an int or a list of ints.
+    top_k=0 / top_p=1.0 mean no truncation; temperature=0 is greedy (and drafts one path:
+    K identical argmax drafts would add nothing). seed: an int (row i uses seed + i) or one
+    int per prompt; with a fixed method a row's output depends only on its prompt, its seed, the
+    models and the settings (with "auto" its law does too, its exact tokens also depend on the
+    schedule of configurations). batch_size: rows in flight; None = all prompts at once, else
+    prompts are admitted in order and a finished row's slot takes the next waiting prompt
+    (continuous batching; the output is the same). Bad input raises ValueError naming the
+    argument and, per prompt, the row.
+    """
+    run = generate_auto if method == AUTO else generate_fixed
+    arguments = {} if method == AUTO else {"method": method}
+    return run(target, draft, prompts, num_drafts=num_drafts, draft_length=draft_length,
+               max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+               eos_token_id=eos_token_id, seed=seed, batch_size=batch_size, **arguments)
