@@ -388,7 +388,7 @@ class ShardFeed:
 
     @staticmethod
     def _zero_batch() -> dict[str, float]:
-        return {"iterations": 0, **dict.fromkeys(PHASE_FIELDS, 0.0), "wall_seconds": 0.0}
+        return {"iterations": 0, **dict.fromkeys(PHASE_FIELDS, 0.0), "wall_seconds": 0.0, "predicted_seconds": 0.0}
 
     # -- method=auto ----------------------------------------------------------------------------------
     def _warm_state(self) -> dict[str, Any] | None:
@@ -410,6 +410,9 @@ class ShardFeed:
             return
         label, tokens, seconds = report.config.label, report.tokens, report.seconds
         self._uncharged_mix.add(label, tokens, seconds)
+        predicted = self.batcher.chooser.predicted_tokens_per_s  # its prediction for this iteration
+        if predicted > 0:
+            self._uncharged["predicted_seconds"] += tokens / predicted
         for shard_run in self._open:
             if shard_run.mix is None:
                 shard_run.mix = ConfigMix()
@@ -417,7 +420,8 @@ class ShardFeed:
 
     def _close_auto(self, shard_run: ShardRun) -> None:
         """A shard ends under auto: the batch's mix and wasted seconds since the last shard end, the chooser's
-        choice and prediction, and the part file's plan (the mix while the shard's rows were in the batch)."""
+        choice (its predictions, iteration by iteration, are in `predicted_seconds`), and the part file's
+        plan (the mix while the shard's rows were in the batch)."""
         stats, mix = shard_run.stats, self._uncharged_mix
         stats.update(mix.to_dict())
         self._uncharged_mix = ConfigMix()
@@ -431,8 +435,6 @@ class ShardFeed:
         stats["plan"] = current.label
         stats["plan_choice"] = {"method": current.method, "num_drafts": current.num_drafts,
                                 "draft_length": current.draft_length}
-        predicted = float(chooser.predicted_tokens_per_s or 0.0)  # per actor, for its current choice
-        stats["predicted_seconds"] = stats["generated_tokens"] / predicted if predicted > 0 else 0.0
         self.chooser_state = chooser.state()
         own = shard_run.mix or ConfigMix()
         shard_run.plan = {"method": "auto", "choice": current.label, "description": own.describe(),

@@ -19,8 +19,8 @@ from typing import Any
 
 # Statistic fields summed over batches (lists element-wise). `iterations`: batched target calls (one
 # forward of the target over every row in flight), where `target_calls` counts them per row.
-# `predicted_seconds` (method=auto): the seconds one actor would need for the shard's tokens at the
-# chooser's predicted tokens/s for its choice; `wasted_seconds`: generation seconds whose tokens were not
+# `predicted_seconds` (method=auto): the seconds the chooser predicted for the tokens of its iterations
+# (each iteration's tokens over its predicted tokens/s for the configuration it chose); `wasted_seconds`: generation seconds whose tokens were not
 # kept (the chooser measures on real iterations, so this is 0 unless it threw work away).
 _SUMMED = (
     "predicted_seconds",
