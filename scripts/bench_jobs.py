@@ -116,7 +116,7 @@ def report(records: list[dict[str, object]]) -> dict[str, dict[str, object]]:
             generation = sum(float(r.get("generation_s", 0.0)) for r in runs)
             entry[config] = {
                 "over_best_fixed": medians[config] / fixed[best],
-                "over_autoregressive": medians[config] / fixed.get("autoregressive", float("nan")),
+                "over_autoregressive": medians[config] / fixed["autoregressive"] if "autoregressive" in fixed else None,
                 "wasted_share": wasted / generation if generation else 0.0,
                 "method_lines": [r.get("method_line", "") for r in runs],
             }
