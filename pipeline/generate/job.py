@@ -19,10 +19,16 @@ from typing import Any
 
 from pipeline.errors import JobFailedError
 from pipeline.generate.cluster import actor_resources, ray_session
-from pipeline.generate.commit_log import open_commit_log
+from pipeline.generate.commit_log import open_commit_log, read_commit_records
 from pipeline.generate.config import GenerateConfig
 from pipeline.generate.lease import Lease
-from pipeline.generate.output import output_schema, remove_stale_temporaries, remove_success, write_success
+from pipeline.generate.output import (
+    output_schema,
+    remove_stale_temporaries,
+    remove_success,
+    remove_uncommitted_parts,
+    write_success,
+)
 from pipeline.generate.plan import JobPlan, prepare
 from pipeline.generate.progress import ProgressBar
 from pipeline.generate.scheduler import RunHooks, ShardActorPool, ShardQueue
@@ -226,6 +232,7 @@ def _commit_record(result: ShardResult, run_token: str) -> dict[str, Any]:
         "rows": result.num_rows,
         "bytes": result.bytes,
         "failed": result.failed,
+        "attempt": result.attempt,
         "stats": result.stats,
         "worker": result.worker,
         "run": run_token,
@@ -254,6 +261,10 @@ def _finish(plan: JobPlan, tracker: Any, run: GenerationRun, started: float, sta
     messages = _failure_messages(plan, summary)
     if not messages:
         plan.lease.check()
+        committed = {record["shard"]: record["file"] for record in read_commit_records(output)}
+        removed = remove_uncommitted_parts(output, set(committed.values()))
+        if removed:
+            log.info("removed %d part file(s) of attempts that were not committed", len(removed))
         write_success(output)
     logging_started = time.perf_counter()
     tracker.finish(summary, _params(plan), status="FAILED" if messages else "FINISHED")

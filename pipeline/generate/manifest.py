@@ -158,10 +158,15 @@ class OutputState:
     """Which shards are done (one byte each), and the statistics of those done shards, summed."""
 
     done: bytearray
+    listed: bytearray = field(default_factory=bytearray)  # shards any commit record names (their retries are fenced)
     rows_done: int = 0
     shards_retried: int = 0  # listed with error rows, regenerated because of retry_failed
     earlier_stats: dict[str, Any] = field(default_factory=empty_stats)
     has_success: bool = False
+
+    def __post_init__(self) -> None:
+        if len(self.listed) != len(self.done):
+            self.listed = bytearray(len(self.done))
 
     @property
     def shards_done(self) -> int:
@@ -182,6 +187,8 @@ def load_state(output: fs.Location, num_shards: int, retry_failed: bool) -> Outp
     state = OutputState(done=bytearray(num_shards), has_success=fs.exists(output.child(SUCCESS_NAME)))
     if not names:
         return state
+    for shard in names:
+        state.listed[shard] = 1
     present = {info.base_name: info.size for info in fs.list_files(output, "output_dir")}
     for shard, name in names.items():
         if present.get(name) == sizes[shard]:

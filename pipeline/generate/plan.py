@@ -15,6 +15,8 @@ Not here: running anything (`pipeline.generate.job`), the file layout (`pipeline
 
 from __future__ import annotations
 
+import dataclasses
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +47,7 @@ class JobPlan:
     manifest_on_disk: bool
     state: OutputState
     lease: Any = field(default=None)  # the job's `Lease` while it runs (set by pipeline.generate.job)
+    run_tag: str = field(default_factory=lambda: uuid.uuid4().hex[:8])  # fences this run's part names
 
     @property
     def output_dir(self) -> str:
@@ -63,7 +66,9 @@ class JobPlan:
         return self.manifest.id_kind
 
     def shard(self, index: int) -> ShardTask:
-        return shard_task(index, self.num_rows, self.config.shard_size)
+        """Shard `index`'s first attempt in this run (fenced when an earlier run listed it)."""
+        task = shard_task(index, self.num_rows, self.config.shard_size)
+        return dataclasses.replace(task, run=self.run_tag, fresh=not self.state.listed[index])
 
     def todo(self) -> np.ndarray:
         """The indices of the shards still to generate, in order."""
