@@ -173,7 +173,7 @@ def _generate(
         if tracker.run_id:
             log.info("mlflow run %s (%.1f s)", tracker.run_id, time.perf_counter() - started)
         _open_output(plan)
-        tracker.job_started(count, workers)  # device and worker tags; the run id into the output dir
+        _best_effort("mlflow: job start", tracker.job_started, count, workers)  # tags; the run file
         if hooks and hooks.on_actors_ready:
             hooks.on_actors_ready(pool.actors, workers)
         device = (
@@ -267,7 +267,7 @@ def _finish(plan: JobPlan, tracker: Any, run: GenerationRun, started: float, sta
             log.info("removed %d part file(s) of attempts that were not committed", len(removed))
         write_success(output)
     logging_started = time.perf_counter()
-    tracker.finish(summary, _params(plan), status="FAILED" if messages else "FINISHED")
+    _best_effort("mlflow: final logging", tracker.finish, summary, _params(plan), "FAILED" if messages else "FINISHED")
     logging_s = time.perf_counter() - logging_started
     return JobReport(
         plan=plan,
@@ -280,6 +280,19 @@ def _finish(plan: JobPlan, tracker: Any, run: GenerationRun, started: float, sta
         total_s=time.perf_counter() - started,
         logging_s=logging_s,
     )
+
+
+def _best_effort(what: str, function: Any, *args: Any) -> None:
+    """Bookkeeping (MLflow, run records) never fails a job: retried twice, then a warning."""
+    for attempt in range(3):
+        try:
+            function(*args)
+            return
+        except Exception as err:  # noqa: BLE001 - the output directory is the result; MLflow reports on it
+            if attempt == 2:
+                log.warning("%s failed (%s: %s); the job goes on", what, type(err).__name__, err)
+                return
+            time.sleep(1.0 + attempt)
 
 
 def _failure_messages(plan: JobPlan, summary: JobSummary) -> list[str]:

@@ -19,6 +19,7 @@ import signal
 import sys
 from pathlib import Path
 
+import pytest
 from ray import cloudpickle
 from tiny_pair_support import job_config
 
@@ -26,7 +27,6 @@ from pipeline.generate.config import from_dict
 from pipeline.generate.job import run_generate
 from pipeline.generate.reader import read_output
 from pipeline.generate.scheduler import RunHooks
-
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the hooks below run on the actors
 
@@ -136,3 +136,24 @@ def test_a_sick_actor_is_quarantined_and_charges_only_its_own_shard(
     retried = [r for r in commit_records(tmp_path / "out") if r["attempt"] > 0]
     assert retried and all("-" in Path(r["file"]).stem.removeprefix("part-") for r in retried)  # fenced names
     assert_complete(tmp_path / "out", prompts_jsonl)
+
+
+@pytest.mark.slow
+def test_a_run_record_that_cannot_be_written_never_fails_the_job(tiny_pair, prompts_jsonl, tmp_path, ray_local, caplog):
+    """`_mlflow_run.json` becomes unwritable once the job runs (a directory in its place): every per-shard
+    and final write of it is retried, then warned about; the job succeeds."""
+    out = tmp_path / "out"
+    raw = job_config(
+        tiny_pair, prompts_jsonl, out, shard_size=10,
+        **{"mlflow.enabled": True, "mlflow.tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"},
+    )  # fmt: skip
+
+    def on_ready(actors, workers):
+        record = out / "_mlflow_run.json"
+        record.unlink()
+        record.mkdir()
+
+    with caplog.at_level("WARNING", logger="pipeline"):
+        report = run_generate(from_dict(raw), RunHooks(on_actors_ready=on_ready))
+    assert report.exit_code == 0 and "run record: could not write" in caplog.text
+    assert_complete(out, prompts_jsonl)
