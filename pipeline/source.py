@@ -35,18 +35,10 @@ import pyarrow.fs as pafs
 from pipeline import fs
 from pipeline.config import DataConfig
 from pipeline.errors import JobInputError
+from pipeline.formats import format_of, kind_of
 from pipeline.linescan import ScanError
 from pipeline.rowcheck import id_kind_of_type, is_text_type
 
-FORMAT_EXTENSIONS = {
-    ".parquet": "parquet",
-    ".pq": "parquet",
-    ".jsonl": "jsonl",
-    ".ndjson": "jsonl",
-    ".json": "jsonl",
-    ".csv": "csv",
-    ".arrow": "hf_disk",
-}
 _HF_MARKERS = ("state.json", "dataset_info.json")
 ID_BATCH_ROWS = 1 << 16
 
@@ -144,19 +136,6 @@ def text_column(data: DataConfig) -> tuple[str, str]:
     )
 
 
-def format_of(name: str, data_format: str) -> str:
-    if data_format != "auto":
-        return data_format
-    suffix = "." + name.rsplit(".", 1)[-1].lower() if "." in name else ""
-    if suffix in FORMAT_EXTENSIONS and suffix != ".arrow":
-        return FORMAT_EXTENSIONS[suffix]
-    raise JobInputError(
-        f"data.format: cannot tell the format of {name} from its extension '{suffix}'; known extensions: "
-        f"{', '.join(sorted(k for k in FORMAT_EXTENSIONS if k != '.arrow'))}; or set data.format to parquet, "
-        "jsonl, csv or hf_disk"
-    )
-
-
 def list_source(data: DataConfig) -> SourceListing:
     """The input files and their identity; reads no rows. Raises JobInputError naming data.path."""
     location = fs.resolve(data.path, "data.path")
@@ -198,7 +177,7 @@ def _list_directory(location: fs.Location, data: DataConfig) -> SourceListing:
         for f in fs.list_files(location, "data.path", recursive=True)
         if not any(part.startswith((".", "_")) for part in f.path[len(location.path) :].split("/"))
     ]
-    formats = {FORMAT_EXTENSIONS.get("." + f.base_name.rsplit(".", 1)[-1].lower()) for f in files}
+    formats = {kind_of(f.base_name)[0] for f in files}
     formats.discard(None)
     formats.discard("hf_disk")
     wanted = data.format if data.format != "auto" else (formats.pop() if len(formats) == 1 else None)
@@ -214,7 +193,7 @@ def _list_directory(location: fs.Location, data: DataConfig) -> SourceListing:
             f"data.path: cannot tell the format of directory {location.uri}: it {what}; set data.format or point data.path at a file"
         )
     chosen = [
-        f for f in files if FORMAT_EXTENSIONS.get("." + f.base_name.rsplit(".", 1)[-1].lower()) == wanted
+        f for f in files if kind_of(f.base_name)[0] == wanted
     ]
     if not chosen:
         raise JobInputError(f"data.path: directory {location.uri} holds no {wanted} files")
