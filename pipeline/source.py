@@ -24,6 +24,7 @@ This module holds the listing and the types; the per-format scans that fill in a
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -125,6 +126,23 @@ class Source:
             return int(f.offsets[(row - first) // self.shard_size])
 
         return offset(start), offset(stop)
+
+
+def with_shard_size(source: Source, size: int) -> Source:
+    """The same source cut into shards of `size` rows, a multiple of its scan's `shard_size`: the JSONL/CSV
+    record offsets it keeps are those at the new shard starts (no second pass over the input)."""
+    if size == source.shard_size:
+        return source
+    if size % source.shard_size:
+        raise ValueError(f"shard size {size} is not a multiple of the scan's {source.shard_size}")
+    files = []
+    for f in source.files:
+        if f.offsets is not None:
+            first = (-f.first_row) % source.shard_size  # the local row of offsets[0]
+            rows = f.first_row + first + source.shard_size * np.arange(len(f.offsets), dtype=np.int64)
+            f = dataclasses.replace(f, offsets=f.offsets[rows % size == 0])
+        files.append(f)
+    return dataclasses.replace(source, files=tuple(files), shard_size=size)
 
 
 def text_column(data: DataConfig) -> tuple[str, str]:

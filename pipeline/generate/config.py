@@ -75,7 +75,7 @@ class GenerateConfig:
     ray: RayConfig
     mlflow: MlflowConfig
     output_dir: str | None = None  # None: runs/generate-<config hash>; a path or a URI (s3://, gs://, ...)
-    shard_size: int = 16
+    shard_size: int | None = None  # rows per part file; None: sized for the job (`shards.auto_shard_size`)
     max_failed_fraction: float = 0.0
     retry_failed: bool = True  # on resume, regenerate shards that have error rows
     lease_timeout_s: float = 60.0  # another job's lease without a heartbeat for this long is taken over
@@ -174,7 +174,7 @@ def check_ray(r: RayConfig) -> None:
 
 
 def _check_top_level(c: GenerateConfig) -> None:
-    if c.shard_size < 1:
+    if c.shard_size is not None and c.shard_size < 1:
         raise out_of_range("shard_size", ">= 1", c.shard_size)
     if not (0.0 <= c.max_failed_fraction <= 1.0):
         raise out_of_range("max_failed_fraction", "in [0, 1]", c.max_failed_fraction)

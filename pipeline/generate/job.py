@@ -19,7 +19,7 @@ from typing import Any
 
 from pipeline.errors import JobFailedError
 from pipeline.generate.cluster import actor_resources, ray_session
-from pipeline.generate.commit_log import open_commit_log, read_commit_records
+from pipeline.generate.commit_log import compact_commit_log, open_commit_log, read_commit_records
 from pipeline.generate.config import GenerateConfig
 from pipeline.generate.lease import Lease
 from pipeline.generate.output import (
@@ -122,6 +122,9 @@ def _params(plan: JobPlan) -> dict[str, Any]:
 def _open_output(plan: JobPlan) -> None:
     """Once the actors are up (under the lease): the manifest, and no leftovers of a killed run."""
     remove_stale_temporaries(plan.output)
+    dropped = compact_commit_log(plan.output) if plan.manifest_on_disk else 0
+    if dropped:
+        log.info("compacted the commit log (%d superseded record(s) dropped)", dropped)
     if not plan.manifest_on_disk:
         plan.manifest.save(plan.output)
         plan.manifest_on_disk = True

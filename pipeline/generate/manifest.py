@@ -39,6 +39,7 @@ class Manifest:
     num_shards: int
     part_digits: int = 6
     id_kind: str = "int"
+    shard_size: int | None = None  # rows per shard (None in manifests older than shard_size=null)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -49,6 +50,7 @@ class Manifest:
             "num_shards": self.num_shards,
             "part_digits": self.part_digits,
             "id_kind": self.id_kind,
+            "shard_size": self.shard_size,
         }
 
     @classmethod
@@ -60,6 +62,7 @@ class Manifest:
             num_shards=int(raw["num_shards"]),
             part_digits=int(raw.get("part_digits", 6)),
             id_kind=str(raw.get("id_kind", "int")),
+            shard_size=raw.get("shard_size"),
         )
 
     def save(self, output: fs.Location) -> None:

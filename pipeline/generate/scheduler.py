@@ -84,28 +84,44 @@ class NamedReporter:
 
 
 class ShardQueue:
-    """Shards still to hand out: the plan's to-do indices in order, re-queued shards first."""
+    """Shards still to hand out: re-queued shards first, then the plan's to-do indices, dealt in contiguous
+    lanes (`deal`): each actor takes its lane's shards in row order, so it reads a contiguous part of the
+    input (its row groups once, not every actor every row group); an actor whose lane is empty takes the
+    second half of the fullest lane."""
 
     def __init__(self, indices: np.ndarray, make: Callable[[int], ShardTask]):
         self._indices = indices
-        self._next = 0
+        self._lanes: list[list[int]] = [[0, len(indices)]]  # [next, stop) positions in `indices`, per lane
         self._again: deque[ShardTask] = deque()
         self._make = make
 
     def __len__(self) -> int:
-        return len(self._indices) - self._next + len(self._again)
+        return sum(stop - start for start, stop in self._lanes) + len(self._again)
 
-    def pop(self, skip: Callable[[int], bool] | None = None) -> ShardTask | None:
-        """The first re-queued shard `skip` does not refuse, else the next new one (None: nothing for this
-        caller; new shards are never refused)."""
+    def deal(self, lanes: int) -> None:
+        """Cut the shards not handed out yet into `lanes` contiguous lanes of about equal length."""
+        start, stop = min(lane[0] for lane in self._lanes), max(lane[1] for lane in self._lanes)
+        if sum(b - a for a, b in self._lanes) != stop - start:
+            raise RuntimeError("ShardQueue.deal: call it before any lane was split")
+        bounds = np.linspace(start, stop, max(1, lanes) + 1).round().astype(np.int64)
+        self._lanes = [[int(a), int(b)] for a, b in zip(bounds[:-1], bounds[1:])]
+
+    def pop(self, skip: Callable[[int], bool] | None = None, lane: int = 0) -> ShardTask | None:
+        """The first re-queued shard `skip` does not refuse, else the next shard of `lane` (None: nothing for
+        this caller; new shards are never refused)."""
         for position, task in enumerate(self._again):
             if skip is None or not skip(task.index):
                 del self._again[position]
                 return task
-        if self._next >= len(self._indices):
-            return None
-        index = int(self._indices[self._next])
-        self._next += 1
+        mine = self._lanes[lane % len(self._lanes)]
+        if mine[0] >= mine[1]:
+            fullest = max(self._lanes, key=lambda other: other[1] - other[0])
+            if fullest[0] >= fullest[1]:
+                return None
+            middle = (fullest[0] + fullest[1]) // 2  # the fullest lane's second half becomes this lane
+            mine[0], mine[1], fullest[1] = middle, fullest[1], middle
+        index = int(self._indices[mine[0]])
+        mine[0] += 1
         return self._make(index)
 
     def push_front(self, task: ShardTask) -> None:
@@ -226,6 +242,7 @@ class ShardActorPool:
         shard, `on_partial(rows generated so far in the shards in flight)` every PROGRESS_POLL_S, and
         `check()` (which may raise to stop the job) between waits."""
         self._hooks, self._queue = hooks, queue
+        queue.deal(len(self._slots))  # one contiguous lane per actor (a late or new one takes its slot's)
         last_poll = time.monotonic()
         while len(queue) or any(slot.in_flight for slot in self._slots):
             if check is not None:
@@ -252,12 +269,12 @@ class ShardActorPool:
         """Fill every healthy actor's queue to `ray.shards_per_actor`, one shard per actor per round; a
         re-queued shard goes to an actor it has not failed on while there is one."""
         for depth in range(1, self.config.ray.shards_per_actor + 1):
-            for slot in self._slots:
+            for lane, slot in enumerate(self._slots):
                 if not len(queue):
                     return
                 if slot.state != "ok" or len(slot.in_flight) >= depth:
                     continue
-                task = queue.pop(lambda index, slot=slot: self._elsewhere(slot, index))
+                task = queue.pop(lambda index, slot=slot: self._elsewhere(slot, index), lane)
                 if task is None:
                     continue
                 if not slot.in_flight:

@@ -23,6 +23,11 @@ from pipeline.prompts import PromptRows, ReadCache, read_rows
 from pipeline.source import Source
 
 MIN_PART_DIGITS = 6
+# shard_size=null: the job's shard size (`auto_shard_size`)
+SHARD_GRANULE = 16  # a multiple of this, so that the plan's scan can record offsets before it knows the size
+SHARD_TARGET_ROWS = 256  # enough rows per part for a GPU's continuous batch ...
+MIN_SHARDS = 64  # ... but at least this many shards (several per actor) on small jobs ...
+MAX_PARTS = 2000  # ... and at most this many part files on large ones (1M prompts: 1,954 parts of 512)
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,14 @@ def row_seed(base_seed: int, row_id: Any) -> int:
     """A 63-bit seed for one row, from the job seed and the row id (int and str ids never collide)."""
     key = f"{int(base_seed)}\x00{type(row_id).__name__}\x00{row_id}".encode()
     return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+def auto_shard_size(num_rows: int) -> int:
+    """The default shard size for `num_rows` prompts: SHARD_TARGET_ROWS, less on small jobs (MIN_SHARDS
+    shards, never under SHARD_GRANULE rows), more on large ones (at most MAX_PARTS part files); a multiple of
+    SHARD_GRANULE."""
+    wanted = max(SHARD_GRANULE, -(-num_rows // MAX_PARTS), min(SHARD_TARGET_ROWS, -(-num_rows // MIN_SHARDS)))
+    return -(-wanted // SHARD_GRANULE) * SHARD_GRANULE
 
 
 def num_shards(num_rows: int, shard_size: int) -> int:
