@@ -157,3 +157,29 @@ def test_a_run_record_that_cannot_be_written_never_fails_the_job(tiny_pair, prom
         report = run_generate(from_dict(raw), RunHooks(on_actors_ready=on_ready))
     assert report.exit_code == 0 and "run record: could not write" in caplog.text
     assert_complete(out, prompts_jsonl)
+
+
+@pytest.mark.slow
+def test_the_job_starts_with_the_actors_that_loaded_and_replaces_a_failed_one(
+    tiny_pair, prompts_jsonl, tmp_path, ray_local, monkeypatch, caplog
+):
+    """One of two actors dies while loading the pair: the job starts with the other at once (the old pool
+    aborted: "an actor failed to load"), a new actor is started in its place (ray.max_restarts), and the
+    output is complete."""
+    from pipeline.generate.scheduler import ShardActorPool
+
+    raw = job_config(tiny_pair, prompts_jsonl, tmp_path / "out", shard_size=5, **{"ray.max_restarts": 1})
+    original = ShardActorPool.wait_ready
+
+    def kill_one_then_wait(self):
+        ray_local.kill(self.actors[1], no_restart=True)
+        return original(self)
+
+    monkeypatch.setattr(ShardActorPool, "wait_ready", kill_one_then_wait)
+    started: list[int] = []
+    hooks = RunHooks(on_actors_ready=lambda actors, workers: started.append(len(workers)))
+    with caplog.at_level("WARNING", logger="pipeline"):
+        report = run_generate(from_dict(raw), hooks)
+    assert report.exit_code == 0 and started == [1]
+    assert "starting a new actor in its place" in caplog.text
+    assert_complete(tmp_path / "out", prompts_jsonl)
