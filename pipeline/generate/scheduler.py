@@ -284,9 +284,9 @@ class ShardActorPool:
                     hooks.on_dispatch(slot.actor, task)
 
     def _elsewhere(self, slot: _Slot, index: int) -> bool:
-        """Quarantine: shard `index` failed on this actor and another usable actor has not failed it."""
+        """Quarantine: shard `index` failed on this actor and another working actor has not failed it."""
         return index in slot.failed and any(
-            other is not slot and other.state != "dead" and index not in other.failed for other in self._slots
+            other is not slot and other.state == "ok" and index not in other.failed for other in self._slots
         )
 
     def _waiting_refs(self) -> dict[Any, tuple[_Slot, ShardTask | None]]:
