@@ -247,7 +247,7 @@ def test_a_node_lost_and_another_added_ends_with_both_nodes_working(cluster, tin
     rng = random.Random(3)
     prompts.write_text("".join(
         json.dumps({"id": f"q{i:03d}", "prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 8)))}) + "\n"
-        for i in range(160)))  # fmt: skip
+        for i in range(400)))  # fmt: skip
     out = tmp_path / "out"
     driver = subprocess.Popen(
         [
@@ -279,7 +279,7 @@ def test_a_node_lost_and_another_added_ends_with_both_nodes_working(cluster, tin
     assert driver.returncode == 0, logs[-4000:]
     latest = {r["shard"]: r for r in commit_records(out)}
     after = {r["worker"]["node_id"] for r in commit_records(out)[returned_at:]}
-    assert len(latest) == 40 and head_id in after and after - {head_id} - lost, (after, logs[-3000:])
+    assert len(latest) == 100 and head_id in after and after - {head_id} - lost, (after, logs[-3000:])
     ids = [json.loads(line)["id"] for line in prompts.read_text().splitlines()]
     assert read_output(out).column("id").to_pylist() == ids
     assert (out / "_SUCCESS").exists()
