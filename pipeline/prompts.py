@@ -4,7 +4,8 @@
     table = read_prompts(data)                       # every row of a small input, validated (benchmark job)
 
 `read_rows` reads only what the range needs, through `pipeline.fs`: a JSON-lines or CSV byte range (the
-driver's scan found where the range starts), or the Parquet row groups / Arrow file that hold it, kept in a
+driver's scan found where the range starts; a compressed file is decompressed in a stream up to it, see
+`pipeline.formats`), or the Parquet row groups / Arrow file that hold it, kept in a
 small per-worker cache (`ReadCache`) because neighbouring shards share row groups. A row whose prompt or
 chat messages cannot be used gets a problem ("row 3 (id 'b') of p.parquet: prompt is null, expected a
 string"): the worker writes it as an error row, `read_prompts` raises it as a `JobInputError`.

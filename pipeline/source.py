@@ -5,7 +5,8 @@
 
 `data.path` is a file, a directory of files of one format, or a `datasets.save_to_disk` directory, on any
 filesystem `pipeline.fs` opens. Row counts come from metadata where there is some: Parquet footers (and
-their null counts), the record batches of Arrow files. JSON-lines and CSV files get one streaming pass
+their null counts), the record batches of Arrow files. JSON-lines and CSV files (plain, or compressed:
+`pipeline.formats`) get one streaming pass
 (`pipeline.linescan`) that keeps the byte offset of every `shard_size`-th record, so a worker seeks straight
 to its shard. The same pass parses the id and prompt fields in C++ (pyarrow) to check them; the id column of
 every format is streamed once through `pipeline.rowcheck.IdChecker` (8 bytes per row). Driver memory is
