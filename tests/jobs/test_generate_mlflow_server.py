@@ -189,7 +189,7 @@ def driver_command(tiny_pair, data: Path, out: Path, address: str, tracking_uri:
         f"model.target={tiny_pair['target']}", f"model.draft={tiny_pair['draft']}",
         f"data.path={data}", f"output_dir={out}", "shard_size=4", "ray.num_actors=1",
         f"ray.address={address}",
-        "spectr.num_drafts=2", "spectr.draft_length=3", "spectr.max_new_tokens=40", "spectr.batch_size=1",
+        "spectr.method=spectr", "spectr.num_drafts=2", "spectr.draft_length=3", "spectr.max_new_tokens=40", "spectr.batch_size=1",
         f"mlflow.tracking_uri={tracking_uri}", "mlflow.experiment=killed-test", "mlflow.log_every_s=0.2",
         "progress=false",
     ]  # fmt: skip

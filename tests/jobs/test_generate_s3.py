@@ -162,7 +162,7 @@ def command(tiny_pair, out: str, address: str) -> list[str]:
         sys.executable, "-m", "jobs.generate",
         f"model.target={tiny_pair['target']}", f"model.draft={tiny_pair['draft']}",
         "data.path=s3://prompts/p.jsonl", f"output_dir={out}", "shard_size=4", "ray.num_actors=1",
-        f"ray.address={address}", "spectr.num_drafts=2", "spectr.draft_length=3", "spectr.max_new_tokens=24",
+        f"ray.address={address}", "spectr.method=spectr", "spectr.num_drafts=2", "spectr.draft_length=3", "spectr.max_new_tokens=24",
         "spectr.batch_size=1", "mlflow.enabled=false", "progress=false",
     ]  # fmt: skip
 
