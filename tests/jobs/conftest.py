@@ -1,7 +1,9 @@
 """Fixtures of the job tests: one real `mlflow server` on 127.0.0.1 for the whole session.
 
 `mlflow_server` is the server's URI; it stores runs in SQLite and artifacts in a temporary folder, and is
-stopped (its whole process group) at the end of the session.
+stopped (its whole process group) at the end of the session. The server runs without MLflow's job execution
+(`MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false`): the tests use no server-side jobs, and its huey consumers
+(about ten processes polling for the whole session) slowed the start and every test after it.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def mlflow_server(tmp_path_factory):
             "--artifacts-destination", str(folder / "artifacts"),
         ],
         cwd=folder, start_new_session=True, stdout=subprocess.DEVNULL,
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
         stderr=open(folder / "server.log", "w"),
     )  # fmt: skip
     uri = f"http://127.0.0.1:{port}"

@@ -30,7 +30,7 @@ missing = [str(p.relative_to(PROJECT_ROOT)) for p in REQUIRED if not p.exists()]
 )
 def test_default_config_on_the_embedded_pair(tmp_path, ray_local):
     overrides = [
-        "data.limit=8", "spectr.max_new_tokens=16", f"output_dir={tmp_path / 'out'}",
+        "data.limit=8", "spectr.max_new_tokens=16", "ray.num_actors=1", f"output_dir={tmp_path / 'out'}",
         f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}", "progress=false",
     ]  # fmt: skip
     with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):

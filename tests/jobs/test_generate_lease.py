@@ -21,7 +21,7 @@ def command(tiny_pair, data, out, address) -> list[str]:
         sys.executable, "-m", "jobs.generate",
         f"model.target={tiny_pair['target']}", f"model.draft={tiny_pair['draft']}",
         f"data.path={data}", f"output_dir={out}", "shard_size=8", "ray.num_actors=1", f"ray.address={address}",
-        "spectr.num_drafts=2", "spectr.draft_length=3", "spectr.max_new_tokens=24", "spectr.batch_size=2",
+        "spectr.method=spectr", "spectr.num_drafts=2", "spectr.draft_length=3", "spectr.max_new_tokens=24", "spectr.batch_size=2",
         "mlflow.enabled=false", "progress=false",
     ]  # fmt: skip
 

@@ -6,7 +6,8 @@
   Its data has one prompt too long for the model, and max_failed_fraction allows it: the job succeeds
   and the server holds prompts_failed = 1.
 - A job SIGKILLed mid-run, then run again: one run, FINISHED, whose generated_tokens is the sum over
-  all part files (the resume test's approach: a real driver process joining the session's Ray).
+  all part files (the resume test's approach: a real driver process joining the session's Ray; slow). The
+  default suite continues a finished job's run set back to RUNNING, with a shard missing, in process.
 - An unreachable server is refused before anything starts.
 """
 
@@ -143,18 +144,58 @@ def test_unreachable_server_is_refused_up_front(tiny_pair, prompts_jsonl, tmp_pa
     assert not (tmp_path / "out").exists()
 
 
+def test_a_run_left_running_is_marked_killed_and_continued_on_resume(
+    mlflow_server, tiny_pair, tmp_path, ray_local, caplog
+):
+    """The default suite's resume against the server (the SIGKILLed driver is the slow test below): a
+    finished job's output as a dead driver leaves it (its run RUNNING, shard 1 missing, no _SUCCESS); the
+    rerun marks the run KILLED, continues the same run, and ends it FINISHED with totals over both runs."""
+    from mlflow.tracking import MlflowClient
+
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"id": f"r{i}", "prompt": "def x return"}) + "\n" for i in range(8)))
+    out = tmp_path / "out"
+    raw = job_config(
+        tiny_pair, data, out, shard_size=4,
+        **{"ray.num_actors": 1, "mlflow.enabled": True, "mlflow.tracking_uri": mlflow_server,
+           "mlflow.experiment": "left-running-test"},
+    )  # fmt: skip
+    first = run_generate(from_dict(raw))
+    assert first.exit_code == 0
+    client = MlflowClient(tracking_uri=mlflow_server)
+    client.update_run(first.run_id, status="RUNNING")  # as SIGKILL leaves it: nothing could end it
+    kept = [line for line in (out / "_commits.jsonl").read_text().splitlines() if json.loads(line)["shard"] == 0]
+    (out / "_commits.jsonl").write_text("\n".join(kept) + "\n")
+    (out / "part-000001.parquet").unlink()
+    (out / "_SUCCESS").unlink()
+
+    with caplog.at_level("WARNING"):
+        again = run_generate(from_dict(raw))
+    assert again.exit_code == 0 and again.run_id == first.run_id
+    assert "marked KILLED" in caplog.text
+    run = client.get_run(first.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["resumed_from_status"] == "RUNNING" and run.data.tags["job_runs"] == "2"
+    tokens = sum(sum(pq.read_table(p).column("completion_tokens").to_pylist()) for p in part_files(out))
+    assert len(part_files(out)) == 2 and run.data.metrics["generated_tokens"] == tokens
+    assert run.data.metrics["prompts_completed"] == 8
+    record = json.loads((out / "_mlflow_run.json").read_text())
+    assert record["run_id"] == run.info.run_id and record["invocations"] == 2
+
+
 def driver_command(tiny_pair, data: Path, out: Path, address: str, tracking_uri: str) -> list[str]:
     return [
         sys.executable, "-m", "jobs.generate",
         f"model.target={tiny_pair['target']}", f"model.draft={tiny_pair['draft']}",
         f"data.path={data}", f"output_dir={out}", "shard_size=4", "ray.num_actors=1",
         f"ray.address={address}",
-        "spectr.num_drafts=2", "spectr.draft_length=3", "spectr.max_new_tokens=40", "spectr.batch_size=1",
+        "spectr.method=spectr", "spectr.num_drafts=2", "spectr.draft_length=3", "spectr.max_new_tokens=40", "spectr.batch_size=1",
         f"mlflow.tracking_uri={tracking_uri}", "mlflow.experiment=killed-test", "mlflow.log_every_s=0.2",
         "progress=false",
     ]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_sigkilled_then_resumed_job_has_one_finished_run(
     mlflow_server, tiny_pair, prompts_jsonl, tmp_path, ray_local
 ):

@@ -33,7 +33,7 @@ def test_two_cell_sweep_has_two_child_runs_under_one_parent(
         f"model.target={tiny_pair['target']}", f"model.draft={tiny_pair['draft']}",
         f"data.path={prompts_jsonl}", "data.limit=8", f"output_dir={out}", "shard_size=4",
         "ray.num_actors=1", f"ray.address={ray_local.get_runtime_context().gcs_address}",
-        "spectr.draft_length=2", "spectr.max_new_tokens=6", f"mlflow.tracking_uri={mlflow_server}",
+        "spectr.method=spectr", "spectr.draft_length=2", "spectr.max_new_tokens=6", f"mlflow.tracking_uri={mlflow_server}",
         "mlflow.experiment=sweep-test", "progress=false", f"hydra.sweep.dir={tmp_path / 'sweep'}",
     ]  # fmt: skip
     done = subprocess.run(command, cwd=REPO, env=sweep_env(), capture_output=True, text=True, timeout=400)
