@@ -220,6 +220,30 @@ def write_bytes(location: Location, data: bytes) -> None:
         stream.write(data)
 
 
+BEST_EFFORT_ATTEMPTS = 3
+
+
+def write_bytes_best_effort(location: Location, data: bytes, what: str, backoff_s: float = 0.5) -> bool:
+    """`write_bytes` for bookkeeping (run records): retried `BEST_EFFORT_ATTEMPTS` times, then a warning;
+    never raises. Returns whether it was written."""
+    import logging
+    import time
+
+    for attempt in range(BEST_EFFORT_ATTEMPTS):
+        try:
+            write_bytes(location, data)
+            return True
+        except Exception as err:  # noqa: BLE001 - bookkeeping never fails a job
+            if attempt + 1 == BEST_EFFORT_ATTEMPTS:
+                logging.getLogger("pipeline").warning(
+                    "%s: could not write %s (%s: %s); the job goes on without it", what, location.uri,
+                    type(err).__name__, err,
+                )  # fmt: skip
+                return False
+            time.sleep(backoff_s * (attempt + 1))
+    return False
+
+
 def temporary_name(name: str) -> str:
     """`.<name>.tmp-<pid>-<random>`: the temporary files a killed writer can leave behind."""
     return f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"

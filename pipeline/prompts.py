@@ -15,7 +15,6 @@ It does not tokenize (`pipeline.models`), plan (`pipeline.source`, `pipeline.sca
 from __future__ import annotations
 
 import bisect
-import json
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -26,13 +25,25 @@ import pyarrow as pa
 from pipeline import fs
 from pipeline.config import DataConfig
 from pipeline.errors import JobInputError
+from pipeline.formats import (
+    codec_of,
+    csv_options,
+    format_of,
+    jsonl_record,
+    open_text_stream,
+    read_arrow_table,
+)
 from pipeline.linescan import split_records
 from pipeline.rowcheck import BUDGET_KEY, budget_problem, messages_problem, prompt_problem, row_where
-from pipeline.source import Piece, Source, format_of, list_source
+from pipeline.source import Piece, Source, list_source
 
-__all__ = ["PromptRows", "PromptTable", "ReadCache", "detect_format", "read_prompts", "read_rows"]
+__all__ = [
+    "PromptRows", "PromptTable", "ReadCache", "csv_options", "detect_format", "jsonl_record",
+    "read_arrow_table", "read_prompts", "read_rows",
+]
 
 CACHE_BYTES = 256 << 20
+MAX_STREAMS = 4  # open decompressing streams a worker keeps (one per compressed file it reads)
 
 
 class InputChangedError(RuntimeError):
@@ -145,27 +156,13 @@ def _read_piece(
     source: Source, piece: Piece, cache: ReadCache
 ) -> tuple[list[Any] | None, list[Any], list[Any] | None]:
     """(ids or None, prompt values, budget values or None) of one piece."""
-    readers = {"jsonl": _read_jsonl, "csv": _read_csv, "parquet": _read_parquet, "hf_disk": _read_arrow}
+    readers = {"jsonl": _read_jsonl, "csv": _read_csv, "parquet": _read_parquet, "hf_disk": _read_arrow}  # FORMATS
     return readers[source.format](source, piece, cache)
-
-
-def jsonl_record(
-    raw: bytes, where: str, line: int | None = None, offset: int | None = None
-) -> dict[str, Any]:
-    """One JSON-lines record as a dict; raises JobInputError naming the line (or byte offset)."""
-    at = f"line {line}" if line is not None else f"the line at byte {offset}"
-    try:
-        record = json.loads(raw)
-    except ValueError as err:
-        raise JobInputError(f"data.path: {where} {at} is not valid JSON: {err}") from None
-    if not isinstance(record, dict):
-        raise JobInputError(f"data.path: {where} {at} is a JSON {type(record).__name__}, expected an object")
-    return record
 
 
 def _read_jsonl(source: Source, piece: Piece, cache: ReadCache) -> tuple[list[Any] | None, list[Any], Any]:
     uri = source.files[piece.file].uri
-    data = fs.read_range(fs.resolve(uri, "data.path"), piece.byte_start, piece.byte_stop)
+    data = cache.text_range(uri, piece.byte_start, piece.byte_stop)
     records = [jsonl_record(raw, uri, offset=piece.byte_start) for raw in split_records(data)]
     values = [record.get(source.text_column) for record in records]
     ids = [record.get(source.id_column) for record in records] if source.id_column else None
@@ -173,38 +170,11 @@ def _read_jsonl(source: Source, piece: Piece, cache: ReadCache) -> tuple[list[An
     return ids, values, budgets
 
 
-def csv_options(
-    source_header: tuple[str, ...],
-    text: str,
-    id_column: str | None,
-    id_type: pa.DataType | None,
-    budget_column: str | None = None,
-):
-    """pyarrow.csv options that read header-less records with the file's column names (the budget column
-    as text: `pipeline.rowcheck` parses it, and names the row of a value that is not an integer)."""
-    import pyarrow.csv as pacsv
-
-    types = {text: pa.string()}
-    if id_column and id_type is not None:
-        types[id_column] = id_type
-    if budget_column:
-        types[budget_column] = pa.string()
-    return (
-        pacsv.ReadOptions(column_names=list(source_header), block_size=4 << 20),
-        pacsv.ParseOptions(newlines_in_values=True),
-        pacsv.ConvertOptions(
-            column_types=types,
-            include_columns=[text] + ([id_column] if id_column else []) + ([budget_column] if budget_column else []),
-            strings_can_be_null=True,
-        ),
-    )
-
-
 def _read_csv(source: Source, piece: Piece, cache: ReadCache) -> tuple[list[Any] | None, list[Any], Any]:
     import pyarrow.csv as pacsv
 
     uri = source.files[piece.file].uri
-    data = fs.read_range(fs.resolve(uri, "data.path"), piece.byte_start, piece.byte_stop)
+    data = cache.text_range(uri, piece.byte_start, piece.byte_stop)
     id_type = pa.int64() if source.id_kind == "int" else pa.string()
     read, parse, convert = csv_options(
         source.csv_header or (), source.text_column, source.id_column, id_type, source.budget_column
@@ -252,6 +222,7 @@ class ReadCache:
         self.max_bytes = max_bytes
         self._items: OrderedDict[Any, tuple[Any, int]] = OrderedDict()
         self._bytes = 0
+        self._streams: OrderedDict[str, tuple[Any, int]] = OrderedDict()  # compressed file -> (stream, place)
 
     def _get(self, key: Any, load, size_of) -> Any:
         if key in self._items:
@@ -284,6 +255,29 @@ class ReadCache:
             lambda table: table.nbytes,
         )
 
+    def text_range(self, uri: str, start: int, stop: int) -> bytes:
+        """Bytes [start, stop) of a JSON-lines or CSV file: one ranged read, or, for a compressed file (offsets
+        in its decompressed bytes), read on from where this worker's stream of it stopped (from the start
+        again only for an earlier range), so that the shards of one file in order cost one decompression."""
+        location = fs.resolve(uri, "data.path")
+        if codec_of(location.name) is None:
+            return fs.read_range(location, start, stop)
+        stream, place = self._streams.pop(uri, (None, 0))
+        if stream is None or place > start:
+            if stream is not None:
+                stream.close()
+            stream, place = open_text_stream(location), 0
+        while place < start:
+            skipped = len(stream.read(min(start - place, 1 << 22)))
+            if not skipped:
+                break
+            place += skipped
+        data = stream.read(stop - start)
+        self._streams[uri] = (stream, place + len(data))
+        while len(self._streams) > MAX_STREAMS:
+            self._streams.popitem(last=False)[1][0].close()
+        return data
+
     def arrow(self, uri: str) -> pa.Table:
         location = fs.resolve(uri, "data.path")
 
@@ -291,18 +285,3 @@ class ReadCache:
             return read_arrow_table(location)
 
         return self._get(("arrow", uri), load, lambda table: 0 if location.is_local else table.nbytes)
-
-
-def read_arrow_table(location: fs.Location) -> pa.Table:
-    """A `datasets` Arrow file (IPC stream, or IPC file) as a table: memory-mapped when local."""
-    import pyarrow.ipc as ipc
-
-    if location.is_local:
-        source: Any = pa.memory_map(location.path)
-    else:
-        source = pa.BufferReader(fs.read_bytes(location))
-    try:
-        return ipc.open_stream(source).read_all()
-    except pa.ArrowInvalid:
-        source.seek(0)
-        return ipc.open_file(source).read_all()

@@ -26,8 +26,8 @@ import pyarrow.compute as pc
 from pipeline import fs
 from pipeline.config import DataConfig
 from pipeline.errors import JobInputError
+from pipeline.formats import FORMATS, csv_options, jsonl_record, open_text_stream, read_arrow_table
 from pipeline.linescan import Block, ScanError, scan_records
-from pipeline.prompts import csv_options, jsonl_record, read_arrow_table
 from pipeline.rowcheck import (
     BudgetCheck,
     IdChecker,
@@ -55,6 +55,7 @@ def scan_source(
 
     max_new_tokens_limit: the most new tokens the models take (with `data.max_new_tokens_column`)."""
     scan = {"parquet": scan_parquet, "hf_disk": scan_arrow, "jsonl": scan_jsonl, "csv": scan_csv}
+    assert set(scan) == set(FORMATS), "every format of pipeline.formats.FORMATS has a scan"
     if listing.format not in scan:
         raise JobInputError(f"data.format: unknown format {listing.format!r}")
     column = data.max_new_tokens_column
@@ -250,7 +251,7 @@ def _arrow_table(uri: str) -> pa.Table:
 def _first_record(uri: str, quoted: bool) -> Block | None:
     found: list[Block] = []
     location = fs.resolve(uri, "data.path")
-    with location.filesystem.open_input_stream(location.path) as stream:
+    with open_text_stream(location) as stream:
         try:
             scan_records(stream, every=1, limit=1, quoted=quoted, on_block=found.append, block_bytes=1 << 16)
         except ScanError as err:
@@ -273,7 +274,7 @@ def _scan_text_files(
         if remaining == 0:
             break
         location = fs.resolve(f.uri, "data.path")
-        with location.filesystem.open_input_stream(location.path) as stream:
+        with open_text_stream(location) as stream:
             try:
                 scan = scan_records(
                     stream, every=shard_size, first_row=total, limit=remaining, quoted=quoted, header=quoted,
@@ -296,7 +297,7 @@ def _reread_text(files: list[InputFile], quoted: bool, ids_of: Callable[[Block, 
     for f in files:
         blocks: list[Block] = []
         location = fs.resolve(f.uri, "data.path")
-        with location.filesystem.open_input_stream(location.path) as stream:
+        with open_text_stream(location) as stream:
             scan_records(stream, every=1 << 40, first_row=f.first_row, limit=f.num_rows, quoted=quoted,
                          header=quoted, on_block=blocks.append)  # fmt: skip
         for block in blocks:

@@ -24,6 +24,7 @@ This module holds the listing and the types; the per-format scans that fill in a
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,18 +36,10 @@ import pyarrow.fs as pafs
 from pipeline import fs
 from pipeline.config import DataConfig
 from pipeline.errors import JobInputError
+from pipeline.formats import format_of, kind_of
 from pipeline.linescan import ScanError
 from pipeline.rowcheck import id_kind_of_type, is_text_type
 
-FORMAT_EXTENSIONS = {
-    ".parquet": "parquet",
-    ".pq": "parquet",
-    ".jsonl": "jsonl",
-    ".ndjson": "jsonl",
-    ".json": "jsonl",
-    ".csv": "csv",
-    ".arrow": "hf_disk",
-}
 _HF_MARKERS = ("state.json", "dataset_info.json")
 ID_BATCH_ROWS = 1 << 16
 
@@ -135,25 +128,29 @@ class Source:
         return offset(start), offset(stop)
 
 
+def with_shard_size(source: Source, size: int) -> Source:
+    """The same source cut into shards of `size` rows, a multiple of its scan's `shard_size`: the JSONL/CSV
+    record offsets it keeps are those at the new shard starts (no second pass over the input)."""
+    if size == source.shard_size:
+        return source
+    if size % source.shard_size:
+        raise ValueError(f"shard size {size} is not a multiple of the scan's {source.shard_size}")
+    files = []
+    for f in source.files:
+        if f.offsets is not None:
+            first = (-f.first_row) % source.shard_size  # the local row of offsets[0]
+            rows = f.first_row + first + source.shard_size * np.arange(len(f.offsets), dtype=np.int64)
+            f = dataclasses.replace(f, offsets=f.offsets[rows % size == 0])
+        files.append(f)
+    return dataclasses.replace(source, files=tuple(files), shard_size=size)
+
+
 def text_column(data: DataConfig) -> tuple[str, str]:
     """(column, config key) of the prompt text, or of the chat messages in chat mode."""
     return (
         (data.messages_column, "data.messages_column")
         if data.chat
         else (data.prompt_column, "data.prompt_column")
-    )
-
-
-def format_of(name: str, data_format: str) -> str:
-    if data_format != "auto":
-        return data_format
-    suffix = "." + name.rsplit(".", 1)[-1].lower() if "." in name else ""
-    if suffix in FORMAT_EXTENSIONS and suffix != ".arrow":
-        return FORMAT_EXTENSIONS[suffix]
-    raise JobInputError(
-        f"data.format: cannot tell the format of {name} from its extension '{suffix}'; known extensions: "
-        f"{', '.join(sorted(k for k in FORMAT_EXTENSIONS if k != '.arrow'))}; or set data.format to parquet, "
-        "jsonl, csv or hf_disk"
     )
 
 
@@ -198,7 +195,7 @@ def _list_directory(location: fs.Location, data: DataConfig) -> SourceListing:
         for f in fs.list_files(location, "data.path", recursive=True)
         if not any(part.startswith((".", "_")) for part in f.path[len(location.path) :].split("/"))
     ]
-    formats = {FORMAT_EXTENSIONS.get("." + f.base_name.rsplit(".", 1)[-1].lower()) for f in files}
+    formats = {kind_of(f.base_name)[0] for f in files}
     formats.discard(None)
     formats.discard("hf_disk")
     wanted = data.format if data.format != "auto" else (formats.pop() if len(formats) == 1 else None)
@@ -214,7 +211,7 @@ def _list_directory(location: fs.Location, data: DataConfig) -> SourceListing:
             f"data.path: cannot tell the format of directory {location.uri}: it {what}; set data.format or point data.path at a file"
         )
     chosen = [
-        f for f in files if FORMAT_EXTENSIONS.get("." + f.base_name.rsplit(".", 1)[-1].lower()) == wanted
+        f for f in files if kind_of(f.base_name)[0] == wanted
     ]
     if not chosen:
         raise JobInputError(f"data.path: directory {location.uri} holds no {wanted} files")

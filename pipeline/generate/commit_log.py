@@ -12,6 +12,11 @@ the segment plus the new one, at most `SEGMENT_RECORDS`), so a commit costs one 
 reads one object per `SEGMENT_RECORDS` shards. A run's segments sort after every earlier run's, and a later
 record for a shard (a retried one) wins.
 
+`compact_commit_log` (a resumed job, under its lease, before it appends) keeps only each shard's last
+record, so the log a resume reads is bounded by the number of shards however often they were redone: the
+file is rewritten whole (temporary name + rename), the segments are replaced by compacted ones of a newer run
+(then the old ones deleted; a crash in between leaves duplicates of the same last records).
+
 Not here: what a record means for resume (`pipeline.generate.manifest`).
 """
 
@@ -77,6 +82,33 @@ def open_commit_log(output: fs.Location) -> AppendLog | SegmentLog:
         return AppendLog(output)
     runs = [int(m.group(1)) for m in (_SEGMENT.match(name) for name in _segment_names(output)) if m]
     return SegmentLog(output, max(runs, default=0) + 1)
+
+
+def compact_commit_log(output: fs.Location) -> int:
+    """Keep each shard's last record only; returns how many records were dropped (0: nothing rewritten)."""
+    last: dict[int, dict[str, Any]] = {}
+    total = 0
+    for record in read_commit_records(output):
+        last.pop(record["shard"], None)  # re-inserted: the dict keeps the order of last records
+        last[record["shard"]] = record
+        total += 1
+    dropped = total - len(last)
+    if not dropped:
+        return 0
+    lines = [encode(record) for record in last.values()]
+    if output.is_local:
+        fs.write_bytes(output.child(COMMITS_FILE), b"".join(lines))
+        return dropped
+    old = [name for name in _segment_names(output) if _SEGMENT.match(name)]
+    run = max((int(_SEGMENT.match(name).group(1)) for name in old), default=0) + 1
+    folder = output.child(COMMITS_DIR)
+    for n, start in enumerate(range(0, len(lines), SEGMENT_RECORDS)):
+        fs.write_bytes(folder.child(f"seg-{run:06d}-{n:06d}.jsonl"), b"".join(lines[start : start + SEGMENT_RECORDS]))
+    if fs.exists(output.child(COMMITS_FILE)):
+        fs.delete(output.child(COMMITS_FILE))
+    for name in old:
+        fs.delete(folder.child(name))
+    return dropped
 
 
 def _segment_names(output: fs.Location) -> list[str]:

@@ -61,6 +61,7 @@ class RayConfig:
     heartbeat_s: float = 5.0  # how often the driver pings each busy actor
     heartbeat_timeout_s: float = 30.0  # a busy actor that has not answered for this long is given up
     shard_timeout_s: float | None = None  # a shard running longer than this is given up (None: no limit)
+    stall_timeout_s: float = 300.0  # a busy actor whose engine completes no iteration this long is replaced
     actor_start_timeout_s: float = 900.0  # actors (or restarts) not up by then are given up
     local_num_cpus: int | None = None  # CPUs of a local Ray instance (None: all)
     local_object_store_mb: int = 256
@@ -74,7 +75,7 @@ class GenerateConfig:
     ray: RayConfig
     mlflow: MlflowConfig
     output_dir: str | None = None  # None: runs/generate-<config hash>; a path or a URI (s3://, gs://, ...)
-    shard_size: int = 16
+    shard_size: int | None = None  # rows per part file; None: sized for the job (`shards.auto_shard_size`)
     max_failed_fraction: float = 0.0
     retry_failed: bool = True  # on resume, regenerate shards that have error rows
     lease_timeout_s: float = 60.0  # another job's lease without a heartbeat for this long is taken over
@@ -159,7 +160,7 @@ def check_ray(r: RayConfig) -> None:
         raise out_of_range("ray.shard_attempts", ">= 1", r.shard_attempts)
     if r.shards_per_actor < 1:
         raise out_of_range("ray.shards_per_actor", ">= 1", r.shards_per_actor)
-    for key in ("heartbeat_s", "heartbeat_timeout_s", "actor_start_timeout_s"):
+    for key in ("heartbeat_s", "heartbeat_timeout_s", "stall_timeout_s", "actor_start_timeout_s"):
         if not getattr(r, key) > 0:
             raise out_of_range(f"ray.{key}", "> 0 seconds", getattr(r, key))
     if r.heartbeat_timeout_s < r.heartbeat_s:
@@ -173,7 +174,7 @@ def check_ray(r: RayConfig) -> None:
 
 
 def _check_top_level(c: GenerateConfig) -> None:
-    if c.shard_size < 1:
+    if c.shard_size is not None and c.shard_size < 1:
         raise out_of_range("shard_size", ">= 1", c.shard_size)
     if not (0.0 <= c.max_failed_fraction <= 1.0):
         raise out_of_range("max_failed_fraction", "in [0, 1]", c.max_failed_fraction)

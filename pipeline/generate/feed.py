@@ -59,6 +59,11 @@ PHASE_FIELDS = ("draft_seconds", "target_seconds", "selection_seconds")
 BATCH_FIELDS = ("iterations", *PHASE_FIELDS)
 
 
+class FeedAborted(RuntimeError):
+    """A shard that was in the feed when another shard's thread failed: not this shard's fault (the driver
+    re-queues it without charging an attempt)."""
+
+
 @dataclass(frozen=True)
 class Row:
     """One prompt of a shard: its position in the shard, token ids, budget and seed."""
@@ -147,6 +152,7 @@ class ShardFeed:
         self._window = _Window()
         self._charged = dict.fromkeys(BATCH_FIELDS, 0)  # the current batcher's counters already charged
         self._uncharged = self._zero_batch()
+        self.steps = 0  # iterations of the stepping loop so far (the driver's progress watchdog reads it)
 
     # -- the shards' threads ----------------------------------------------------------------------
     def run(self, index: int, rows: list[Row]) -> ShardRun:
@@ -161,12 +167,14 @@ class ShardFeed:
         if turn:
             try:
                 self._drive(shard_run)
-            except BaseException as err:  # noqa: BLE001 - every shard in the feed fails with it, then re-raised
-                self._fail_all(err)
+            except BaseException as err:  # noqa: BLE001 - every shard in the feed stops; this one is charged
+                self._fail_all(err, shard_run)
             finally:
                 with self._cond:
                     self._stepping = False
                     self._cond.notify_all()
+        if isinstance(shard_run.error, FeedAborted):
+            raise shard_run.error
         if shard_run.error is not None:
             raise RuntimeError(f"shard {index}: generation failed: {shard_run.error}") from shard_run.error
         return shard_run
@@ -180,14 +188,16 @@ class ShardFeed:
             self._cond.wait()
         return False
 
-    def _fail_all(self, err: BaseException) -> None:
-        log.warning("generation failed (%s: %s); every shard in the feed fails", type(err).__name__, err)
+    def _fail_all(self, err: BaseException, mine: ShardRun) -> None:
+        """`mine` (the stepping thread's shard) fails with `err`; the others stop with `FeedAborted`."""
+        log.warning("generation failed (%s: %s); every shard in the feed stops", type(err).__name__, err)
+        aborted = FeedAborted(f"stopped: shard {mine.index} failed on this actor ({type(err).__name__}: {err})")
         with self._cond:
             runs = [*self._incoming, *self._open]
             self._incoming.clear()
             self._open.clear()
             for shard_run in runs:
-                shard_run.error, shard_run.done = err, True
+                shard_run.error, shard_run.done = (err if shard_run is mine else aborted), True
             self._cond.notify_all()
         self._held.clear()
         self._in_batcher.clear()
@@ -208,6 +218,7 @@ class ShardFeed:
             if not outcomes and (self.batcher is None or self.batcher.idle):
                 raise RuntimeError(f"shard {mine.index} has rows that are neither held nor in the batch")
             outcomes += self._step()
+            self.steps += 1
             self._uncharged["wall_seconds"] += time.perf_counter() - started
             self._hand_out(outcomes)
 

@@ -19,10 +19,16 @@ from typing import Any
 
 from pipeline.errors import JobFailedError
 from pipeline.generate.cluster import actor_resources, ray_session
-from pipeline.generate.commit_log import open_commit_log
+from pipeline.generate.commit_log import compact_commit_log, open_commit_log, read_commit_records
 from pipeline.generate.config import GenerateConfig
 from pipeline.generate.lease import Lease
-from pipeline.generate.output import output_schema, remove_stale_temporaries, remove_success, write_success
+from pipeline.generate.output import (
+    output_schema,
+    remove_stale_temporaries,
+    remove_success,
+    remove_uncommitted_parts,
+    write_success,
+)
 from pipeline.generate.plan import JobPlan, prepare
 from pipeline.generate.progress import ProgressBar
 from pipeline.generate.scheduler import RunHooks, ShardActorPool, ShardQueue
@@ -116,6 +122,9 @@ def _params(plan: JobPlan) -> dict[str, Any]:
 def _open_output(plan: JobPlan) -> None:
     """Once the actors are up (under the lease): the manifest, and no leftovers of a killed run."""
     remove_stale_temporaries(plan.output)
+    dropped = compact_commit_log(plan.output) if plan.manifest_on_disk else 0
+    if dropped:
+        log.info("compacted the commit log (%d superseded record(s) dropped)", dropped)
     if not plan.manifest_on_disk:
         plan.manifest.save(plan.output)
         plan.manifest_on_disk = True
@@ -167,7 +176,7 @@ def _generate(
         if tracker.run_id:
             log.info("mlflow run %s (%.1f s)", tracker.run_id, time.perf_counter() - started)
         _open_output(plan)
-        tracker.job_started(count, workers)  # device and worker tags; the run id into the output dir
+        _best_effort("mlflow: job start", tracker.job_started, count, workers)  # tags; the run file
         if hooks and hooks.on_actors_ready:
             hooks.on_actors_ready(pool.actors, workers)
         device = (
@@ -226,6 +235,7 @@ def _commit_record(result: ShardResult, run_token: str) -> dict[str, Any]:
         "rows": result.num_rows,
         "bytes": result.bytes,
         "failed": result.failed,
+        "attempt": result.attempt,
         "stats": result.stats,
         "worker": result.worker,
         "run": run_token,
@@ -254,9 +264,13 @@ def _finish(plan: JobPlan, tracker: Any, run: GenerationRun, started: float, sta
     messages = _failure_messages(plan, summary)
     if not messages:
         plan.lease.check()
+        committed = {record["shard"]: record["file"] for record in read_commit_records(output)}
+        removed = remove_uncommitted_parts(output, set(committed.values()))
+        if removed:
+            log.info("removed %d part file(s) of attempts that were not committed", len(removed))
         write_success(output)
     logging_started = time.perf_counter()
-    tracker.finish(summary, _params(plan), status="FAILED" if messages else "FINISHED")
+    _best_effort("mlflow: final logging", tracker.finish, summary, _params(plan), "FAILED" if messages else "FINISHED")
     logging_s = time.perf_counter() - logging_started
     return JobReport(
         plan=plan,
@@ -269,6 +283,19 @@ def _finish(plan: JobPlan, tracker: Any, run: GenerationRun, started: float, sta
         total_s=time.perf_counter() - started,
         logging_s=logging_s,
     )
+
+
+def _best_effort(what: str, function: Any, *args: Any) -> None:
+    """Bookkeeping (MLflow, run records) never fails a job: retried twice, then a warning."""
+    for attempt in range(3):
+        try:
+            function(*args)
+            return
+        except Exception as err:  # noqa: BLE001 - the output directory is the result; MLflow reports on it
+            if attempt == 2:
+                log.warning("%s failed (%s: %s); the job goes on", what, type(err).__name__, err)
+                return
+            time.sleep(1.0 + attempt)
 
 
 def _failure_messages(plan: JobPlan, summary: JobSummary) -> list[str]:

@@ -7,10 +7,20 @@
 
 A lease is live while its heartbeat is younger than `lease_timeout_s` and, when the holder ran on this
 machine (same host name and boot), its process still exists: a job killed here is taken over at once, one
-killed on another machine once its heartbeat is stale. Taking a lease is atomic on local disks and NFS
-(create-exclusive; a stale lease is first renamed away, which only one taker can do). Object stores have no
-create-exclusive: there a taker uploads its lease, waits `OBJECT_STORE_SETTLE_S`, and reads it back; of two
-jobs that started together the one whose upload landed last keeps it, the other is refused.
+killed on another machine once its heartbeat is stale.
+
+Taking a lease is exclusive:
+- local disks and NFS: create-exclusive (`O_EXCL`); a stale lease is first renamed away, which only one
+  taker can do, and a taker that finds it moved a fresh lease (another taker's) puts it back and retries;
+- S3 (and S3-compatible stores): conditional writes through boto3 (`ObjectLease`): the lease is created
+  with `If-None-Match: *`, a stale one replaced and the heartbeat written with `If-Match: <its ETag>`, so
+  of two writers exactly one succeeds and the other learns it lost. A store that ignores the conditions
+  (probed once) is refused;
+- other object stores (gs://, abfs://, fsspec schemes) offer no conditional write here: refused
+  (JobInputError), rather than a lease that two jobs could both hold.
+
+Not exclusive: a local heartbeat reads, then rewrites the file; a taker can only act on a lease stale for
+`lease_timeout_s`, so only a holder frozen that long (then `LeaseLostError` at its next check) can race it.
 
 Not here: what the job writes under the lease (`pipeline.generate.output`, `pipeline.generate.commit_log`).
 """
@@ -32,7 +42,6 @@ from pipeline import fs
 from pipeline.errors import JobFailedError, JobInputError
 
 LEASE_NAME = "_lease.json"
-OBJECT_STORE_SETTLE_S = 2.0
 HEARTBEATS_PER_TIMEOUT = 6
 
 log = logging.getLogger("pipeline")
@@ -132,8 +141,11 @@ def check_free(output: fs.Location, timeout_s: float) -> None:
 class Lease:
     """This job's hold on its output directory; see the module docstring."""
 
-    def __init__(self, output: fs.Location, timeout_s: float, holder: Holder, created_dir: bool):
+    def __init__(
+        self, output: fs.Location, timeout_s: float, holder: Holder, created_dir: bool, store: ObjectLease | None
+    ):
         self.output, self.timeout_s, self.holder, self.created_dir = output, timeout_s, holder, created_dir
+        self.store = store  # S3: the conditional writes (None on local disks and NFS)
         self.lost_to: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -145,6 +157,7 @@ class Lease:
             created = fs.make_dirs(output)
         except OSError as err:
             raise JobInputError(f"output_dir: cannot create {output.uri}: {err}") from None
+        store = None if output.is_local else ObjectLease.open(output)
         holder = this_holder(uuid.uuid4().hex, time.time())
         for _ in range(5):
             current = read_holder(output)
@@ -152,8 +165,9 @@ class Lease:
                 raise _refusal(output, current, timeout_s)
             if current is not None:
                 log.warning("taking over the stale lease of %s", current.describe(time.time()))
-            if _take(output, holder, current):
-                lease = cls(output, timeout_s, holder, created)
+            taken = store.take(holder, current) if store is not None else _take(output, holder, current)
+            if taken:
+                lease = cls(output, timeout_s, holder, created, store)
                 lease._start_heartbeat()
                 return lease
         raise JobInputError(f"output_dir: could not take the lease on {output.uri}: other jobs keep taking it")
@@ -169,8 +183,14 @@ class Lease:
                 if current is None or current.token != self.holder.token:
                     self.lost_to = current.describe(time.time()) if current else "nobody (the lease was deleted)"
                     return
-                self.holder = Holder(**{**asdict(self.holder), "heartbeat": time.time()})
-                fs.write_bytes(self.output.child(LEASE_NAME), self.holder.encode())
+                fresh = Holder(**{**asdict(self.holder), "heartbeat": time.time()})
+                if self.store is not None and not self.store.replace(fresh):
+                    current = read_holder(self.output)  # someone wrote the lease since our last write
+                    self.lost_to = current.describe(time.time()) if current else "nobody (the lease was deleted)"
+                    return
+                if self.store is None:
+                    fs.write_bytes(self.output.child(LEASE_NAME), fresh.encode())
+                self.holder = fresh
             except Exception as err:  # noqa: BLE001 - a missed heartbeat is retried; staleness takes minutes
                 log.warning("lease heartbeat on %s failed: %s", self.output.uri, err)
 
@@ -190,7 +210,10 @@ class Lease:
         try:
             current = read_holder(self.output)
             if current is not None and current.token == self.holder.token:
-                fs.delete(self.output.child(LEASE_NAME))
+                if self.store is not None:
+                    self.store.delete()
+                else:
+                    fs.delete(self.output.child(LEASE_NAME))
             if self.created_dir and self.output.is_local and not os.listdir(self.output.path):
                 os.rmdir(self.output.path)
         except OSError as err:
@@ -204,32 +227,153 @@ class Lease:
 
 
 def _take(output: fs.Location, holder: Holder, stale: Holder | None) -> bool:
-    """One attempt to write our lease in place of `stale` (None: no lease). False: try again."""
+    """One attempt to create our lease on a local disk or NFS in place of `stale` (None: no lease).
+    False: try again."""
     location = output.child(LEASE_NAME)
-    if output.is_local:
-        if stale is not None:
-            tombstone = f"{location.path}.stale-{holder.token}"
-            try:
-                os.rename(location.path, tombstone)  # only one taker can move the stale lease away
-            except FileNotFoundError:
-                return False
-            os.unlink(tombstone)
+    if stale is not None:
+        tombstone = f"{location.path}.stale-{holder.token}"
         try:
-            fd = os.open(location.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
+            os.rename(location.path, tombstone)  # only one taker can move the stale lease away
+        except FileNotFoundError:
             return False
-        with os.fdopen(fd, "wb") as f:
-            f.write(holder.encode())
-            f.flush()
-            os.fsync(f.fileno())
-        fs.fsync_dir(os.path.dirname(location.path))
-        return True
-    fs.write_bytes(location, holder.encode())
-    time.sleep(OBJECT_STORE_SETTLE_S)
-    current = read_holder(output)
-    if current is None or current.token != holder.token:
-        raise JobInputError(
-            f"output_dir: {output.uri} was taken by another job that started at the same time "
-            f"({current.describe(time.time()) if current else 'it has since ended'}); choose another output_dir"
-        )
+        moved = _holder_in(tombstone)
+        if moved is None or moved.token != stale.token:  # another taker's fresh lease: put it back
+            try:
+                os.link(tombstone, location.path)
+            except FileExistsError:
+                pass
+            os.unlink(tombstone)
+            return False
+        os.unlink(tombstone)
+    try:
+        fd = os.open(location.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "wb") as f:
+        f.write(holder.encode())
+        f.flush()
+        os.fsync(f.fileno())
+    fs.fsync_dir(os.path.dirname(location.path))
     return True
+
+
+def _holder_in(path: str) -> Holder | None:
+    try:
+        with open(path, "rb") as f:
+            return Holder(**json.loads(f.read()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+class ObjectLease:
+    """The lease object on S3, written only with conditions (`If-None-Match: *` to create, `If-Match:
+    <ETag>` to replace or delete), through boto3 with the AWS variables `pipeline.fs` uses."""
+
+    def __init__(self, client: Any, bucket: str, key: str, uri: str):
+        self.client, self.bucket, self.key, self.uri = client, bucket, key, uri
+        self.etag: str | None = None  # of our last write
+
+    @classmethod
+    def open(cls, output: fs.Location) -> ObjectLease:
+        """For an s3:// output; JobInputError for any other object store, or a store that ignores the
+        conditions."""
+        location = output.child(LEASE_NAME)
+        if not location.uri.startswith("s3://"):
+            raise JobInputError(
+                f"output_dir: {output.uri}: this store offers no conditional write here, so two jobs could both "
+                "take its lease; write to a local or NFS path, or to s3:// (conditional writes)"
+            )
+        try:
+            import boto3
+        except ImportError:
+            raise JobInputError(
+                f"output_dir: {output.uri}: the lease on S3 needs boto3 (conditional writes): pip install boto3"
+            ) from None
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or None
+        bucket, key = location.path.split("/", 1)
+        store = cls(boto3.client("s3", endpoint_url=endpoint, region_name=region), bucket, key, location.uri)
+        store.probe()
+        return store
+
+    def probe(self) -> None:
+        """Refuse a store that ignores If-None-Match (a second conditional create must fail)."""
+        key = f"{self.key}.probe-{uuid.uuid4().hex[:12]}"
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=key, Body=b"", IfNoneMatch="*")
+            honoured = self._conditional(lambda: self.client.put_object(
+                Bucket=self.bucket, Key=key, Body=b"", IfNoneMatch="*")) is None
+        except Exception as err:  # noqa: BLE001 - NotImplemented and the like: the store cannot do it
+            honoured, why = False, f"{type(err).__name__}: {err}"
+        else:
+            why = "it ignores If-None-Match"
+        finally:
+            try:
+                self.client.delete_object(Bucket=self.bucket, Key=key)
+            except Exception:  # noqa: BLE001 - a leftover probe object is harmless
+                pass
+        if not honoured:
+            raise JobInputError(
+                f"output_dir: {self.uri}: this S3 store does not honour conditional writes ({why}), so two jobs "
+                "could both take the lease; use a store that does (AWS S3, recent MinIO) or a local/NFS path"
+            )
+
+    def _conditional(self, call: Any) -> Any:
+        """The call's answer, or None when its condition failed (412, or 409 for a concurrent write)."""
+        from botocore.exceptions import ClientError
+
+        try:
+            return call()
+        except ClientError as err:
+            status = err.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            code = err.response.get("Error", {}).get("Code")
+            if status in (409, 412) or code in ("PreconditionFailed", "ConditionalRequestConflict"):
+                return None
+            raise
+
+    def take(self, holder: Holder, stale: Holder | None) -> bool:
+        """Create our lease, or replace `stale` if the object is still the one we read. False: try again."""
+        body = holder.encode()
+        if stale is None:
+            answer = self._conditional(
+                lambda: self.client.put_object(Bucket=self.bucket, Key=self.key, Body=body, IfNoneMatch="*"))
+        else:
+            found = self._conditional(lambda: self.client.get_object(Bucket=self.bucket, Key=self.key))
+            now = _decode(found["Body"].read()) if found is not None else None
+            unreadable = now is None and stale.token == "?"  # read_holder's stand-in for a corrupt lease
+            if found is None or (now != stale and not unreadable):
+                return False
+            etag = found["ETag"]
+            answer = self._conditional(
+                lambda: self.client.put_object(Bucket=self.bucket, Key=self.key, Body=body, IfMatch=etag))
+        if answer is None:
+            return False
+        self.etag = answer["ETag"]
+        return True
+
+    def replace(self, holder: Holder) -> bool:
+        """Our heartbeat: False when the object is no longer our last write."""
+        body = holder.encode()
+        answer = self._conditional(
+            lambda: self.client.put_object(Bucket=self.bucket, Key=self.key, Body=body, IfMatch=self.etag))
+        if answer is None:
+            return False
+        self.etag = answer["ETag"]
+        return True
+
+    def delete(self) -> None:
+        """Delete our lease (only if it is still our last write, where the store has conditional deletes)."""
+        from botocore.exceptions import ClientError
+
+        try:
+            self._conditional(
+                lambda: self.client.delete_object(Bucket=self.bucket, Key=self.key, IfMatch=self.etag))
+        except ClientError:  # no conditional delete here: the caller has just read that the lease is ours
+            self.client.delete_object(Bucket=self.bucket, Key=self.key)
+
+
+def _decode(raw: bytes) -> Holder | None:
+    try:
+        return Holder(**json.loads(raw))
+    except (ValueError, TypeError):
+        return None

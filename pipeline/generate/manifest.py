@@ -39,6 +39,7 @@ class Manifest:
     num_shards: int
     part_digits: int = 6
     id_kind: str = "int"
+    shard_size: int | None = None  # rows per shard (None in manifests older than shard_size=null)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -49,6 +50,7 @@ class Manifest:
             "num_shards": self.num_shards,
             "part_digits": self.part_digits,
             "id_kind": self.id_kind,
+            "shard_size": self.shard_size,
         }
 
     @classmethod
@@ -60,6 +62,7 @@ class Manifest:
             num_shards=int(raw["num_shards"]),
             part_digits=int(raw.get("part_digits", 6)),
             id_kind=str(raw.get("id_kind", "int")),
+            shard_size=raw.get("shard_size"),
         )
 
     def save(self, output: fs.Location) -> None:
@@ -158,10 +161,15 @@ class OutputState:
     """Which shards are done (one byte each), and the statistics of those done shards, summed."""
 
     done: bytearray
+    listed: bytearray = field(default_factory=bytearray)  # shards any commit record names (their retries are fenced)
     rows_done: int = 0
     shards_retried: int = 0  # listed with error rows, regenerated because of retry_failed
     earlier_stats: dict[str, Any] = field(default_factory=empty_stats)
     has_success: bool = False
+
+    def __post_init__(self) -> None:
+        if len(self.listed) != len(self.done):
+            self.listed = bytearray(len(self.done))
 
     @property
     def shards_done(self) -> int:
@@ -182,6 +190,8 @@ def load_state(output: fs.Location, num_shards: int, retry_failed: bool) -> Outp
     state = OutputState(done=bytearray(num_shards), has_success=fs.exists(output.child(SUCCESS_NAME)))
     if not names:
         return state
+    for shard in names:
+        state.listed[shard] = 1
     present = {info.base_name: info.size for info in fs.list_files(output, "output_dir")}
     for shard, name in names.items():
         if present.get(name) == sizes[shard]:

@@ -73,12 +73,13 @@ def write_shard(
     rows: list[dict[str, Any]],
     schema: pa.Schema,
     digits: int = MIN_PART_DIGITS,
+    fence: str = "",
 ) -> tuple[str, int]:
-    """Write one shard's part file whole; returns (file name, size in bytes)."""
+    """Write one shard's part file whole (named for its attempt, `ShardTask.fence`); returns (file name, size)."""
     if not isinstance(output, fs.Location):
         output = fs.resolve(str(output), "output_dir")
     data = encode_part(index, rows, schema)
-    name = part_name(index, digits)
+    name = part_name(index, digits, fence)
     fs.write_bytes(output.child(name), data)
     return name, len(data)
 
@@ -92,6 +93,18 @@ def remove_stale_temporaries(output: fs.Location) -> list[str]:
         name = info.base_name
         if ".tmp-" in name and name.startswith(_OWN_TEMPORARIES):
             fs.delete(fs.Location(output.filesystem, info.path, output.child(name).uri))
+            removed.append(name)
+    return sorted(removed)
+
+
+def remove_uncommitted_parts(output: fs.Location, committed: set[str]) -> list[str]:
+    """Delete part files the commit log does not name (attempts the driver gave up on, whose actors are
+    gone); called under the lease before `_SUCCESS`, so that the directory holds exactly the committed parts."""
+    removed = []
+    for info in fs.list_files(output, "output_dir"):
+        name = info.base_name
+        if name.startswith("part-") and name.endswith(".parquet") and name not in committed:
+            fs.delete(output.child(name))
             removed.append(name)
     return sorted(removed)
 

@@ -15,6 +15,8 @@ Not here: running anything (`pipeline.generate.job`), the file layout (`pipeline
 
 from __future__ import annotations
 
+import dataclasses
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,10 +28,17 @@ from pipeline.errors import JobInputError
 from pipeline.generate.config import GenerateConfig, generation_settings
 from pipeline.generate.lease import check_free
 from pipeline.generate.manifest import Manifest, OutputState, check_output_dir, load_state
-from pipeline.generate.shards import ShardTask, num_shards, part_digits, shard_task
+from pipeline.generate.shards import (
+    SHARD_GRANULE,
+    ShardTask,
+    auto_shard_size,
+    num_shards,
+    part_digits,
+    shard_task,
+)
 from pipeline.hashing import stable_hash
 from pipeline.scanners import scan_source
-from pipeline.source import Source, list_source
+from pipeline.source import Source, list_source, with_shard_size
 
 
 @dataclass
@@ -45,6 +54,7 @@ class JobPlan:
     manifest_on_disk: bool
     state: OutputState
     lease: Any = field(default=None)  # the job's `Lease` while it runs (set by pipeline.generate.job)
+    run_tag: str = field(default_factory=lambda: uuid.uuid4().hex[:8])  # fences this run's part names
 
     @property
     def output_dir(self) -> str:
@@ -62,8 +72,14 @@ class JobPlan:
     def id_kind(self) -> str:
         return self.manifest.id_kind
 
+    @property
+    def shard_size(self) -> int:
+        return self.source.shard_size
+
     def shard(self, index: int) -> ShardTask:
-        return shard_task(index, self.num_rows, self.config.shard_size)
+        """Shard `index`'s first attempt in this run (fenced when an earlier run listed it)."""
+        task = shard_task(index, self.num_rows, self.shard_size)
+        return dataclasses.replace(task, run=self.run_tag, fresh=not self.state.listed[index])
 
     def todo(self) -> np.ndarray:
         """The indices of the shards still to generate, in order."""
@@ -108,15 +124,18 @@ def prepare(config: GenerateConfig) -> JobPlan:
     existing = check_output_dir(output, config_hash, settings)
 
     limit = models.max_new_tokens_limit(config.model) if config.data.max_new_tokens_column else None
-    source = scan_source(config.data, listing, config.shard_size, limit)  # the one pass over the rows' metadata
-    shards = num_shards(source.num_rows, config.shard_size)
+    size = config.shard_size or (existing.shard_size if existing is not None else None)
+    source = scan_source(config.data, listing, size or SHARD_GRANULE, limit)  # the one pass over the metadata
+    if size is None:
+        source = with_shard_size(source, auto_shard_size(source.num_rows))
+    shards = num_shards(source.num_rows, source.shard_size)
     if existing is not None and (existing.num_rows, existing.num_shards) != (source.num_rows, shards):
         raise JobInputError(
             f"data.path: {listing.path} now gives {source.num_rows} rows, {output.uri} was started with "
             f"{existing.num_rows}; restore the input to resume, or choose another output_dir"
         )
     manifest = existing or Manifest(
-        config_hash, settings, source.num_rows, shards, part_digits(shards), source.id_kind
+        config_hash, settings, source.num_rows, shards, part_digits(shards), source.id_kind, source.shard_size
     )
     if existing is not None:
         state = load_state(output, shards, config.retry_failed)

@@ -2,7 +2,8 @@
 
 `read_output` takes a local path or a URI, reads the commit log, and concatenates the committed part files
 in shard (= input row) order; a shard committed twice (a retried one) counts once, its last commit. Parts
-that are not in the log (a run killed between writing and committing) are not read.
+that are not in the log (a run killed between writing and committing, an attempt the driver gave up on)
+are not read, and each committed part must have the size its record lists (else `ValueError`).
 
 Not here: writing (`pipeline.generate.output`), the resume policy (`pipeline.generate.manifest`).
 """
@@ -35,9 +36,14 @@ def read_output(output_dir: str | os.PathLike[str]) -> pa.Table:
     if manifest is None:
         raise FileNotFoundError(f"{output.uri} has no {MANIFEST_NAME}")
     records = {record["shard"]: record for record in read_commit_records(output)}
+    sizes = {info.base_name: info.size for info in fs.list_files(output, "output_dir")} if records else {}
     tables = []
     for index in sorted(records):
-        location = output.child(records[index]["file"])
+        name, listed = records[index]["file"], records[index]["bytes"]
+        if sizes.get(name) != listed:
+            found = "missing" if name not in sizes else f"{sizes[name]} bytes"
+            raise ValueError(f"{output.uri}: shard {index}'s part {name} is {found}, its commit lists {listed} bytes")
+        location = output.child(name)
         with location.filesystem.open_input_file(location.path) as f:
             tables.append(pq.read_table(f))
     return pa.concat_tables(tables) if tables else output_schema(manifest.id_kind).empty_table()

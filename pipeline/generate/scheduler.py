@@ -4,19 +4,30 @@ Each `ShardGenerator` actor asks for `ray.cpus_per_actor` CPUs (and a GPU when t
 keeps `ray.shards_per_actor` shards queued. The actor is threaded (`max_concurrency =
 ray.shards_per_actor`): its queued shards run at once, their rows in the actor's one continuous batch, so
 the next shard's prompts take the slots the current one's rows leave before it ends.
-The driver re-queues a shard, on whichever live actor is free first, when:
 
-- its task fails because of the shard (the worker could not read or write): up to `ray.shard_attempts`;
-- its actor died (`ActorDiedError`), or is "temporarily unavailable" (`ActorUnavailableError`, e.g. its
-  node stopped answering): every shard queued on that actor goes back, and the actor gets no more until it
-  answers a ping again (a restarted actor does, once it has reloaded the pair);
+The job starts as soon as one actor has loaded the pair (the others get as long again, at least
+`ACTOR_GRACE_S`, then join when they are up); one that fails to load is replaced. A shard goes back to the
+queue, as its next attempt (a new part name: `ShardTask.fence`), when:
+
+- its task fails because of the shard (reading, writing, generating): charged to that shard, up to
+  `ray.shard_attempts`; it goes to an actor it has not failed on first (quarantine), and an actor whose
+  failed shard then succeeds elsewhere is restarted (a sticky device error goes with its process). The
+  other shards that were in that actor's batch (`FeedAborted`) go back uncharged;
+- its actor died (`ActorDiedError`: the first shard is charged, the rest go back), or is "temporarily
+  unavailable" (`ActorUnavailableError`: Ray is restarting it, or its node stopped answering): every shard
+  queued on it goes back, and it gets no more until it answers a ping again;
 - its actor stops answering: a busy actor is pinged every `ray.heartbeat_s` (in a concurrency group of
-  its own, so it answers mid-shard); one that has not answered for `ray.heartbeat_timeout_s` is given up
-  (killed, its shards re-queued), as is a shard that runs past `ray.shard_timeout_s`.
+  its own, so it answers mid-shard); one that has not answered for `ray.heartbeat_timeout_s` is restarted;
+- its actor makes no progress: a ping proves the process is alive, its answer's `progress` (engine
+  iterations, shards read and written) that it works; a busy actor whose progress stays put for
+  `ray.stall_timeout_s` (a hung kernel, a deadlock) is restarted, as is one whose head shard runs past
+  `ray.shard_timeout_s`.
 
-The job goes on with the actors it has; with none left it fails. Every wait has a timeout, so a job never
-hangs. Ray restarts an actor that dies (`ray.max_restarts`); it does not re-run tasks itself
-(`ray.max_task_retries=0`): the driver does, on any actor.
+Restarting is Ray's (`ray.kill` without `no_restart`: a new process reloads the pair), up to
+`ray.max_restarts` per actor; an actor dead for good is replaced by a new one while that budget lasts,
+which starts when the cluster has room for it again (a returning node). The job goes on with the actors
+it has; with none left (none alive, starting or restarting) it fails. Every wait has a timeout. Ray does
+not re-run tasks itself (`ray.max_task_retries=0`): the driver does, on any actor.
 
 Not here: committing results (`pipeline.generate.job`), sizing the pool (`pipeline.generate.cluster`).
 """
@@ -35,6 +46,7 @@ import numpy as np
 
 from pipeline import fs
 from pipeline.generate.config import GenerateConfig
+from pipeline.generate.feed import FeedAborted
 from pipeline.generate.progress import PROGRESS_POLL_S, BatchReporter, ShardProgress, rows_in_flight
 from pipeline.generate.shards import ShardTask
 from pipeline.generate.worker import ShardGenerator, ShardResult, WorkerJob
@@ -42,6 +54,7 @@ from pipeline.generate.worker import ShardGenerator, ShardResult, WorkerJob
 log = logging.getLogger("pipeline")
 
 HEALTH_GROUP = "health"
+ACTOR_GRACE_S = 10.0  # at least this long for the other actors to load once one has
 
 
 @dataclass
@@ -52,6 +65,7 @@ class RunHooks:
     on_dispatch: Callable[[Any, ShardTask], None] | None = None
     on_shard_written: Callable[[ShardResult], None] | None = None
     on_progress: Callable[[int], None] | None = None  # prompts done, shards in flight included (polled)
+    on_actor_joined: Callable[[Any, dict[str, Any]], None] | None = None  # a late or restarted actor is up
 
 
 class NamedReporter:
@@ -70,22 +84,44 @@ class NamedReporter:
 
 
 class ShardQueue:
-    """Shards still to hand out: the plan's to-do indices in order, re-queued shards first."""
+    """Shards still to hand out: re-queued shards first, then the plan's to-do indices, dealt in contiguous
+    lanes (`deal`): each actor takes its lane's shards in row order, so it reads a contiguous part of the
+    input (its row groups once, not every actor every row group); an actor whose lane is empty takes the
+    second half of the fullest lane."""
 
     def __init__(self, indices: np.ndarray, make: Callable[[int], ShardTask]):
         self._indices = indices
-        self._next = 0
+        self._lanes: list[list[int]] = [[0, len(indices)]]  # [next, stop) positions in `indices`, per lane
         self._again: deque[ShardTask] = deque()
         self._make = make
 
     def __len__(self) -> int:
-        return len(self._indices) - self._next + len(self._again)
+        return sum(stop - start for start, stop in self._lanes) + len(self._again)
 
-    def pop(self) -> ShardTask:
-        if self._again:
-            return self._again.popleft()
-        index = int(self._indices[self._next])
-        self._next += 1
+    def deal(self, lanes: int) -> None:
+        """Cut the shards not handed out yet into `lanes` contiguous lanes of about equal length."""
+        start, stop = min(lane[0] for lane in self._lanes), max(lane[1] for lane in self._lanes)
+        if sum(b - a for a, b in self._lanes) != stop - start:
+            raise RuntimeError("ShardQueue.deal: call it before any lane was split")
+        bounds = np.linspace(start, stop, max(1, lanes) + 1).round().astype(np.int64)
+        self._lanes = [[int(a), int(b)] for a, b in zip(bounds[:-1], bounds[1:])]
+
+    def pop(self, skip: Callable[[int], bool] | None = None, lane: int = 0) -> ShardTask | None:
+        """The first re-queued shard `skip` does not refuse, else the next shard of `lane` (None: nothing for
+        this caller; new shards are never refused)."""
+        for position, task in enumerate(self._again):
+            if skip is None or not skip(task.index):
+                del self._again[position]
+                return task
+        mine = self._lanes[lane % len(self._lanes)]
+        if mine[0] >= mine[1]:
+            fullest = max(self._lanes, key=lambda other: other[1] - other[0])
+            if fullest[0] >= fullest[1]:
+                return None
+            middle = (fullest[0] + fullest[1]) // 2  # the fullest lane's second half becomes this lane
+            mine[0], mine[1], fullest[1] = middle, fullest[1], middle
+        index = int(self._indices[mine[0]])
+        mine[0] += 1
         return self._make(index)
 
     def push_front(self, task: ShardTask) -> None:
@@ -98,12 +134,20 @@ class _Slot:
 
     actor: Any
     in_flight: deque = field(default_factory=deque)  # (ref, ShardTask) in dispatch order
-    state: str = "ok"  # ok | suspect (unavailable: no new shards until it answers) | dead
+    # starting (loading the pair) | ok | suspect (unavailable or restarting: no new shards until it answers)
+    # | dead
+    state: str = "ok"
     last_answer: float = 0.0  # last result or ping reply (or when it got work while idle)
     head_since: float = 0.0  # when the shard at the head of its queue started (about)
     suspect_since: float = 0.0
     ping: Any = None
     ping_sent: float = 0.0
+    progress: int = -1  # the actor's progress counter at its last ping answer
+    progress_at: float = 0.0  # when it last moved (or a result came, or the idle actor got work)
+    failed: set[int] = field(default_factory=set)  # shards that failed on this actor's process
+    lives: int = 0  # restarts the driver asked for + replacements
+    ready: Any = None  # starting: the ref of its ready() call
+    started: float = 0.0  # starting: since when
 
 
 class ShardActorPool:
@@ -129,47 +173,62 @@ class ShardActorPool:
         if fs.forwarded_env():  # object-store credentials and endpoint, for actors on any node
             options["runtime_env"] = {"env_vars": fs.forwarded_env()}
         # pings run in a concurrency group of their own, so that a busy actor answers them mid-shard
-        remote_class = ray.remote(concurrency_groups={HEALTH_GROUP: 1})(ShardGenerator).options(**options)
+        self._remote_class = ray.remote(concurrency_groups={HEALTH_GROUP: 1})(ShardGenerator).options(**options)
         threads = max(1, int(cpus_each))
         device = "cuda" if gpus_each > 0 else "cpu"  # a CPU actor stays on CPU even on a GPU node
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
         name = f"spectr-progress-{uuid.uuid4().hex[:12]}"
         self.progress = ray.remote(ShardProgress).options(num_cpus=0, scheduling_strategy=here, name=name).remote()
         reporter = NamedReporter(name)  # by name: an actor handle in the constructor arguments pins them
+        self._actor_args = (config.model, config.spectr, threads, device, reporter)
         # one copy in the object store for every actor; each shard task carries a reference to it (nested in
         # a list, so that Ray passes the reference), which the actor fetches once
         self._job_ref = ray.put(job)
-        self.actors = [
-            remote_class.remote(config.model, config.spectr, threads, device, reporter) for _ in range(count)
-        ]
+        self.actors = [self._remote_class.remote(*self._actor_args) for _ in range(count)]
         self._slots: list[_Slot] = []
         self._failures: dict[int, int] = {}
+        self._hooks: RunHooks | None = None
+        self._queue: ShardQueue | None = None
 
     def wait_ready(self) -> list[dict[str, Any]]:
-        """Wait (at most ray.actor_start_timeout_s) for the actors to load the pair; go on with those that
-        did. Raises when none did, or when one failed to load."""
-        from ray.exceptions import RayActorError, RayTaskError
+        """Wait (at most ray.actor_start_timeout_s) for a first actor to load the pair, then as long again for
+        the others; go on with those that did (the rest join when they are up). Raises when none did."""
+        from ray.exceptions import RayError
 
-        refs = [actor.ready.remote() for actor in self.actors]
-        timeout = self.config.ray.actor_start_timeout_s
-        ready, pending = self._ray.wait(refs, num_returns=len(refs), timeout=timeout)
-        try:
-            workers = {ref: self._ray.get(ref) for ref in ready}
-        except (RayActorError, RayTaskError) as err:
-            raise RuntimeError(f"an actor failed to load the model pair: {err}") from err
+        started = time.monotonic()
+        refs = {actor.ready.remote(): actor for actor in self.actors}
+        self._slots = [_Slot(actor, state="starting", ready=ref, started=started) for ref, actor in refs.items()]
+        deadline = started + self.config.ray.actor_start_timeout_s
+        workers: dict[Any, dict[str, Any]] = {}
+        errors: list[BaseException] = []
+        pending = list(refs)
+        while pending and time.monotonic() < deadline:
+            done, pending = self._ray.wait(pending, num_returns=1, timeout=deadline - time.monotonic())
+            for ref in done:
+                try:
+                    workers[ref] = self._ray.get(ref)
+                except RayError as err:
+                    errors.append(err)
+                    log.warning("an actor failed to load the model pair (%s); going on without it", err)
+            grace = max(ACTOR_GRACE_S, time.monotonic() - started)  # as long again for the others
+            if workers and deadline > time.monotonic() + grace:
+                deadline = time.monotonic() + grace
         if not workers:
+            if errors:
+                raise RuntimeError(f"an actor failed to load the model pair: {errors[0]}") from errors[0]
             raise RuntimeError(
-                f"no actor started within ray.actor_start_timeout_s={timeout:g} s (does the cluster have the "
-                "resources each actor asks for?)"
+                f"no actor started within ray.actor_start_timeout_s={self.config.ray.actor_start_timeout_s:g} s "
+                "(does the cluster have the resources each actor asks for?)"
             )
-        started = [(actor, workers[ref]) for actor, ref in zip(self.actors, refs) if ref in workers]
-        for actor, ref in zip(self.actors, refs):
-            if ref not in workers:
-                log.warning("an actor did not start within %g s; going on without it", timeout)
-                self._ray.kill(actor, no_restart=True)
-        self.actors = [actor for actor, _ in started]
-        self._slots = [_Slot(actor, last_answer=time.monotonic()) for actor in self.actors]
-        return [worker for _, worker in started]
+        for slot in self._slots:
+            if slot.ready in workers:
+                slot.state, slot.ready, slot.last_answer = "ok", None, time.monotonic()
+            elif slot.ready not in pending:  # failed to load
+                self._dead(slot, "it failed to load the pair")
+        self.actors = [slot.actor for slot in self._slots if slot.state == "ok"]
+        if pending:
+            log.warning("%d actor(s) not loaded yet; the job starts without them", len(pending))
+        return [workers[ref] for ref in refs if ref in workers]
 
     def run(
         self,
@@ -182,6 +241,8 @@ class ShardActorPool:
         """Generate every queued shard once (as far as the output is concerned), calling `on_result` per
         shard, `on_partial(rows generated so far in the shards in flight)` every PROGRESS_POLL_S, and
         `check()` (which may raise to stop the job) between waits."""
+        self._hooks, self._queue = hooks, queue
+        queue.deal(len(self._slots))  # one contiguous lane per actor (a late or new one takes its slot's)
         last_poll = time.monotonic()
         while len(queue) or any(slot.in_flight for slot in self._slots):
             if check is not None:
@@ -205,28 +266,38 @@ class ShardActorPool:
         return min(PROGRESS_POLL_S, self.config.ray.heartbeat_s)
 
     def _dispatch(self, queue: ShardQueue, hooks: RunHooks | None) -> None:
-        """Fill every healthy actor's queue to `ray.shards_per_actor`, one shard per actor per round."""
+        """Fill every healthy actor's queue to `ray.shards_per_actor`, one shard per actor per round; a
+        re-queued shard goes to an actor it has not failed on while there is one."""
         for depth in range(1, self.config.ray.shards_per_actor + 1):
-            for slot in self._slots:
+            for lane, slot in enumerate(self._slots):
                 if not len(queue):
                     return
                 if slot.state != "ok" or len(slot.in_flight) >= depth:
                     continue
-                task = queue.pop()
+                task = queue.pop(lambda index, slot=slot: self._elsewhere(slot, index), lane)
+                if task is None:
+                    continue
                 if not slot.in_flight:
-                    slot.head_since = slot.last_answer = time.monotonic()
+                    slot.head_since = slot.last_answer = slot.progress_at = time.monotonic()
                 slot.in_flight.append((slot.actor.generate_shard.remote(task, [self._job_ref]), task))
                 if hooks and hooks.on_dispatch:
                     hooks.on_dispatch(slot.actor, task)
 
+    def _elsewhere(self, slot: _Slot, index: int) -> bool:
+        """Quarantine: shard `index` failed on this actor and another working actor has not failed it."""
+        return index in slot.failed and any(
+            other is not slot and other.state == "ok" and index not in other.failed for other in self._slots
+        )
+
     def _waiting_refs(self) -> dict[Any, tuple[_Slot, ShardTask | None]]:
-        """Every shard task and ping in flight -> (its actor's slot, its shard or None for a ping)."""
+        """Every shard task, ping and start in flight -> (its actor's slot, its shard or None)."""
         waiting: dict[Any, tuple[_Slot, ShardTask | None]] = {}
         for slot in self._slots:
             for ref, task in slot.in_flight:
                 waiting[ref] = (slot, task)
-            if slot.ping is not None:
-                waiting[slot.ping] = (slot, None)
+            for ref in (slot.ping, slot.ready):
+                if ref is not None:
+                    waiting[ref] = (slot, None)
         return waiting
 
     def _handle(self, ref: Any, owner: tuple[_Slot, ShardTask | None], queue: ShardQueue, on_result) -> None:
@@ -234,38 +305,57 @@ class ShardActorPool:
 
         slot, task = owner
         if task is None:
-            self._ping_answered(slot, ref)
+            if ref == slot.ready:
+                self._started(slot, ref)
+            elif ref == slot.ping:
+                self._ping_answered(slot, ref)
             return
+        if not any(item[0] == ref for item in slot.in_flight):
+            return  # its actor was restarted or replaced by an earlier answer of this round: re-queued then
         slot.in_flight = deque(item for item in slot.in_flight if item[0] != ref)
         self.progress.forget.remote(task.index)
         try:
             result = self._ray.get(ref)
-        except RayTaskError as err:  # the shard's own failure (reading, writing): the actor is fine
-            self._retry(queue, task, err)
+        except RayTaskError as err:  # the shard's own failure (or, FeedAborted, a neighbour's)
+            if not isinstance(err, FeedAborted):
+                slot.failed.add(task.index)
+                self._charge(task, err)
+            queue.push_front(task.again())
             return
         except ActorDiedError as err:
-            self._retry(queue, task, err)
-            self._give_up(slot, queue, "it died")
+            self._charge(task, err)
+            queue.push_front(task.again())
+            self._dead(slot, "it died")
             return
         except RayError as err:  # ActorUnavailableError and the like: the actor may come back
-            self._retry(queue, task, err)
+            queue.push_front(task.again())
             self._suspect(slot, queue, type(err).__name__)
             return
-        slot.last_answer = slot.head_since = time.monotonic()
+        slot.last_answer = slot.head_since = slot.progress_at = time.monotonic()
         on_result(result)
+        self._quarantine(result.index, slot, queue)
 
-    def _retry(self, queue: ShardQueue, task: ShardTask, err: BaseException) -> None:
+    def _charge(self, task: ShardTask, err: BaseException) -> None:
+        """One failed attempt of `task`'s shard; the job fails after `ray.shard_attempts`."""
         failures = self._failures.get(task.index, 0) + 1
         self._failures[task.index] = failures
         if failures >= self.config.ray.shard_attempts:
             raise RuntimeError(f"shard {task.index} failed {failures} time(s); last error: {err}") from err
-        log.warning("shard %d: %s; handing it to another actor", task.index, type(err).__name__)
-        queue.push_front(task)
+        log.warning("shard %d: %s; handing it to another actor", task.index, str(err).strip().splitlines()[-1][:300])
+
+    def _quarantine(self, index: int, winner: _Slot, queue: ShardQueue) -> None:
+        """Shard `index` succeeded: every other actor it failed on is sick, and restarted."""
+        for slot in self._slots:
+            if slot is not winner and index in slot.failed:
+                slot.failed.discard(index)
+                if slot.state == "ok":
+                    self._restart(slot, queue, f"shard {index} failed on it and then succeeded on another actor")
+        winner.failed.discard(index)
 
     def _requeue_all(self, slot: _Slot, queue: ShardQueue) -> None:
         for _, task in reversed(slot.in_flight):
             self.progress.forget.remote(task.index)
-            queue.push_front(task)
+            queue.push_front(task.again())
         slot.in_flight.clear()
 
     def _suspect(self, slot: _Slot, queue: ShardQueue, why: str) -> None:
@@ -274,49 +364,111 @@ class ShardActorPool:
             slot.state, slot.suspect_since = "suspect", time.monotonic()
         self._requeue_all(slot, queue)
 
-    def _give_up(self, slot: _Slot, queue: ShardQueue, why: str) -> None:
+    def _lives_left(self, slot: _Slot) -> bool:
+        limit = self.config.ray.max_restarts
+        return limit < 0 or slot.lives < limit
+
+    def _restart(self, slot: _Slot, queue: ShardQueue, why: str) -> None:
+        """A stuck, silent or sick actor: its shards go back, and Ray replaces its process (it reloads the
+        pair; it gets shards again once it answers a ping). Without restarts left it is given up."""
+        if not self._lives_left(slot):
+            self._dead(slot, f"{why}; no restarts left")
+            return
+        log.warning("restarting an actor (%s); %d shard(s) re-queued", why, len(slot.in_flight))
+        self._requeue_all(slot, queue)
+        slot.lives += 1
+        slot.failed.clear()
+        slot.state, slot.suspect_since, slot.ping, slot.ping_sent = "suspect", time.monotonic(), None, 0.0
+        try:
+            self._ray.kill(slot.actor, no_restart=False)
+        except Exception:  # noqa: BLE001 - it may be gone already; its pings say what became of it
+            pass
+
+    def _dead(self, slot: _Slot, why: str) -> None:
+        """The actor is gone for good: its shards go back, and a new actor takes its place while its
+        budget (`ray.max_restarts`) lasts; the new one starts when the cluster has room for it."""
         if slot.state != "dead":
             log.warning("giving up an actor (%s); %d shard(s) re-queued", why, len(slot.in_flight))
-        self._requeue_all(slot, queue)
+        if self._queue is not None:
+            self._requeue_all(slot, self._queue)
         slot.state, slot.ping = "dead", None
         try:
             self._ray.kill(slot.actor, no_restart=True)
         except Exception:  # noqa: BLE001 - it may be gone already; either way we no longer use it
             pass
+        if self._lives_left(slot):
+            slot.lives += 1
+            slot.actor = self._remote_class.remote(*self._actor_args)
+            slot.state, slot.started, slot.failed = "starting", time.monotonic(), set()
+            slot.ready = slot.actor.ready.remote()
+            log.warning("starting a new actor in its place")
+
+    def _started(self, slot: _Slot, ref: Any) -> None:
+        """A late or new actor's ready() answered: it gets shards (or, failing to load, is given up)."""
+        from ray.exceptions import RayError
+
+        slot.ready = None
+        try:
+            worker = self._ray.get(ref)
+        except RayError as err:
+            self._dead(slot, f"it failed to load the pair: {err}")
+            return
+        log.warning("an actor joined the job (%s)", worker.get("host"))
+        slot.state, slot.last_answer, slot.progress, slot.progress_at = "ok", time.monotonic(), -1, time.monotonic()
+        self.actors.append(slot.actor)
+        if self._hooks and self._hooks.on_actor_joined:
+            self._hooks.on_actor_joined(slot.actor, worker)
 
     def _ping_answered(self, slot: _Slot, ref: Any) -> None:
         from ray.exceptions import ActorDiedError, RayError
 
         slot.ping = None
         try:
-            self._ray.get(ref)
+            answer = self._ray.get(ref)
         except ActorDiedError:
-            slot.state = "dead"
+            self._dead(slot, "it died")
             return
         except RayError:
             return  # unavailable: asked again at the next heartbeat
-        slot.last_answer = time.monotonic()
+        now = time.monotonic()
+        slot.last_answer = now
+        if answer["progress"] != slot.progress:
+            slot.progress, slot.progress_at = answer["progress"], now
         if slot.state == "suspect":
             log.warning("an unavailable actor answers again; it gets shards again")
-            slot.state = "ok"
+            slot.state, slot.progress_at = "ok", now
+            if self._hooks and self._hooks.on_actor_joined:
+                self._hooks.on_actor_joined(slot.actor, answer)
 
     def _heartbeat(self, queue: ShardQueue) -> None:
         now = time.monotonic()
         r = self.config.ray
         for slot in self._slots:
-            if slot.state == "dead" or (slot.state == "ok" and not slot.in_flight):
+            if slot.state == "starting" and now - slot.started > r.actor_start_timeout_s:
+                self._give_up_start(slot)
+            if slot.state in ("dead", "starting") or (slot.state == "ok" and not slot.in_flight):
                 continue
             if slot.ping is None and now - slot.ping_sent >= r.heartbeat_s:
                 slot.ping = slot.actor.ping.options(concurrency_group=HEALTH_GROUP).remote()
                 slot.ping_sent = now
-            if slot.state == "ok" and now - slot.last_answer > r.heartbeat_timeout_s:
-                self._give_up(slot, queue, f"no answer for {now - slot.last_answer:.0f} s")
-            elif slot.state == "suspect" and now - slot.suspect_since > r.actor_start_timeout_s:
-                self._give_up(slot, queue, f"unavailable for {now - slot.suspect_since:.0f} s")
-            elif (
-                r.shard_timeout_s is not None and slot.in_flight and now - slot.head_since > r.shard_timeout_s
-            ):
-                self._give_up(slot, queue, f"shard {slot.in_flight[0][1].index} ran past ray.shard_timeout_s")
+            if slot.state == "suspect":
+                if now - slot.suspect_since > r.actor_start_timeout_s:
+                    self._dead(slot, f"unavailable for {now - slot.suspect_since:.0f} s")
+            elif now - slot.last_answer > r.heartbeat_timeout_s:
+                self._restart(slot, queue, f"no answer for {now - slot.last_answer:.0f} s")
+            elif now - slot.progress_at > r.stall_timeout_s:
+                self._restart(slot, queue, f"no progress for {now - slot.progress_at:.0f} s (ray.stall_timeout_s)")
+            elif r.shard_timeout_s is not None and slot.in_flight and now - slot.head_since > r.shard_timeout_s:
+                self._restart(slot, queue, f"shard {slot.in_flight[0][1].index} ran past ray.shard_timeout_s")
+
+    def _give_up_start(self, slot: _Slot) -> None:
+        """An actor that did not start within ray.actor_start_timeout_s (the cluster lacks room for it)."""
+        log.warning("an actor did not start within ray.actor_start_timeout_s; going on without it")
+        slot.state, slot.ready = "dead", None
+        try:
+            self._ray.kill(slot.actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - either way we no longer use it
+            pass
 
     def _report_partial(self, on_partial: Callable[[int], None]) -> None:
         from ray.exceptions import GetTimeoutError, RayError

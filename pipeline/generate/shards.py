@@ -12,6 +12,7 @@ This module does not run the model; `pipeline.generate.worker` turns a `Shard` i
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 from typing import Any
@@ -22,18 +23,40 @@ from pipeline.prompts import PromptRows, ReadCache, read_rows
 from pipeline.source import Source
 
 MIN_PART_DIGITS = 6
+# shard_size=null: the job's shard size (`auto_shard_size`)
+SHARD_GRANULE = 16  # a multiple of this, so that the plan's scan can record offsets before it knows the size
+SHARD_TARGET_ROWS = 256  # enough rows per part for a GPU's continuous batch ...
+MIN_SHARDS = 64  # ... but at least this many shards (several per actor) on small jobs ...
+MAX_PARTS = 2000  # ... and at most this many part files on large ones (1M prompts: 1,954 parts of 512)
 
 
 @dataclass(frozen=True)
 class ShardTask:
-    """What the driver sends a worker: which shard, which rows. No row data."""
+    """What the driver sends a worker: which shard, which rows, which attempt. No row data.
+
+    The attempt fences the writer: the first attempt at a shard no run has listed writes
+    `part-NNNNNN.parquet`; every other attempt (a re-dispatch in this run, or a shard an earlier run
+    listed) writes `part-NNNNNN-<run>-<attempt>.parquet`, so a late writer the driver gave up on never
+    replaces the part the commit log names."""
 
     index: int
     start: int
     stop: int
+    attempt: int = 0  # dispatches of this shard in this run before this one
+    run: str = ""  # this run's tag (`JobPlan.run_tag`)
+    fresh: bool = True  # no run has listed this shard in the commit log
 
     def __len__(self) -> int:
         return self.stop - self.start
+
+    @property
+    def fence(self) -> str:
+        """The part name's attempt suffix ('' for the first attempt at a fresh shard)."""
+        return "" if self.fresh and self.attempt == 0 else f"{self.run}-{self.attempt}"
+
+    def again(self) -> ShardTask:
+        """The same shard's next attempt (a new part name: the last attempt may still write late)."""
+        return dataclasses.replace(self, attempt=self.attempt + 1)
 
 
 @dataclass(frozen=True)
@@ -62,6 +85,14 @@ def row_seed(base_seed: int, row_id: Any) -> int:
     return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & ((1 << 63) - 1)
 
 
+def auto_shard_size(num_rows: int) -> int:
+    """The default shard size for `num_rows` prompts: SHARD_TARGET_ROWS, less on small jobs (MIN_SHARDS
+    shards, never under SHARD_GRANULE rows), more on large ones (at most MAX_PARTS part files); a multiple of
+    SHARD_GRANULE."""
+    wanted = max(SHARD_GRANULE, -(-num_rows // MAX_PARTS), min(SHARD_TARGET_ROWS, -(-num_rows // MIN_SHARDS)))
+    return -(-wanted // SHARD_GRANULE) * SHARD_GRANULE
+
+
 def num_shards(num_rows: int, shard_size: int) -> int:
     return (num_rows + shard_size - 1) // shard_size
 
@@ -75,8 +106,9 @@ def part_digits(total_shards: int) -> int:
     return max(MIN_PART_DIGITS, len(str(max(0, total_shards - 1))))
 
 
-def part_name(index: int, digits: int = MIN_PART_DIGITS) -> str:
-    return f"part-{index:0{digits}d}.parquet"
+def part_name(index: int, digits: int = MIN_PART_DIGITS, fence: str = "") -> str:
+    """`part-NNNNNN.parquet`, or `part-NNNNNN-<fence>.parquet` for a fenced attempt (`ShardTask.fence`)."""
+    return f"part-{index:0{digits}d}{'-' + fence if fence else ''}.parquet"
 
 
 def cut_shards(

@@ -73,8 +73,9 @@ def read_run_record(output: fs.Location | str | os.PathLike) -> RunRecord | None
 
 
 def write_run_record(output: fs.Location | str | os.PathLike, record: RunRecord) -> None:
-    """Atomically (temporary name + rename, or one PUT on an object store)."""
-    fs.write_bytes(_run_file(output), json.dumps(asdict(record), indent=1).encode())
+    """Atomically (temporary name + rename, or one PUT on an object store); best effort (retried, then a
+    warning): bookkeeping never fails a job."""
+    fs.write_bytes_best_effort(_run_file(output), json.dumps(asdict(record), indent=1).encode(), "run record")
 
 
 def model_name(path_or_id: str) -> str:

@@ -49,6 +49,7 @@ class ShardResult:
     file: str = ""  # the part file's name in the output directory
     bytes: int = 0  # and its size
     plan: dict[str, Any] | None = None  # method=auto: the plan that generated the shard (`with_plan`)
+    attempt: int = 0  # the task's attempt (`ShardTask.attempt`; its fence names the file)
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,7 @@ class ShardGenerator:
         self.cache = ReadCache()
         # the shards' threads share the read cache and the tokenizer (a fast tokenizer is not re-entrant)
         self._text_lock = threading.Lock()
+        self._shard_steps = 0  # shards read and written (progress outside the engine's iterations)
         self.tokenizer = models.load_tokenizer(
             models.check_model_dir(model.target, "model.target", model.allow_pickle),
             "model.target",
@@ -135,9 +137,11 @@ class ShardGenerator:
             "torch_threads": torch.get_num_threads(),
         }
 
-    def ping(self) -> float:
-        """The heartbeat the driver polls (in its own concurrency group, so it answers mid-shard)."""
-        return time.time()
+    def ping(self) -> dict[str, Any]:
+        """The heartbeat the driver polls (in its own concurrency group, so it answers mid-shard). The answer
+        proves the process is alive; `progress` (engine iterations + shards read + shards written) proves
+        that it works: the driver replaces a busy actor whose progress stays put for `ray.stall_timeout_s`."""
+        return {"time": time.time(), "progress": self.feed.steps + self._shard_steps, "pid": os.getpid()}
 
     def generate_shard(self, task: ShardTask, job_ref: list[Any] | None = None) -> ShardResult:
         """Read, generate and write one shard; return its statistics and the part file's name and size.
@@ -158,12 +162,16 @@ class ShardGenerator:
             )
         with self._text_lock:
             shard = load_shard(task, job.source, self.tokenizer, job.data, self.spectr.seed, self.cache)
+        self._shard_steps += 1
         self.feed.max_budget = job.source.max_budget  # the pool is sized for the input's largest budget
         result = self(shard)
         output = fs.resolve(job.output_uri, "output_dir")
         schema = with_plan(job.schema, result.plan)  # method=auto: the plan that generated this shard
-        result.file, result.bytes = write_shard(output, task.index, result.rows, schema, job.part_digits)
-        result.rows = None  # the driver gets statistics only
+        result.file, result.bytes = write_shard(
+            output, task.index, result.rows, schema, job.part_digits, task.fence
+        )  # named for the attempt: a late writer never replaces the part the commit log names
+        self._shard_steps += 1
+        result.rows, result.attempt = None, task.attempt  # the driver gets statistics only
         return result
 
     def __call__(self, shard: Shard) -> ShardResult:

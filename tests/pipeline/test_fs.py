@@ -42,3 +42,16 @@ def test_unknown_scheme_and_missing_bucket_name_are_one_line_errors():
     assert "\n" not in str(caught.value)
     with pytest.raises(JobInputError, match="names no bucket"):
         fs.resolve("s3:///x", "output_dir")
+
+
+def test_best_effort_write_retries_then_warns_and_never_raises(tmp_path, caplog):
+    """Bookkeeping (run records) never fails a job: a write that keeps failing (the name is a directory)
+    is retried, then logged; the same write through `write_bytes` raises (negative control)."""
+    (tmp_path / "_mlflow_run.json").mkdir()
+    location = fs.resolve(str(tmp_path), "output_dir").child("_mlflow_run.json")
+    with pytest.raises(OSError):
+        fs.write_bytes(location, b"{}")
+    with caplog.at_level("WARNING", logger="pipeline"):
+        assert fs.write_bytes_best_effort(location, b"{}", "run record", backoff_s=0.0) is False
+    assert "run record: could not write" in caplog.text
+    assert fs.write_bytes_best_effort(fs.resolve(str(tmp_path), "output_dir").child("ok.json"), b"{}", "x")

@@ -301,3 +301,39 @@ def test_a_row_longer_than_the_pool_grows_it_after_a_drain(tiny_pair):
     assert generator.feed.allocations == 2 and generator.feed.batcher.max_length > small
     for i, row in enumerate(result.rows):
         assert row["completion_token_ids"] == alone(generator, shards[1], i, 40)
+
+
+def test_a_failure_charges_the_driving_shard_and_stops_its_neighbours_uncharged(tiny_pair):
+    """Building the batch fails (a sticky device error): the shard whose thread drove fails with the error;
+    the other shard in the feed stops with `FeedAborted` (the driver re-queues it without an attempt)."""
+    from pipeline.generate.feed import FeedAborted
+
+    shards = shards_of(tiny_pair, prompts_of(8, seed=5), 4)
+    generator = generator_for(tiny_pair, batch_size=4)
+
+    feed = generator.feed
+
+    def broken(config):
+        for _ in range(3000):  # until the other shard is in the feed too (at most 30 s)
+            with feed._cond:
+                if len(feed._open) + len(feed._incoming) >= 2:
+                    break
+            threading.Event().wait(0.01)
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    feed._build = broken
+    errors: list[BaseException] = []
+
+    def run(shard):
+        try:
+            generator(shard)
+        except BaseException as err:  # noqa: BLE001 - collected for the assertions
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(shard,)) for shard in shards]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert sorted(type(err).__name__ for err in errors) == ["FeedAborted", "RuntimeError"]
+    assert "CUDA error" in str(next(err for err in errors if not isinstance(err, FeedAborted)))

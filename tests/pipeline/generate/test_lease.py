@@ -68,12 +68,101 @@ def test_a_job_whose_lease_was_taken_over_stops(tmp_path):
     assert read_holder(out).host == "elsewhere"  # not ours to delete
 
 
-def test_object_store_lease_is_verified_after_it_settles(monkeypatch):
-    monkeypatch.setattr(leases, "OBJECT_STORE_SETTLE_S", 0.05)
+def test_an_object_store_without_conditional_writes_is_refused():
     out = fs.resolve("memory://bucket/lease-test", "output_dir")
     assert not out.is_local
-    with Lease.acquire(out, timeout_s=60) as lease:
-        assert read_holder(out).token == lease.holder.token
-        with pytest.raises(JobInputError, match="being written by another job"):
-            Lease.acquire(out, timeout_s=60)
+    with pytest.raises(JobInputError, match="offers no conditional write"):
+        Lease.acquire(out, timeout_s=60)
     assert read_holder(out) is None
+
+
+def test_two_takers_of_one_stale_local_lease_exactly_one_wins(tmp_path):
+    """Both read the same stale lease; the first takes it over; the second's rename moves the first's fresh
+    lease, finds it is not the stale one, puts it back and fails (the old code took it: negative control)."""
+    write_holder(tmp_path, host="elsewhere", heartbeat=time.time() - 120, token="stale")
+    out = location(tmp_path)
+    stale = read_holder(out)
+    first, second = leases.this_holder("first", time.time()), leases.this_holder("second", time.time())
+    assert leases._take(out, first, stale) is True
+    assert leases._take(out, second, stale) is False
+    assert read_holder(out).token == "first" and sorted(p.name for p in tmp_path.iterdir()) == ["_lease.json"]
+
+
+@pytest.fixture(scope="module")
+def moto_s3(tmp_path_factory):
+    """moto's S3 server on 127.0.0.1 with a bucket 'leases'; yields its URL (the AWS variables are set
+    while a test uses `s3_env`)."""
+    import os
+    import signal
+    import urllib.request
+    from pathlib import Path
+
+    import boto3
+
+    folder = tmp_path_factory.mktemp("moto_lease")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen(
+        [str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
+        start_new_session=True, stdout=subprocess.DEVNULL, stderr=open(folder / "moto.log", "w"),
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2).close()
+            break
+        except OSError as err:
+            if getattr(err, "code", None):
+                break
+            assert server.poll() is None and time.monotonic() < deadline, "moto_server did not start"
+            time.sleep(0.3)
+    boto3.client(
+        "s3", endpoint_url=url, aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1"
+    ).create_bucket(Bucket="leases")
+    try:
+        yield url
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=20)
+
+
+@pytest.fixture
+def s3_env(moto_s3, monkeypatch):
+    for name, value in {"AWS_ENDPOINT_URL": moto_s3, "AWS_ACCESS_KEY_ID": "testing",
+                        "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    return moto_s3
+
+
+def test_s3_lease_is_exclusive_through_conditional_writes(s3_env, tmp_path):
+    """On moto's S3 server: a second job is refused; a writer that overwrites the lease (unconditionally)
+    makes the holder's next heartbeat fail its If-Match, so the holder learns it lost; of two takers of one
+    stale lease exactly one wins; release deletes only our own lease."""
+    out = fs.resolve("s3://leases/job-a", "output_dir")
+    lease = Lease.acquire(out, timeout_s=0.6)  # heartbeat every 0.1 s
+    assert read_holder(out).token == lease.holder.token
+    with pytest.raises(JobInputError, match="being written by another job"):
+        Lease.acquire(out, timeout_s=60)
+    intruder = leases.this_holder("intruder", time.time())
+    fs.write_bytes(out.child("_lease.json"), intruder.encode())  # an old-style, unconditional write
+    deadline = time.monotonic() + 10
+    while lease.lost_to is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with pytest.raises(LeaseLostError):
+        lease.check()
+    lease.release()
+    assert read_holder(out).token == "intruder"  # not ours to delete, not overwritten by our heartbeat
+
+    stale_out = fs.resolve("s3://leases/job-b", "output_dir")
+    old = leases.this_holder("old", time.time() - 600)
+    fs.write_bytes(stale_out.child("_lease.json"), old.encode())
+    stale = read_holder(stale_out)
+    first, second = leases.ObjectLease.open(stale_out), leases.ObjectLease.open(stale_out)
+    assert first.take(leases.this_holder("first", time.time()), stale) is True
+    assert second.take(leases.this_holder("second", time.time()), stale) is False
+    assert read_holder(stale_out).token == "first"
+    with Lease.acquire(fs.resolve("s3://leases/job-c", "output_dir"), timeout_s=60) as fresh:
+        assert read_holder(fresh.output).token == fresh.holder.token
+    assert read_holder(fs.resolve("s3://leases/job-c", "output_dir")) is None

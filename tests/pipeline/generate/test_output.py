@@ -150,3 +150,28 @@ def test_read_output_concatenates_committed_shards_in_order(tmp_path):
     write_shard(tmp_path, 2, [row(9)], output_schema("str"))  # written, never committed: not read
     log.close()
     assert read_output(tmp_path).column("id").to_pylist() == ["p0", "p1", "p2"]
+
+
+def test_a_late_writer_never_replaces_the_committed_part_and_reader_checks_sizes(tmp_path):
+    """Attempts write fenced names (`ShardTask.fence`): attempt 1 is committed; attempt 0, given up but
+    still running, writes late under its own name and changes nothing the reader returns; the finished job
+    removes it. A committed part whose size differs from its record is refused (negative control)."""
+    from pipeline.generate.output import remove_uncommitted_parts
+    from pipeline.generate.shards import ShardTask
+
+    out = fs.resolve(str(tmp_path), "output_dir")
+    Manifest("h", {}, num_rows=2, num_shards=1, id_kind="str").save(out)
+    first = ShardTask(0, 0, 2, run="r1")
+    second = first.again()
+    assert (first.fence, second.fence, ShardTask(0, 0, 2, run="r1", fresh=False).fence) == ("", "r1-1", "r1-0")
+    log = AppendLog(out)
+    name, size = write_shard(tmp_path, 0, [row(0), row(1)], output_schema("str"), fence=second.fence)
+    commit(log, 0, name, size)
+    log.close()
+    late, _ = write_shard(tmp_path, 0, [row(7), row(8)], output_schema("str"), fence=first.fence)  # late writer
+    assert (name, late) == ("part-000000-r1-1.parquet", "part-000000.parquet")
+    assert read_output(tmp_path).column("id").to_pylist() == ["p0", "p1"]
+    assert remove_uncommitted_parts(out, {name}) == [late] and not (tmp_path / late).exists()
+    (tmp_path / name).write_bytes((tmp_path / name).read_bytes() + b"x")  # not what the commit lists
+    with pytest.raises(ValueError, match="commit lists"):
+        read_output(tmp_path)

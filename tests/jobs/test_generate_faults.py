@@ -1,0 +1,185 @@
+"""Faults the driver heals from, on the session's real local Ray with the tiny pair (issue #23).
+
+- A stuck actor: its target's forward blocks (installed from outside with Ray's `__ray_call__`, the
+  documented test-only hook: the engine is not touched). Its pings still answer, its progress does not
+  move; after `ray.stall_timeout_s` it is restarted and its shards are generated elsewhere.
+- A sick actor: building its batch raises a CUDA-like error on every shard (again through
+  `__ray_call__`). The failed shard is retried on another actor first (quarantine), where it succeeds;
+  the sick actor is then restarted, and the shards that were only its neighbours are not charged
+  (`ray.shard_attempts=2`: a retry on the same actor, or a charged neighbour, would fail the job).
+
+Each ends with the output read back: every id exactly once, only committed part files, `_SUCCESS`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+from ray import cloudpickle
+from tiny_pair_support import job_config
+
+from pipeline.generate.config import from_dict
+from pipeline.generate.job import run_generate
+from pipeline.generate.reader import read_output
+from pipeline.generate.scheduler import RunHooks
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the hooks below run on the actors
+
+
+def prompt_ids(path: Path) -> list[str]:
+    return [json.loads(line)["id"] for line in path.read_text().splitlines()]
+
+
+def commit_records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "_commits.jsonl").read_text().splitlines()]
+
+
+def assert_complete(out: Path, prompts: Path) -> None:
+    """Every id once, in order; the directory holds exactly the committed parts; `_SUCCESS`."""
+    assert read_output(out).column("id").to_pylist() == prompt_ids(prompts)
+    last = {record["shard"]: record["file"] for record in commit_records(out)}
+    assert sorted(p.name for p in out.glob("part-*.parquet")) == sorted(last.values())
+    assert (out / "_SUCCESS").exists()
+
+
+def _block_forward(generator) -> None:
+    """On the actor: the target's forward waits forever (a hung kernel)."""
+    import functools
+    import threading
+
+    never = threading.Event()
+
+    @functools.wraps(generator.target.forward)  # the same signature, which the engine checks
+    def stuck(*args, **kwargs):
+        never.wait()
+
+    generator.target.forward = stuck
+
+
+def _sick_batch(generator) -> None:
+    """On the actor: every batch it builds fails like a GPU with a sticky error."""
+
+    def broken(config):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    generator.feed._build = broken
+
+
+def _kill_quietly(pids) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_a_stuck_actor_is_restarted_and_its_shards_done_by_its_new_process(
+    tiny_pair, prompts_jsonl, tmp_path, ray_local
+):
+    """One actor; pings answer, iterations do not: the watchdog (ray.stall_timeout_s) restarts it (the pool
+    heals: `ray.max_restarts` applies), and the new process generates every shard. Without the watchdog the
+    job would hang; without restarts it would end with no live actor."""
+    raw = job_config(
+        tiny_pair, prompts_jsonl, tmp_path / "out", shard_size=10,
+        **{"spectr.max_new_tokens": 8, "spectr.batch_size": 2, "ray.max_restarts": 1, "ray.heartbeat_s": 0.5,
+           "ray.num_actors": 1,
+           "ray.heartbeat_timeout_s": 60, "ray.stall_timeout_s": 5},
+    )  # fmt: skip
+    stuck: list[int] = []
+    joined: list[int] = []
+    written: dict[int, int] = {}
+
+    def on_ready(actors, workers):
+        ray_local.get(actors[0].__ray_call__.remote(_block_forward))
+        stuck.append(workers[0]["pid"])
+
+    hooks = RunHooks(
+        on_actors_ready=on_ready,
+        on_shard_written=lambda r: written.__setitem__(r.index, r.worker["pid"]),
+        on_actor_joined=lambda actor, worker: joined.append(worker["pid"]),
+    )
+    try:
+        report = run_generate(from_dict(raw), hooks)
+    finally:
+        _kill_quietly(stuck)
+    assert report.exit_code == 0 and stuck
+    assert stuck[0] not in written.values() and set(written.values()) == set(joined[:1])  # the new process
+    assert joined and stuck[0] not in joined
+    assert_complete(tmp_path / "out", prompts_jsonl)
+
+
+def test_a_sick_actor_is_quarantined_and_charges_only_its_own_shard(
+    tiny_pair, prompts_jsonl, tmp_path, ray_local, caplog
+):
+    raw = job_config(
+        tiny_pair, prompts_jsonl, tmp_path / "out", shard_size=5,
+        **{"spectr.max_new_tokens": 8, "spectr.batch_size": 2, "ray.max_restarts": 1, "ray.shard_attempts": 2,
+           "ray.heartbeat_s": 0.5},
+    )  # fmt: skip
+    sick: list[int] = []
+    written: dict[int, int] = {}
+
+    def on_ready(actors, workers):
+        ray_local.get(actors[0].__ray_call__.remote(_sick_batch))
+        sick.append(workers[0]["pid"])
+
+    hooks = RunHooks(on_actors_ready=on_ready, on_shard_written=lambda r: written.__setitem__(r.index, r.worker["pid"]))
+    with caplog.at_level("WARNING", logger="pipeline"):
+        report = run_generate(from_dict(raw), hooks)
+    assert report.exit_code == 0 and sick[0] not in written.values()
+    assert "failed on it and then succeeded on another actor" in caplog.text  # the sick actor was restarted
+    retried = [r for r in commit_records(tmp_path / "out") if r["attempt"] > 0]
+    assert retried and all("-" in Path(r["file"]).stem.removeprefix("part-") for r in retried)  # fenced names
+    assert_complete(tmp_path / "out", prompts_jsonl)
+
+
+@pytest.mark.slow
+def test_a_run_record_that_cannot_be_written_never_fails_the_job(tiny_pair, prompts_jsonl, tmp_path, ray_local, caplog):
+    """`_mlflow_run.json` becomes unwritable once the job runs (a directory in its place): every per-shard
+    and final write of it is retried, then warned about; the job succeeds."""
+    out = tmp_path / "out"
+    raw = job_config(
+        tiny_pair, prompts_jsonl, out, shard_size=10,
+        **{"mlflow.enabled": True, "mlflow.tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"},
+    )  # fmt: skip
+
+    def on_ready(actors, workers):
+        record = out / "_mlflow_run.json"
+        record.unlink()
+        record.mkdir()
+
+    with caplog.at_level("WARNING", logger="pipeline"):
+        report = run_generate(from_dict(raw), RunHooks(on_actors_ready=on_ready))
+    assert report.exit_code == 0 and "run record: could not write" in caplog.text
+    assert_complete(out, prompts_jsonl)
+
+
+@pytest.mark.slow
+def test_the_job_starts_with_the_actors_that_loaded_and_replaces_a_failed_one(
+    tiny_pair, prompts_jsonl, tmp_path, ray_local, monkeypatch, caplog
+):
+    """One of two actors dies while loading the pair: the job starts with the other at once (the old pool
+    aborted: "an actor failed to load"), a new actor is started in its place (ray.max_restarts), and the
+    output is complete."""
+    from pipeline.generate.scheduler import ShardActorPool
+
+    raw = job_config(tiny_pair, prompts_jsonl, tmp_path / "out", shard_size=5, **{"ray.max_restarts": 1})
+    original = ShardActorPool.wait_ready
+
+    def kill_one_then_wait(self):
+        ray_local.kill(self.actors[1], no_restart=True)
+        return original(self)
+
+    monkeypatch.setattr(ShardActorPool, "wait_ready", kill_one_then_wait)
+    started: list[int] = []
+    hooks = RunHooks(on_actors_ready=lambda actors, workers: started.append(len(workers)))
+    with caplog.at_level("WARNING", logger="pipeline"):
+        report = run_generate(from_dict(raw), hooks)
+    assert report.exit_code == 0 and started == [1]
+    assert "starting a new actor in its place" in caplog.text
+    assert_complete(tmp_path / "out", prompts_jsonl)
