@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,8 @@ if _REPO not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO, os.environ.get("PYTHONPATH")) if p)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# method=auto's plan cache: the tests' own folder, never the user's ~/.cache/spectr
+os.environ["SPECTR_CACHE_DIR"] = tempfile.mkdtemp(prefix="spectr-test-cache-")
 
 from tiny_pair_support import WORDS, build_llama, build_tokenizer, job_config  # noqa: E402, F401
 

@@ -46,6 +46,7 @@ class SpectrConfig:
     seed: int = 0
     max_num_drafts: int | None = None  # auto: the largest K the planner may choose (None: 8)
     max_draft_length: int | None = None  # auto: the largest L the planner may choose (None: 8)
+    plan_cache: bool = True  # auto: warm-start from what earlier runs on this pair and device learned
 
 
 @dataclass(frozen=True)
@@ -188,11 +189,12 @@ def generation_settings(c: GenerateConfig) -> dict[str, Any]:
     """The settings that decide the generated rows: what the output directory's hash covers.
 
     Left out on purpose: where and how it runs (ray.*, spectr.batch_size: a row's output does not depend on
-    its batch), where it logs (mlflow.*), output_dir, progress, max_failed_fraction, retry_failed and
+    its batch; spectr.plan_cache), where it logs (mlflow.*), output_dir, progress, max_failed_fraction, retry_failed and
     lease_timeout_s. The plan adds the identity of the input files and of the models.
     """
     spectr = dataclasses.asdict(c.spectr)
     spectr.pop("batch_size")
+    spectr.pop("plan_cache")  # speed only: every configuration the planner may run is exact
     data = dataclasses.asdict(c.data)
     if data["max_new_tokens_column"] is None:
         data.pop("max_new_tokens_column")  # unset, the hash is the one output dirs written before it had

@@ -13,12 +13,12 @@ done goes back to its thread at once; that thread gives up the turn (another wai
 and writes its part file while the batch goes on. So the next shard's prompts fill the slots the
 current shard's rows leave, and `spectr.batch_size` is the number of rows in flight per actor.
 
-The pool is one `spectr.ContinuousBatcher`, built once and reused across shards. It is rebuilt only
-by drain-then-switch (no new rows go into the old batcher, its rows finish, then the new one is built
-and takes the rows that were held back):
-- `spectr.method=auto`, when the planner's choice changes: the planner is calibrated on the first
-  shard's prompts and observes, at every shard end, the rows that finished since its last observation
-  (accepted draft positions, target calls, mean rows per batched target call);
+The pool is one `spectr.ContinuousBatcher` (with `spectr.method=auto`, a `spectr.planner.AutoBatcher`:
+the same batcher, whose online chooser picks the exact method, K and L of every iteration from what the
+real iterations measure; no calibration phase, no drain: the next iteration simply runs another
+configuration on the same rows, pool and random streams). It is built once and reused across shards,
+and rebuilt only (no new rows go into the old batcher, its rows finish, then the new one is built and
+takes the rows that were held back; a rebuilt auto batcher keeps what its chooser learned):
 - when a row needs more positions than the pool holds: the capacity is the first shard's longest
   prompt + the largest budget (the input's, when the caller sets `max_budget`; else the first
   shard's), rounded up to a power of two and at most the models' positions; grown the same way;
@@ -28,8 +28,10 @@ and takes the rows that were held back):
 A row the engine refuses at admission (a prompt too long for the model) gets its error alone.
 
 Statistics of a shard: its rows' own counters, plus the batch-level ones (`iterations`, i.e. batched
-target calls, and the seconds) accumulated since the previous shard ended, charged to the shard that
-ends; summed over shards they are the actor's totals.
+target calls, the seconds, and under auto the tokens and seconds per configuration and the wasted
+seconds) accumulated since the previous shard ended, charged to the shard that ends; summed over
+shards they are the actor's totals. Under auto a shard's `plan` (its part file's `spectr.plan`) is the
+mix of configurations the batch ran while the shard's rows were in it.
 
 Not here: reading and writing shards, the contract rows (`pipeline.generate.worker`).
 """
@@ -46,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pipeline.generate.config import SpectrConfig
+from pipeline.generate.mix import ConfigMix
 from pipeline.generate.stats import empty_stats
 
 if TYPE_CHECKING:  # spectr (torch) is imported where it runs: on the actors, not on the driver
@@ -96,33 +99,10 @@ class ShardRun:
     rows: list[Row]
     outcomes: dict[int, FinishedRow | str] = field(default_factory=dict)  # position -> row or error message
     stats: dict[str, Any] = field(default_factory=empty_stats)
-    plans: dict[str, dict[str, Any]] = field(default_factory=dict)  # method=auto: label -> plan record
+    mix: ConfigMix | None = None  # method=auto: the batch's configurations while this shard's rows were in it
+    plan: dict[str, Any] | None = None  # method=auto: the part file's `spectr.plan` (set when done)
     done: bool = False
     error: BaseException | None = None
-
-    @property
-    def plan(self) -> dict[str, Any] | None:
-        """method=auto: the plan that generated this shard (the last one, and every label if several)."""
-        if not self.plans:
-            return None
-        record = dict(list(self.plans.values())[-1])
-        if len(self.plans) > 1:
-            record["generated_by"] = list(self.plans)
-        return record
-
-
-@dataclass
-class _Window:
-    """What the planner has not observed yet: rows finished since its last observation."""
-
-    first_iteration: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-    target_calls: int = 0
-
-    def add(self, row: FinishedRow) -> None:
-        mine, theirs = self.accepted_per_position, row.accepted_per_position
-        self.accepted_per_position = [a + b for a, b in zip(mine, theirs)] if mine else list(theirs)
-        self.target_calls += row.target_calls
 
 
 class ShardFeed:
@@ -145,14 +125,15 @@ class ShardFeed:
         self._limit: int | None = None  # the models' positions
         self.max_budget: int | None = None  # the input's largest budget, when the caller knows it
         self.allocations = 0  # batchers built (cache pools allocated)
-        self.planner: Any = None
-        self.calibration_s = 0.0
-        self.plan_record: dict[str, Any] | None = None  # method=auto: the plan of the current batcher
-        self._candidate: Any = None
-        self._window = _Window()
+        self.warm_states: dict[str, dict[str, Any]] = {}  # method=auto: cached chooser states by entry key
+        self.pair_key: str | None = None  # method=auto: the plan cache's pair key (set by the worker)
+        self.plan_cache_key: str | None = None  # method=auto: this actor's entry key (set by the worker)
+        self.chooser_state: dict[str, Any] | None = None  # method=auto: what the chooser has learned so far
         self._charged = dict.fromkeys(BATCH_FIELDS, 0)  # the current batcher's counters already charged
         self._uncharged = self._zero_batch()
         self.steps = 0  # iterations of the stepping loop so far (the driver's progress watchdog reads it)
+        self._uncharged_mix = ConfigMix()
+        self._wasted_charged = 0.0
 
     # -- the shards' threads ----------------------------------------------------------------------
     def run(self, index: int, rows: list[Row]) -> ShardRun:
@@ -276,6 +257,8 @@ class ShardFeed:
         except Exception as err:  # noqa: BLE001 - isolated below: the rows are re-run one by one
             failure = f"{type(err).__name__}: {err}"
         else:
+            if self.config.method == "auto":
+                self._note_step()
             return [(*self._in_batcher.pop(row.request), row) for row in finished]
         return self._recover(failure)  # outside the except block: the traceback no longer holds the pool
 
@@ -284,10 +267,18 @@ class ShardFeed:
         affected = list(self._in_batcher.values())
         log.warning("a batch of %d rows failed (%s); running them one by one", len(affected), failure)
         self._in_batcher.clear()
-        config = self.config
+        config, alone = self.config, self._alone_config()
         self._retire_batcher()
         self._next = self._next or config
-        return [(shard_run, row, self._alone(config, row)) for shard_run, row in affected]
+        return [(shard_run, row, self._alone(alone, row)) for shard_run, row in affected]
+
+    def _alone_config(self) -> EngineConfig:
+        """The configuration a row re-run alone uses: the batcher's, or under auto the chooser's current one."""
+        if self.config.method != "auto" or self.batcher is None:
+            return self.config
+        current = self.batcher.chooser.current
+        return dataclasses.replace(self.config, method=current.method, num_drafts=max(1, current.num_drafts),
+                                   draft_length=max(1, current.draft_length))
 
     def _alone(self, config: EngineConfig, row: Row) -> FinishedRow | str:
         """One row through `spectr.generate`: its tokens are those it gets in any batch."""
@@ -319,10 +310,6 @@ class ShardFeed:
         for shard_run, row, outcome in outcomes:
             shard_run.outcomes[row.position] = outcome
             counts[shard_run] = counts.get(shard_run, 0) + 1
-            if not isinstance(outcome, str):
-                self._window.add(outcome)
-                if self.plan_record is not None:
-                    shard_run.plans[self.config.label] = self.plan_record
         for shard_run, count in counts.items():
             if self.on_rows is not None:
                 self.on_rows(shard_run.index, count)
@@ -339,16 +326,11 @@ class ShardFeed:
         self._fold_batcher()
         for name, value in self._uncharged.items():
             stats[name] = stats.get(name, 0) + value
-        inside = sum(stats[name] for name in PHASE_FIELDS) + stats.get("calibration_seconds", 0.0)
+        inside = sum(stats[name] for name in PHASE_FIELDS)
         stats["other_seconds"] = max(0.0, stats["wall_seconds"] - inside)
         self._uncharged = self._zero_batch()
-        if self.planner is not None:
-            self._observe()
-            if shard_run.plan is not None:
-                stats["plan"] = shard_run.plan["description"]
-                stats["plan_choice"] = {k: shard_run.plan[k] for k in ("method", "num_drafts", "draft_length")}
-                predicted = shard_run.plan["predicted_tokens_per_s"]  # per actor
-                stats["predicted_seconds"] = stats["generated_tokens"] / predicted if predicted > 0 else 0.0
+        if self.spectr.method == "auto":
+            self._close_auto(shard_run)
         self._open.discard(shard_run)
         with self._cond:
             shard_run.done = True
@@ -356,7 +338,7 @@ class ShardFeed:
 
     # -- the pool -----------------------------------------------------------------------------------
     def _first_config(self) -> EngineConfig:
-        """The first batcher: sized for the first shard's rows; method=auto calibrates the planner on them."""
+        """The first batcher: sized for the first shard's rows (method=auto: K and L are its bounds)."""
         from spectr.batching import model_limit
         from spectr.hf import HFCausalLM
 
@@ -368,8 +350,7 @@ class ShardFeed:
         capacity = self._capacity(max((len(r.prompt) for r in fits), default=1) + budget)
         if s.method != "auto":
             return EngineConfig(s.method, s.num_drafts, s.draft_length, capacity)
-        self._calibrate([r.prompt for r in fits] or [first[0].prompt[:1]])
-        return self._config_of(self.planner.choice, capacity)
+        return EngineConfig("auto", s.max_num_drafts or AUTO_MAX_DRAFTS, s.max_draft_length or AUTO_MAX_LENGTH, capacity)
 
     def _capacity(self, needed: int) -> int:
         capacity = max(2, 1 << (max(needed, 2) - 1).bit_length())
@@ -381,19 +362,21 @@ class ShardFeed:
 
         self._retire_batcher()
         s = self.spectr
-        self.batcher = ContinuousBatcher(
-            self.target, self.draft, batch_size=s.batch_size, max_length=config.capacity, method=config.method,
-            num_drafts=config.num_drafts, draft_length=config.draft_length, temperature=s.temperature,
-            top_k=s.top_k, top_p=s.top_p, eos_token_id=self.eos_token_id,
-        )  # fmt: skip
+        common = dict(batch_size=s.batch_size, max_length=config.capacity, temperature=s.temperature, top_k=s.top_k,
+                      top_p=s.top_p, eos_token_id=self.eos_token_id)  # fmt: skip
+        if config.method == "auto":
+            from spectr.planner import AutoBatcher
+
+            self.batcher = AutoBatcher(self.target, self.draft, max_num_drafts=config.num_drafts,
+                                       max_draft_length=config.draft_length, warm_state=self._warm_state(), **common)
+            self._wasted_charged = 0.0
+        else:
+            self.batcher = ContinuousBatcher(self.target, self.draft, method=config.method,
+                                             num_drafts=config.num_drafts, draft_length=config.draft_length, **common)
         self.allocations += 1
         self.config, self._next = config, None
         self._limit = model_limit([m for m in (self.batcher.target, self.batcher.draft) if m is not None])
         self._charged = dict.fromkeys(BATCH_FIELDS, 0)
-        self._window = _Window()
-        if self.planner is not None:
-            self._candidate = self.planner.choice
-            self.plan_record = self._record()
         log.info("continuous batch: %s, %d slots x %d positions", config.label, s.batch_size, self.batcher.max_length)
 
     def _retire_batcher(self) -> None:
@@ -416,58 +399,57 @@ class ShardFeed:
 
     @staticmethod
     def _zero_batch() -> dict[str, float]:
-        return {"iterations": 0, **dict.fromkeys(PHASE_FIELDS, 0.0), "wall_seconds": 0.0, "calibration_seconds": 0.0}
+        return {"iterations": 0, **dict.fromkeys(PHASE_FIELDS, 0.0), "wall_seconds": 0.0, "predicted_seconds": 0.0}
 
     # -- method=auto ----------------------------------------------------------------------------------
-    def _calibrate(self, prompts: list[list[int]]) -> None:
-        from spectr.planner.auto import auto_planner
-        from spectr.warps import SamplingWarp
+    def _warm_state(self) -> dict[str, Any] | None:
+        """What a new auto batcher starts from: its predecessor's chooser (a rebuilt pool), else the cache."""
+        if self.chooser_state is not None:
+            return self.chooser_state
+        if self.plan_cache_key is None:
+            from pipeline.generate.plan_cache import entry_key
+            from pipeline.generate.stats import device_kind
 
-        s = self.spectr
-        self.planner, calibration = auto_planner(
-            self.target, self.draft, prompts, batch_size=s.batch_size,
-            warp=SamplingWarp(s.temperature, s.top_k, s.top_p), seed=s.seed,
-            max_num_drafts=s.max_num_drafts or AUTO_MAX_DRAFTS, max_draft_length=s.max_draft_length or AUTO_MAX_LENGTH,
-            max_new_tokens=s.max_new_tokens,
-        )  # fmt: skip
-        self.calibration_s = calibration.seconds
-        self._uncharged["calibration_seconds"] += calibration.seconds  # inside the batch's wall seconds
-        log.info("%s (calibration %.1f s)", self.planner.plan.describe(), calibration.seconds)
+            dtype = str(self.target.dtype).removeprefix("torch.")
+            self.plan_cache_key = entry_key(self.pair_key or "", device_kind(str(self.target.device)), dtype)
+        return self.warm_states.get(self.plan_cache_key)
 
-    def _config_of(self, candidate: Any, capacity: int) -> EngineConfig:
-        return EngineConfig(candidate.method, max(candidate.num_drafts, 1), max(candidate.draft_length, 1), capacity)
-
-    def _observe(self) -> None:
-        """At a shard end: the rows since the last observation, to the planner; drain-then-switch when its
-        choice changes (no observation while a switch is pending: those rows ran the old choice)."""
-        window = self._window
-        if self._next is not None or self.batcher is None or window.target_calls == 0:
+    def _note_step(self) -> None:
+        """After an auto iteration: its configuration's tokens and seconds, for the batch and the open shards."""
+        report = self.batcher.last_step
+        if report is None:
             return
-        iterations = max(1, self.batcher.stats.iterations - window.first_iteration)
-        mean_rows = min(float(self.spectr.batch_size), window.target_calls / iterations)
-        self.planner.observe(self._candidate, window.accepted_per_position, window.target_calls, mean_rows)
-        self._window = _Window(self.batcher.stats.iterations)
-        choice = self._config_of(self.planner.choice, self.config.capacity)
-        if choice != self.config:
-            log.info("%s: switching once the batch drains", self.planner.plan.describe())
-            self._next = choice
-        else:
-            self.plan_record = self._record()
+        label, tokens, seconds = report.config.label, report.tokens, report.seconds
+        self._uncharged_mix.add(label, tokens, seconds)
+        predicted = self.batcher.chooser.predicted_tokens_per_s  # its prediction for this iteration
+        if predicted > 0:
+            self._uncharged["predicted_seconds"] += tokens / predicted
+        for shard_run in self._open:
+            if shard_run.mix is None:
+                shard_run.mix = ConfigMix()
+            shard_run.mix.add(label, tokens, seconds)
 
-    def _record(self) -> dict[str, Any]:
-        """The planner's current choice and prediction, for a part file's metadata."""
-        plan = self.planner.plan
-        best = plan.best
-        return {
-            "method": best.candidate.method,
-            "num_drafts": best.candidate.num_drafts,
-            "draft_length": best.candidate.draft_length,
-            "predicted_tokens_per_s": best.tokens_per_second,
-            "predicted_speedup_vs_autoregressive": plan.speedup,
-            "calibration_s": self.calibration_s,
-            "replans": self.planner.replans,
-            "description": plan.describe(),
-        }
+    def _close_auto(self, shard_run: ShardRun) -> None:
+        """A shard ends under auto: the batch's mix and wasted seconds since the last shard end, the chooser's
+        choice (its predictions, iteration by iteration, are in `predicted_seconds`), and the part file's
+        plan (the mix while the shard's rows were in the batch)."""
+        stats, mix = shard_run.stats, self._uncharged_mix
+        stats.update(mix.to_dict())
+        self._uncharged_mix = ConfigMix()
+        chooser = getattr(self.batcher, "chooser", None)
+        if chooser is None:
+            return
+        wasted = float(chooser.wasted_seconds)
+        stats["wasted_seconds"] = max(0.0, wasted - self._wasted_charged)
+        self._wasted_charged = wasted
+        current = chooser.current
+        stats["plan"] = current.label
+        stats["plan_choice"] = {"method": current.method, "num_drafts": current.num_drafts,
+                                "draft_length": current.draft_length}
+        self.chooser_state = chooser.state()
+        own = shard_run.mix or ConfigMix()
+        shard_run.plan = {"method": "auto", "choice": current.label, "description": own.describe(),
+                          "shares": own.shares(), **own.to_dict()}
 
 
 def add_row(stats: dict[str, Any], row: FinishedRow) -> None:

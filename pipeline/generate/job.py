@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.errors import JobFailedError
+from pipeline.generate import plan_cache
 from pipeline.generate.cluster import actor_resources, ray_session
 from pipeline.generate.commit_log import compact_commit_log, open_commit_log, read_commit_records
 from pipeline.generate.config import GenerateConfig
@@ -61,6 +62,7 @@ class GenerationRun:
     """What this invocation generated (a resumed job's earlier shards are in `plan.state`, not here)."""
 
     stats: dict[str, Any] = field(default_factory=empty_stats)  # summed over the shards this run wrote
+    planner_states: dict[str, Any] = field(default_factory=dict)  # method=auto: the actors' latest, by cache key
     shards_written: int = 0
     num_actors: int = 0
     device: str = "-"
@@ -156,7 +158,9 @@ def _schema_settings(plan: JobPlan) -> dict[str, Any]:
 
 
 def _worker_job(plan: JobPlan, schema: Any) -> WorkerJob:
-    return WorkerJob(plan.config.data, plan.source, plan.output.uri, plan.manifest.part_digits, schema)
+    pair = plan_cache.pair_key(plan)
+    states = plan_cache.load_states(plan, pair) if plan.config.spectr.method == "auto" else {}
+    return WorkerJob(plan.config.data, plan.source, plan.output.uri, plan.manifest.part_digits, schema, pair, states)
 
 
 def _generate(
@@ -205,6 +209,8 @@ def _run_shards(
         plan.state.done[result.index] = 1
         plan.state.rows_done += result.num_rows
         merge_stats(run.stats, result.stats)
+        if result.planner_state:
+            run.planner_states[result.planner_state["key"]] = result.planner_state["state"]
         run.shards_written += 1
         bar.shard_written(result.num_rows, result.stats)
         live.shard_written(result.stats, result.worker)
@@ -262,6 +268,7 @@ def _finish(plan: JobPlan, tracker: Any, run: GenerationRun, started: float, sta
         earlier_wall_s=tracker.earlier_wall_s,
     )
     messages = _failure_messages(plan, summary)
+    plan_cache.save_states(plan, plan_cache.pair_key(plan), run.planner_states)  # method=auto; best effort
     if not messages:
         plan.lease.check()
         committed = {record["shard"]: record["file"] for record in read_commit_records(output)}

@@ -1,7 +1,7 @@
 """Shard statistics as plain, summable dicts: what a worker returns and the driver adds up.
 
-`empty_stats()` is the zero; `merge_stats(total, part)` adds in place (lists element-wise; `plan`, the
-planner's choice under method="auto", is the latest one);
+`empty_stats()` is the zero; `merge_stats(total, part)` adds in place (lists element-wise, the per-configuration
+dicts of method="auto" key-wise; `plan`, the chooser's current configuration, is the latest one);
 `stats_of(generation_stats)` takes the summable part of one `spectr.generate` call.
 `ResourceMeter` measures what one shard cost its worker (CPU time, peak RSS; on CUDA the accelerator's
 peak memory and utilisation); the worker puts it in the stats under `"resources"`, which
@@ -19,11 +19,12 @@ from typing import Any
 
 # Statistic fields summed over batches (lists element-wise). `iterations`: batched target calls (one
 # forward of the target over every row in flight), where `target_calls` counts them per row.
-# `predicted_seconds` (method=auto): the seconds one actor would need for the shard's tokens at the
-# planner's predicted tokens/s; `calibration_seconds`: the planner's calibration, inside `wall_seconds`.
+# `predicted_seconds` (method=auto): the seconds the chooser predicted for the tokens of its iterations
+# (each iteration's tokens over its predicted tokens/s for the configuration it chose); `wasted_seconds`: generation seconds whose tokens were not
+# kept (the chooser measures on real iterations, so this is 0 unless it threw work away).
 _SUMMED = (
     "predicted_seconds",
-    "calibration_seconds",
+    "wasted_seconds",
     "iterations",
     "tested_positions",
     "draft_seconds",
@@ -33,6 +34,7 @@ _SUMMED = (
     "wall_seconds",
 )
 _SUMMED_LISTS = ("accepted_per_position", "tokens_per_call_histogram")
+_SUMMED_DICTS = ("tokens_by_config", "seconds_by_config")  # method=auto: configuration label -> value
 
 
 def empty_stats() -> dict[str, Any]:
@@ -61,8 +63,14 @@ def merge_stats(total: dict[str, Any], part: dict[str, Any]) -> dict[str, Any]:
         a += [0] * (width - len(a))
         b += [0] * (width - len(b))
         total[name] = [x + y for x, y in zip(a, b)]
+    for name in _SUMMED_DICTS:
+        if part.get(name):
+            merged = dict(total.get(name) or {})
+            for key, value in part[name].items():
+                merged[key] = merged.get(key, 0) + value
+            total[name] = merged
     if part.get("plan"):
-        total["plan"] = part["plan"]  # the planner's latest choice (method="auto")
+        total["plan"] = part["plan"]  # the chooser's latest configuration (method="auto")
     if part.get("plan_choice"):
         total["plan_choice"] = part["plan_choice"]  # its method, num_drafts, draft_length
     return total

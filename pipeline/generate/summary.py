@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pipeline.generate.mix import ConfigMix, metric_name
 from pipeline.generate.stats import empty_stats, merge_stats
 
 # The metrics logged while the job runs (step = prompts completed), contract names.
@@ -65,6 +66,23 @@ def progress_metrics(
     }
     for i, rate in enumerate(acceptance_by_position(total["accepted_per_position"], total["target_calls"])):
         values[f"acceptance_at_position_{i + 1}"] = rate
+    values.update(planner_metrics(total))
+    return values
+
+
+def planner_metrics(total: dict[str, Any]) -> dict[str, float]:
+    """method=auto, live and final: the share of tokens per configuration (`planner_share_<label>`), the
+    chooser's current configuration (`planner_current_num_drafts`, `planner_current_draft_length`: 0 for
+    autoregressive) and `planner_wasted_s`; {} for a fixed method."""
+    if not total.get("tokens_by_config"):
+        return {}
+    values = {metric_name(label): share for label, share in ConfigMix.of(total).shares().items()}
+    choice = total.get("plan_choice") or {}
+    if choice:
+        autoregressive = choice.get("method") == "autoregressive"
+        values["planner_current_num_drafts"] = 0.0 if autoregressive else float(choice.get("num_drafts", 0))
+        values["planner_current_draft_length"] = 0.0 if autoregressive else float(choice.get("draft_length", 0))
+    values["planner_wasted_s"] = float(total.get("wasted_seconds", 0.0))
     return values
 
 
@@ -95,9 +113,12 @@ class JobSummary:
     seconds_by_phase: dict[str, float] = field(default_factory=dict)  # inside spectr.generate, all shards
     output_dir: str = ""
     num_shards: int = 0
-    plan: str = ""  # method=auto: "auto chose ..., predicted X tok/s (Y x autoregressive)"
-    planner_predicted_tokens_per_s: float = 0.0  # method=auto: the job's predicted throughput (all actors)
-    planner_measured_tokens_per_s: float = 0.0  # the same quantity measured: the actors' batches, calibration out
+    plan: str = ""  # method=auto: "auto: speculative L=3 for 81% of tokens, block L=3 12%, autoregressive 7%"
+    planner_predicted_tokens_per_s: float = 0.0  # method=auto: the chooser's prediction for its choice (all actors)
+    planner_measured_tokens_per_s: float = 0.0  # the same quantity measured: the actors' batches
+    planner_wasted_s: float = 0.0  # method=auto: generation seconds whose tokens were not kept (goal: 0)
+    tokens_by_config: dict[str, int] = field(default_factory=dict)  # method=auto: label -> tokens
+    planner_values: dict[str, float] = field(default_factory=dict)  # method=auto: `planner_metrics`
 
     @classmethod
     def build(
@@ -145,13 +166,15 @@ class JobSummary:
                 "target": total["target_seconds"],
                 "selection": total["selection_seconds"],
                 "other": total["other_seconds"],
-                **({"calibration": total["calibration_seconds"]} if total.get("calibration_seconds") else {}),
             },
             output_dir=output_dir,
             num_shards=num_shards,
-            plan=str(this_run.get("plan") or total.get("plan") or ""),
+            plan=_method_line(total, this_run),
             planner_predicted_tokens_per_s=predicted_throughput(total, num_actors),
             planner_measured_tokens_per_s=batch_throughput(total, num_actors),
+            planner_wasted_s=float(total.get("wasted_seconds", 0.0)),
+            tokens_by_config=dict(total.get("tokens_by_config") or {}),
+            planner_values=planner_metrics(total),
         )
 
     @property
@@ -185,6 +208,7 @@ class JobSummary:
             values["planner_predicted_tokens_per_s"] = self.planner_predicted_tokens_per_s
             values["planner_measured_tokens_per_s"] = self.planner_measured_tokens_per_s
             values["planner_measured_over_predicted"] = self.measured_over_predicted
+        values.update(self.planner_values)
         return values
 
     @property
@@ -222,8 +246,8 @@ class JobSummary:
         if self.planner_predicted_tokens_per_s > 0:
             lines.insert(1, ("planner", f"predicted {self.planner_predicted_tokens_per_s:.1f} tokens/s for "
                                         f"{self.num_actors} actor(s); their batches made "
-                                        f"{self.planner_measured_tokens_per_s:.1f} (calibration excluded) = "
-                                        f"{self.measured_over_predicted:.2f}x"))
+                                        f"{self.planner_measured_tokens_per_s:.1f} = {self.measured_over_predicted:.2f}x; "
+                                        f"wasted {self.planner_wasted_s:.1f} s"))
         width = max(len(name) for name, _ in lines)
         return "\n".join(f"  {name.ljust(width)}  {value}" for name, value in lines)
 
@@ -274,17 +298,24 @@ def format_report(report: Any) -> str:
     return "\n".join(lines)
 
 
+def _method_line(total: dict[str, Any], this_run: dict[str, Any]) -> str:
+    """method=auto: what ran, by share of tokens (the whole job's); else the fixed method's plan, if any."""
+    if total.get("tokens_by_config"):
+        return ConfigMix.of(total).describe()
+    return str(this_run.get("plan") or total.get("plan") or "")
+
+
 def predicted_throughput(total: dict[str, Any], num_actors: int) -> float:
-    """method=auto: the planner's predicted tokens/s of the job (each actor at its plan's prediction,
-    weighted by the tokens generated under each plan); 0 without a prediction."""
+    """method=auto: the chooser's predicted tokens/s of the job (each actor at its choice's prediction,
+    weighted by the tokens generated under each); 0 without a prediction."""
     seconds = total.get("predicted_seconds", 0.0)
     return num_actors * total["generated_tokens"] / seconds if seconds > 0 else 0.0
 
 
 def batch_throughput(total: dict[str, Any], num_actors: int) -> float:
-    """The actors' tokens per second of batch time (`wall_seconds`, the planner's calibration taken out),
-    times the number of actors: what the planner predicts, measured; 0 without a prediction."""
-    seconds = total.get("wall_seconds", 0.0) - total.get("calibration_seconds", 0.0)
+    """The actors' tokens per second of batch time (`wall_seconds`), times the number of actors: what the
+    chooser predicts, measured; 0 without a prediction."""
+    seconds = total.get("wall_seconds", 0.0)
     if total.get("predicted_seconds", 0.0) <= 0 or seconds <= 0:
         return 0.0
     return num_actors * total["generated_tokens"] / seconds

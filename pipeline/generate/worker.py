@@ -48,8 +48,9 @@ class ShardResult:
     failed: int = 0  # rows with finish_reason=error
     file: str = ""  # the part file's name in the output directory
     bytes: int = 0  # and its size
-    plan: dict[str, Any] | None = None  # method=auto: the plan that generated the shard (`with_plan`)
+    plan: dict[str, Any] | None = None  # method=auto: the configurations that generated the shard (`with_plan`)
     attempt: int = 0  # the task's attempt (`ShardTask.attempt`; its fence names the file)
+    planner_state: dict[str, Any] | None = None  # method=auto: {"key": cache entry key, "state": the chooser's}
 
 
 @dataclass(frozen=True)
@@ -61,13 +62,15 @@ class WorkerJob:
     output_uri: str
     part_digits: int
     schema: Any  # pyarrow.Schema of the part files, with the run's settings in its metadata
+    plan_pair: str = ""  # method=auto: the plan cache's pair key (`pipeline.generate.plan_cache`)
+    plan_states: dict[str, Any] = field(default_factory=dict)  # method=auto: cached chooser states by entry key
 
 
 PLAN_METADATA_KEY = b"spectr.plan"
 
 
 def with_plan(schema: Any, plan: dict[str, Any] | None) -> Any:
-    """The part file's schema, with the planner's choice (method=auto) under `spectr.plan` when there is one."""
+    """The part file's schema, with what method=auto ran (its mix of configurations) under `spectr.plan`."""
     if plan is None:
         return schema
     import json
@@ -164,6 +167,7 @@ class ShardGenerator:
             shard = load_shard(task, job.source, self.tokenizer, job.data, self.spectr.seed, self.cache)
         self._shard_steps += 1
         self.feed.max_budget = job.source.max_budget  # the pool is sized for the input's largest budget
+        self.feed.pair_key, self.feed.warm_states = job.plan_pair, job.plan_states  # method=auto: warm start
         result = self(shard)
         output = fs.resolve(job.output_uri, "output_dir")
         schema = with_plan(job.schema, result.plan)  # method=auto: the plan that generated this shard
@@ -207,7 +211,15 @@ class ShardGenerator:
             num_rows=len(out),
             failed=stats["prompts_failed"],
             plan=run.plan,
+            planner_state=self._planner_state(),
         )
+
+    def _planner_state(self) -> dict[str, Any] | None:
+        """method=auto: what this actor's chooser has learned, keyed for the plan cache (the driver saves it)."""
+        feed = self.feed
+        if feed.chooser_state is None or feed.plan_cache_key is None:
+            return None
+        return {"key": feed.plan_cache_key, "state": feed.chooser_state}
 
     def _budget(self, shard: Shard, i: int) -> int:
         """Row i's max_new_tokens: its `data.max_new_tokens_column` value, else `spectr.max_new_tokens`."""
@@ -221,16 +233,6 @@ class ShardGenerator:
             self.on_batch(shard_index, rows)
         except Exception as err:  # noqa: BLE001 - progress is best effort
             log.warning("progress report failed (%s: %s); generation goes on", type(err).__name__, err)
-
-    @property
-    def planner(self) -> Any:
-        """method=auto: the planner (calibrated on the first shard), None before."""
-        return self.feed.planner
-
-    def plan_record(self) -> dict[str, Any] | None:
-        """method=auto: the plan of the batch running now (None before it has run); each part file records
-        the plan that generated it (`ShardResult.plan`)."""
-        return self.feed.plan_record
 
     def _row(self, shard: Shard, i: int, finished: Any) -> dict[str, Any]:
         """Row i from its `spectr.FinishedRow`; a row the engine stopped (non-finite logits) keeps its

@@ -214,80 +214,51 @@ def test_non_finite_logits_write_the_engines_message_in_the_error_column(tiny_pa
     assert result.failed == 5 and result.stats["prompts_failed"] == 5
 
 
-class FlipPlanner:
-    """A stand-in for `spectr.planner`'s Planner whose choice flips from `first` to `second` at its first
-    observation (what a re-plan after measured acceptance does)."""
-
-    def __init__(self, first, second):
-        self.choices, self.replans, self.observed = [first, second], 0, []
-
-    @property
-    def choice(self):
-        return self.choices[min(self.replans, 1)]
-
-    @property
-    def plan(self):
-        from types import SimpleNamespace
-
-        best = SimpleNamespace(candidate=self.choice, tokens_per_second=1.0)
-        return SimpleNamespace(best=best, speedup=1.0, describe=lambda: f"auto chose {self.choice.label}")
-
-    def observe(self, candidate, accepted_per_position, target_calls, mean_active_rows):
-        self.observed.append((candidate, list(accepted_per_position), target_calls, mean_active_rows))
-        self.replans += 1
-        return True
-
-
-def auto_generator(tiny_pair, monkeypatch, batch_size: int) -> ShardGenerator:
-    from pipeline.generate.feed import ShardFeed
-    from spectr.planner.choose import Candidate
-
-    first, second = Candidate("spectr", 2, 3), Candidate("speculative", 1, 2)
-    monkeypatch.setattr(ShardFeed, "_calibrate", lambda self, prompts: setattr(self, "planner", FlipPlanner(first, second)))
-    return generator_for(tiny_pair, batch_size=batch_size, method="auto")
-
-
-def test_auto_switches_plan_at_a_shard_end_and_records_the_plan_of_each_shard(tiny_pair, monkeypatch):
-    """method=auto: shard 0 runs the first choice; its end's observation changes the choice, so shard 1 runs
-    in a new batcher of the second; each shard's plan says which, and its rows are those of that method."""
-    generator = auto_generator(tiny_pair, monkeypatch, batch_size=4)
-    shards = shards_of(tiny_pair, prompts_of(12, seed=6), 6, [5 + i % 4 for i in range(12)])
-    results = [generator(shard) for shard in shards]
-    planner = generator.feed.planner
-    candidate, accepted, calls, rows = planner.observed[0]
-    assert candidate.method == "spectr" and calls == results[0].stats["target_calls"] and 0 < rows <= 4
-    assert len(accepted) == 3 and sum(accepted) == sum(results[0].stats["accepted_per_position"])
-    assert [r.plan["method"] for r in results] == ["spectr", "speculative"]
-    assert "auto chose speculative L=2" in results[1].stats["plan"] and generator.feed.allocations == 2
-    settings = [dict(method="spectr", num_drafts=2, draft_length=3), dict(method="speculative", num_drafts=1, draft_length=2)]
-    for shard, result, chosen in zip(shards, results, settings):
-        for i, row in enumerate(result.rows):
-            out = spectr.generate(generator.target, generator.draft, [shard.prompt_token_ids[i]], **chosen,
-                                  max_new_tokens=shard.max_new_tokens[i], eos_token_id=generator.eos_token_id,
-                                  seed=[shard.seeds[i]])
-            assert row["completion_token_ids"] == out.tokens[0]
-
-
-def test_auto_drains_the_old_batch_before_the_new_one_is_built(tiny_pair, monkeypatch):
-    """Shards at once: when the choice changes, rows already in the batch finish in it; the new batcher is
-    built only once the old one is idle, and takes every row still held."""
-    generator = auto_generator(tiny_pair, monkeypatch, batch_size=4)
+def test_auto_runs_one_pool_whose_configuration_changes_per_iteration(tiny_pair):
+    """method=auto: shards at once through ONE pool (no calibration, no drain, no rebuild); every token the
+    batch made is charged to exactly one configuration; each part's plan is the mix while its rows were in
+    the batch; the actor's chooser state is handed back for the plan cache; nothing is wasted."""
+    generator = generator_for(tiny_pair, batch_size=4, method="auto")
     feed = generator.feed
-    idle_at_build = []
-    build = feed._build
-
-    def logged_build(config):
-        idle_at_build.append(feed.batcher is None or feed.batcher.idle)
-        build(config)
-
-    feed._build = logged_build
-    feed.max_budget = 20  # as generate_shard sets it from the scan: no pool growth here
-    shards = shards_of(tiny_pair, prompts_of(12, seed=7), 3, [2 if i < 3 else 20 for i in range(12)])
+    feed.max_budget = 12  # as generate_shard sets it from the scan: no pool growth here
+    shards = shards_of(tiny_pair, prompts_of(12, seed=7), 4, [3 + (5 * i) % 10 for i in range(12)])
     results = run_concurrently(generator, shards)
-    assert feed.allocations == 2 and idle_at_build == [True, True]
+    assert feed.allocations == 1 and type(feed.batcher).__name__ == "AutoBatcher"
     assert all(row["error"] is None for r in results for row in r.rows)
-    methods = {label.split()[0] for r in results for label in (r.plan.get("generated_by") or [r.plan["method"]])}
-    assert methods == {"spectr", "speculative"}, methods
+    generated = sum(r.stats["generated_tokens"] for r in results)
+    charged: dict[str, int] = {}
+    for r in results:
+        for label, tokens in r.stats.get("tokens_by_config", {}).items():
+            charged[label] = charged.get(label, 0) + tokens
+        assert r.stats["wasted_seconds"] == 0.0 and r.stats["plan"] in {c.label for c in feed.batcher.chooser.candidates}
+        assert r.plan["method"] == "auto" and sum(r.plan["shares"].values()) == pytest.approx(1.0)
+        assert r.plan["description"].startswith("auto: ")
+    assert sum(charged.values()) == generated  # every token under exactly one configuration
+    assert charged == feed.batcher.chooser.tokens_by_config()
+    assert len(charged) > 1  # the chooser tried more than one configuration on these rows
+    state = results[-1].planner_state
+    assert state["key"].endswith("|cpu|float32") and state["state"] == feed.batcher.chooser.state()
+    json.dumps(state)  # it travels to the driver and into the cache as JSON
+
+
+def test_auto_starts_from_a_cached_state_of_its_own_device(tiny_pair):
+    """The warm start: the feed picks the cached state whose key is its pair, device and dtype, and the chooser
+    starts from it (it measured autoregressive and speculative L=1 already: no exploration of those)."""
+    learner = generator_for(tiny_pair, batch_size=2, method="auto")
+    learner.feed.pair_key = "pair"
+    shards = shards_of(tiny_pair, prompts_of(6, seed=3), 6, [8] * 6)
+    learned = learner(shards[0]).planner_state
+    warm = generator_for(tiny_pair, batch_size=2, method="auto")
+    warm.feed.pair_key = "pair"
+    warm.feed.warm_states = {learned["key"]: learned["state"], "pair|NVIDIA H200|bfloat16": {"version": -1}}
+    warm(shards[0])
+    cold = generator_for(tiny_pair, batch_size=2, method="auto")
+    cold(shards[0])
+    first_warm = warm.feed.batcher.chooser.timeline[0].config
+    first_cold = cold.feed.batcher.chooser.timeline[0].config
+    assert first_cold == "autoregressive"  # a cold chooser measures its baseline first
+    known = set(learned["state"]["buckets"].get("2", {}))
+    assert known and (first_warm != "autoregressive" or len(known) == 1)
 
 
 def test_a_row_longer_than_the_pool_grows_it_after_a_drain(tiny_pair):

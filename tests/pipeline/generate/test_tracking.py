@@ -145,27 +145,38 @@ def test_summary_throughput_and_wall_time_cover_the_whole_job():
     assert all(live[name] == pytest.approx(metrics[name]) for name in live)  # the live series ends here
 
 
-def test_planner_prediction_against_the_measured_throughput():
-    """method=auto: each shard carries the seconds one actor would need at its plan's predicted tok/s;
-    the summary turns them into the job's predicted throughput and the measured / predicted ratio."""
+def test_planner_prediction_mix_and_waste_in_the_summary():
+    """method=auto: each shard carries the batch's tokens and seconds per configuration, the wasted seconds,
+    the chooser's choice and the seconds one actor would need at its predicted tok/s; the summary turns them
+    into the method line (what ran, by share of tokens), the prediction against the measured batches, and
+    the MLflow metrics (shares, current configuration, planner_wasted_s)."""
     fast, slow = shard(4, 60, 20, [10, 5], 25), shard(4, 40, 20, [12, 6], 26)
-    fast.update(plan="auto chose speculative L=2, predicted 30.0 tok/s", predicted_seconds=60 / 30.0,
-                wall_seconds=3.0, calibration_seconds=1.0)
-    slow.update(plan="auto chose autoregressive, predicted 10.0 tok/s", predicted_seconds=40 / 10.0, wall_seconds=3.0)
+    fast.update(plan="speculative L=3", plan_choice={"method": "speculative", "num_drafts": 1, "draft_length": 3},
+                tokens_by_config={"speculative L=3": 50, "autoregressive": 10},
+                seconds_by_config={"speculative L=3": 2.0, "autoregressive": 0.5},
+                predicted_seconds=60 / 30.0, wall_seconds=3.0, wasted_seconds=0.25)
+    slow.update(plan="block L=3", plan_choice={"method": "block", "num_drafts": 1, "draft_length": 3},
+                tokens_by_config={"speculative L=3": 31, "block L=3": 9}, seconds_by_config={"block L=3": 0.4},
+                predicted_seconds=40 / 10.0, wall_seconds=2.0)
     common = dict(num_prompts=8, startup_s=1.0, num_actors=2, actor_device="cpu", output_dir="o", num_shards=2)
     summary = JobSummary.build([fast, slow], [fast, slow], wall_time_s=12.0, generation_s=10.0, **common)
+    assert summary.plan == "auto: speculative L=3 for 81% of tokens, autoregressive 10%, block L=3 9%"
     assert summary.planner_predicted_tokens_per_s == pytest.approx(2 * 100 / 6.0)  # two actors
+    assert summary.planner_measured_tokens_per_s == pytest.approx(2 * 100 / 5.0)  # 100 tokens in 5 s of batches
     metrics = summary.metrics()
-    assert metrics["planner_predicted_tokens_per_s"] == pytest.approx(100 / 3.0)
-    # measured: 100 tokens in 5 s of batches (6 s minus 1 s of calibration) per actor, two actors
-    assert summary.planner_measured_tokens_per_s == pytest.approx(2 * 100 / 5.0)
     assert metrics["planner_measured_over_predicted"] == pytest.approx(40.0 / (100 / 3.0))
-    assert "predicted 33.3 tokens/s for 2 actor(s); their batches made 40.0 (calibration excluded) = 1.20x" in (
-        summary.table())
-    assert summary.seconds_by_phase["calibration"] == 1.0  # its own share of the split, not "other"
+    assert metrics["planner_wasted_s"] == 0.25
+    assert metrics["planner_share_speculative_L3"] == pytest.approx(0.81)
+    assert metrics["planner_share_autoregressive"] == pytest.approx(0.10)
+    assert (metrics["planner_current_num_drafts"], metrics["planner_current_draft_length"]) == (1.0, 3.0)
+    table = summary.table()
+    assert "method            auto: speculative L=3 for 81% of tokens" in table
+    assert "predicted 33.3 tokens/s for 2 actor(s); their batches made 40.0 = 1.20x; wasted 0.2 s" in table
+    live = progress_metrics(merge_stats(merge_stats(empty_stats(), fast), slow), slow, 10.0, None)
+    assert live["planner_share_block_L3"] == pytest.approx(0.09)  # the live series carries the shares too
     fixed = JobSummary.build([shard(4, 60, 20, [10, 5], 25)], [], wall_time_s=1.0, generation_s=1.0, **common)
-    assert "calibration" not in fixed.seconds_by_phase
     assert "planner_predicted_tokens_per_s" not in fixed.metrics() and "planner" not in fixed.table()
+    assert not any(name.startswith("planner_") for name in fixed.metrics())
 
 
 def test_run_record_round_trip_and_a_broken_file(tmp_path):
