@@ -69,6 +69,7 @@ from spectr.settings import (
 )
 from spectr.stats import GenerationStats, PhaseTimer
 from spectr.steps import StepConfig, StepReport
+from spectr.warps import RowWarps, SamplingWarp
 
 # Pack live rows into the holes below them when at most this fraction of the slots is live, by
 # device type. Measured on the CPU (scripts/bench_batching.py --sections policy --batch-sizes 16
@@ -97,6 +98,7 @@ class FinishedRow:
     tested_positions: int = 0
     tree_nodes: int = 0
     tokens_per_call_histogram: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None  # with logprobs=True: per token, log q of its warped target law
 
     @property
     def generated_tokens(self) -> int:
@@ -110,6 +112,7 @@ class _Request:
     budget: int
     seed: int
     tag: Any
+    warp: SamplingWarp | None = None  # None: the run's warp
 
 
 def known_methods() -> list[str]:
@@ -155,7 +158,7 @@ class ContinuousBatcher:
     def __init__(self, target, draft, *, batch_size: int, max_length: int | None = None, method: str = "spectr",
                  num_drafts: int = 4, draft_length: int = 4, max_num_drafts: int | None = None,
                  max_draft_length: int | None = None, temperature: float = 1.0, top_k: int = 0,
-                 top_p: float = 1.0, eos_token_id=None, pack_below: float | None = None):
+                 top_p: float = 1.0, eos_token_id=None, pack_below: float | None = None, logprobs: bool = False):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
         self.settings = Settings.for_run(methods=known_methods(), method=method, num_drafts=num_drafts,
@@ -169,6 +172,8 @@ class ContinuousBatcher:
         self.max_length = self._max_length(max_length)
         self.device = self.target.device
         self.pack_below = float(DEFAULT_PACK_BELOW.get(self.device.type, 0.0) if pack_below is None else pack_below)
+        self.logprobs = bool(logprobs)
+        self.row_warps: RowWarps | None = None  # set when a row is admitted with its own warp
         self.stats = GenerationStats(method=s.method, num_drafts=s.num_drafts, draft_length=s.draft_length)
         with torch.inference_mode():
             self._allocate()
@@ -234,7 +239,7 @@ class ContinuousBatcher:
                                                                                 device=self.device))
         self.rows = RowState.pool(slots, self.target_cache, drafter, self.device)
         self.occupied = torch.zeros(slots, dtype=torch.bool, device=self.device)  # [B] admitted, not retired
-        self.records = Records(slots, self.max_length, max_l + 1, max_l, s.eos_ids, self.device)
+        self.records = Records(slots, self.max_length, max_l + 1, max_l, s.eos_ids, self.device, self.logprobs)
 
     # -- the caller's view -------------------------------------------------------------
     @property
@@ -258,17 +263,22 @@ class ContinuousBatcher:
         return sum(c.nbytes for c in caches) + self.records.nbytes + self.rows.nbytes
 
     def admit(self, prompts, *, max_new_tokens: int | Sequence[int] = 64, seed: int | Sequence[int] = 0,
-              tags: Sequence[Any] | None = None) -> list[int]:
+              tags: Sequence[Any] | None = None, warps: Sequence[SamplingWarp | None] | None = None) -> list[int]:
         """Queue prompts (token-id lists), in order; returns their request ids.
 
         max_new_tokens: an int >= 1 or one per prompt; seed: an int (prompt i uses seed + i) or one
-        per prompt; tags: None or one value per prompt, returned with the row.
+        per prompt; tags: None or one value per prompt, returned with the row; warps: None or one
+        `SamplingWarp` (or None: the run's) per prompt, the law that row samples (rows of several
+        warps share the batch, each exact for its own).
         """
         checked = check_prompts(prompts)
         budgets = check_max_new_tokens(max_new_tokens, len(checked))
         seeds = check_seeds(seed, len(checked))
-        if tags is not None and len(tags) != len(checked):
-            raise ValueError(f"tags has {len(tags)} entries but there are {len(checked)} prompts")
+        for name, values in (("tags", tags), ("warps", warps)):
+            if values is not None and len(values) != len(checked):
+                raise ValueError(f"{name} has {len(values)} entries but there are {len(checked)} prompts")
+        if warps is not None and not all(w is None or isinstance(w, SamplingWarp) for w in warps):
+            raise ValueError("warps must be None or one SamplingWarp (or None) per prompt")
         for model in (self.target, self.draft):
             if model is not None:
                 check_prompts_fit(checked, model, budgets)
@@ -279,7 +289,8 @@ class ContinuousBatcher:
         first = self._next_request
         self._next_request += len(checked)
         for row, (prompt, budget, row_seed) in enumerate(zip(checked, budgets, seeds)):
-            self._waiting.append(_Request(first + row, prompt, budget, row_seed, None if tags is None else tags[row]))
+            self._waiting.append(_Request(first + row, prompt, budget, row_seed, None if tags is None else tags[row],
+                                          None if warps is None else warps[row]))
         return list(range(first, self._next_request))
 
     def step(self, config: StepConfig | None = None) -> list[FinishedRow]:
@@ -324,11 +335,8 @@ class ContinuousBatcher:
             slots = sorted(heapq.heappop(self._free) for _ in range(count))
             index = torch.tensor(slots, dtype=torch.int64, device=self.device)  # [N]
             prompts = [r.prompt for r in requests]
-            with self.loop.timer.phase("target"):
-                prefill(self.target, self.target_cache, prompts, self.device, rows=index)
-            if self.rows.drafter is not None:
-                with self.loop.timer.phase("draft"):
-                    prefill(self.draft, self.rows.drafter.cache, prompts, self.device, rows=index)
+            self._prefill(slots, prompts)
+            self._set_warps(index, requests)
             last_tokens = torch.tensor([p[-1] for p in prompts], dtype=torch.int64, device=self.device)  # [N]
             self.rows.admit(index, last_tokens, row_keys([r.seed for r in requests], self.device))
             self.occupied.index_fill_(0, index, True)
@@ -343,6 +351,44 @@ class ContinuousBatcher:
         loop.target_longest = max(loop.target_longest, longest - 1)
         loop.draft_extent = (max(loop.draft_extent[0], longest), max(loop.draft_extent[1], 1))
         self.stats.admissions += 1
+
+    def _prefill(self, slots: list[int], prompts: list[list[int]]) -> None:
+        """Prefill the new rows; copies of a prompt admitted together share one prefill (the first copy's
+        cache rows are copied to the others: one forward per model for the distinct prompts only)."""
+        first_slot: dict[tuple[int, ...], int] = {}
+        copies: list[tuple[int, int]] = []  # (source slot, dest slot)
+        unique_slots, unique_prompts = [], []
+        for slot, prompt in zip(slots, prompts):  # admission (host), not the per-iteration loop
+            key = tuple(prompt)
+            if key in first_slot:
+                copies.append((first_slot[key], slot))
+            else:
+                first_slot[key] = slot
+                unique_slots.append(slot)
+                unique_prompts.append(prompt)
+        index = torch.tensor(unique_slots, dtype=torch.int64, device=self.device)  # [U]
+        caches = [("target", self.target, self.target_cache)]
+        if self.rows.drafter is not None:
+            caches.append(("draft", self.draft, self.rows.drafter.cache))
+        for phase, model, cache in caches:
+            with self.loop.timer.phase(phase):
+                prefill(model, cache, unique_prompts, self.device, rows=index)
+                if copies:
+                    source, dest = (torch.tensor(c, dtype=torch.int64, device=self.device) for c in zip(*copies))
+                    cache.rows.copy_rows(source, dest, max(len(p) for p in unique_prompts))
+        self.stats.prefilled_rows += len(unique_slots)
+        self.stats.shared_prefill_rows += len(copies)
+
+    def _set_warps(self, index: torch.Tensor, requests: list[_Request]) -> None:
+        """Rows with their own warp: the pool switches to per-row warps (`RowWarps`) on the first one."""
+        if self.row_warps is None:
+            if all(r.warp is None for r in requests):
+                return
+            self.row_warps = RowWarps(self.batch_size, self.settings.warp, self.device)
+            self.loop.warp = self.row_warps
+            if self.rows.drafter is not None:
+                self.rows.drafter.warp = self.row_warps
+        self.row_warps.set(index, [self.settings.warp if r.warp is None else r.warp for r in requests])
 
     # -- one iteration -------------------------------------------------------------------
     def _iterate(self, config: StepConfig) -> None:
@@ -376,6 +422,8 @@ class ContinuousBatcher:
             cache.move_rows(source, dest, min(cache.capacity, used))
         self.rows.move(source, dest)
         self.records.move(source, dest)
+        if self.row_warps is not None:
+            self.row_warps.move(source, dest)
         self.occupied.index_fill_(0, dest, True)
         self.occupied.index_fill_(0, source, False)
         for slot, hole in zip(sources, holes):
@@ -436,7 +484,7 @@ class ContinuousBatcher:
                            finish_reason=result.finish_reason, target_calls=result.target_calls, error=error,
                            accepted_per_position=result.accepted_per_position,
                            tested_positions=result.tested_positions, tree_nodes=result.tree_nodes,
-                           tokens_per_call_histogram=result.tokens_per_call_histogram)
+                           tokens_per_call_histogram=result.tokens_per_call_histogram, logprobs=result.logprobs)
 
     @contextlib.contextmanager
     def _engaged(self):
