@@ -44,6 +44,11 @@ class DataConfig:
     messages_column: str = "messages"
     add_special_tokens: bool = True
     max_new_tokens_column: str | None = None  # each row's budget from this integer column (None: spectr.max_new_tokens)
+    keep_columns: Any = None  # input columns carried to the output unchanged: a list of names, or "all"
+    stop_column: str | None = None  # each row's stop strings (a list of strings, or one string)
+    sampling_params_column: str | None = None  # per-row settings: a struct or JSON object (see pipeline.row_columns)
+    chat_template: str | None = None  # chat mode: a Jinja template (a file path or the template itself)
+    chat_template_kwargs: Any = None  # chat mode: extra variables for the template, e.g. {enable_thinking: false}
 
 
 @dataclass(frozen=True)
@@ -135,6 +140,8 @@ def coerce(value: Any, type_name: str, key: str) -> Any:
             return float(value)
         if t == "str" and isinstance(value, str):
             return value
+        if t == "Any":  # checked by the section's own rules
+            return value
     wanted = " or ".join("null" if t == "None" else t for t in allowed)
     raise JobInputError(f"config: {key} must be {wanted}, got {value!r} ({type(value).__name__})")
 
@@ -165,6 +172,15 @@ def check_data(d: DataConfig) -> None:
                 "data.max_new_tokens_column", "null or a column other than the prompt and id columns",
                 d.max_new_tokens_column,
             )  # fmt: skip
+    _check_row_columns(d)
+
+
+def _check_row_columns(d: DataConfig) -> None:
+    """keep_columns, stop_column, sampling_params_column, chat_template(_kwargs): shapes only (the input's
+    columns are checked by the scan)."""
+    from pipeline.row_columns import check_row_columns_config
+
+    check_row_columns_config(d)
 
 
 def check_mlflow(m: MlflowConfig) -> None:

@@ -353,29 +353,34 @@ class ContinuousBatcher:
         self.stats.admissions += 1
 
     def _prefill(self, slots: list[int], prompts: list[list[int]]) -> None:
-        """Prefill the new rows; copies of a prompt admitted together share one prefill (the first copy's
-        cache rows are copied to the others: one forward per model for the distinct prompts only)."""
-        first_slot: dict[tuple[int, ...], int] = {}
-        copies: list[tuple[int, int]] = []  # (source slot, dest slot)
+        """Prefill the new rows, once per distinct prompt: a row whose prompt a live row or another new row
+        already holds copies that row's prompt slots instead (both caches are left-aligned, so a row's
+        first len(prompt) - 1 slots are its prompt whatever it generated since). One forward per model
+        for the prompts no slot holds; the samples of a prompt share its prefill this way."""
+        holders = {tuple(r.prompt): slot for slot, r in enumerate(self._in_slot) if r is not None}  # live rows
+        copies: list[tuple[int, int, int]] = []  # (source slot, dest slot, prompt length - 1)
         unique_slots, unique_prompts = [], []
         for slot, prompt in zip(slots, prompts):  # admission (host), not the per-iteration loop
             key = tuple(prompt)
-            if key in first_slot:
-                copies.append((first_slot[key], slot))
+            if key in holders:
+                copies.append((holders[key], slot, len(prompt) - 1))
             else:
-                first_slot[key] = slot
+                holders[key] = slot
                 unique_slots.append(slot)
                 unique_prompts.append(prompt)
-        index = torch.tensor(unique_slots, dtype=torch.int64, device=self.device)  # [U]
         caches = [("target", self.target, self.target_cache)]
         if self.rows.drafter is not None:
             caches.append(("draft", self.draft, self.rows.drafter.cache))
         for phase, model, cache in caches:
             with self.loop.timer.phase(phase):
-                prefill(model, cache, unique_prompts, self.device, rows=index)
+                if unique_prompts:
+                    index = torch.tensor(unique_slots, dtype=torch.int64, device=self.device)  # [U]
+                    prefill(model, cache, unique_prompts, self.device, rows=index)
                 if copies:
-                    source, dest = (torch.tensor(c, dtype=torch.int64, device=self.device) for c in zip(*copies))
-                    cache.rows.copy_rows(source, dest, max(len(p) for p in unique_prompts))
+                    source, dest, lengths = (torch.tensor(c, dtype=torch.int64, device=self.device)
+                                             for c in zip(*copies))  # [C] each
+                    cache.rows.copy_rows(source, dest, max(c[2] for c in copies))
+                    cache.rows.lengths.index_copy_(0, dest, lengths)
         self.stats.prefilled_rows += len(unique_slots)
         self.stats.shared_prefill_rows += len(copies)
 

@@ -184,3 +184,17 @@ def test_copies_of_a_prompt_share_one_prefill_and_keep_their_own_tokens(pair64, 
              for p, s in ((prompt, 1), (other, 2), (prompt, 3), (prompt, 4))]
     assert together.tokens == alone
     assert len({tuple(t) for t in together.tokens}) == 4  # independent samples
+
+
+@pytest.mark.parametrize("method", ["autoregressive", "spectr", "block"])
+def test_a_prompt_admitted_mid_run_copies_the_prompt_slots_of_a_live_row(pair64, method):
+    """Two slots, six copies of a prompt with different budgets: every later copy joins while another copy
+    is generating and takes that row's prompt slots; its tokens are the ones it gets alone."""
+    prompt = [3, 17, 42, 8, 1, 7, 7]
+    budgets = [4, 9, 3, 12, 5, 6]
+    kwargs = dict(method=method, num_drafts=2, draft_length=3, top_p=0.9)
+    out = spectr.generate(*pair64, [prompt] * 6, max_new_tokens=budgets, seed=list(range(6)), batch_size=2, **kwargs)
+    assert out.stats.prefilled_rows == 1 and out.stats.shared_prefill_rows == 5
+    for row in range(6):
+        alone = spectr.generate(*pair64, [prompt], max_new_tokens=[budgets[row]], seed=[row], **kwargs)
+        assert out.tokens[row] == alone.tokens[0]
