@@ -164,3 +164,19 @@ def test_chat_template_override_and_its_kwargs(tiny_pair):
     template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if shout %} !{% endif %}"
     data = DataConfig(path="x", chat=True, chat_template=template, chat_template_kwargs={"shout": True})
     assert render_prompts(tokenizer, data, None, [[{"role": "user", "content": "the cat"}]]) == ["the cat !"]
+
+
+def test_a_newline_stop_string_through_hydra(tiny_pair):
+    """What the README says to type in bash, $'spectr.stop=["\\n"]', reaches the config as one newline."""
+    from hydra import compose, initialize_config_dir
+
+    from pipeline.config import PROJECT_ROOT
+    from pipeline.generate.config import from_omegaconf
+
+    overrides = [f"model.target={tiny_pair['target']}", f"model.draft={tiny_pair['draft']}",
+                 'spectr.stop=["\n", "END"]', "data.keep_columns=[topic]",
+                 "data.chat=true", "data.chat_template_kwargs={enable_thinking: false}"]
+    with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
+        config = from_omegaconf(compose(config_name="generate", overrides=overrides))
+    assert config.spectr.stop == ["\n", "END"] and config.data.keep_columns == ["topic"]
+    assert config.data.chat_template_kwargs == {"enable_thinking": False}
