@@ -31,6 +31,7 @@ class ModelConfig:
     dtype: str = "auto"  # bfloat16 on CUDA (when supported), float32 on CPU
     allow_pickle: bool = False  # load .bin/.pt weights (pickle can run code); off by default
     trust_remote_code: bool = False
+    device_map: str | None = None  # "auto": the target's placement plan over the actor's GPUs (pipeline.placement)
 
 
 @dataclass(frozen=True)
@@ -153,6 +154,8 @@ def out_of_range(key: str, rule: str, value: Any) -> JobInputError:
 def check_model(m: ModelConfig) -> None:
     if m.dtype not in DTYPES:
         raise out_of_range("model.dtype", f"one of {', '.join(DTYPES)}", m.dtype)
+    if m.device_map not in (None, "auto"):
+        raise out_of_range("model.device_map", "null (one device) or auto (split over the actor's GPUs)", m.device_map)
     for key, path in (("model.target", m.target), ("model.draft", m.draft)):
         if not path.strip():
             raise out_of_range(key, "a model directory", path)

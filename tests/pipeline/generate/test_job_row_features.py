@@ -180,3 +180,26 @@ def test_a_newline_stop_string_through_hydra(tiny_pair):
         config = from_omegaconf(compose(config_name="generate", overrides=overrides))
     assert config.spectr.stop == ["\n", "END"] and config.data.keep_columns == ["topic"]
     assert config.data.chat_template_kwargs == {"enable_thinking": False}
+
+
+@pytest.mark.parametrize("num_layers,devices", [(32, [0, 1]), (7, [0, 1, 2]), (2, [0, 1, 2, 3]), (5, [3])])
+def test_the_placement_plan_covers_every_layer_once_in_order_and_balanced(num_layers, devices):
+    from pipeline.placement import devices_used, placement_plan
+
+    plan = placement_plan(num_layers, devices)
+    layers = [plan[f"model.layers.{i}"] for i in range(num_layers)]
+    assert len([k for k in plan if k.startswith("model.layers.")]) == num_layers
+    assert layers == sorted(layers)  # contiguous blocks, in device order
+    assert plan["model.embed_tokens"] == devices[0] and plan["lm_head"] == plan["model.norm"] == devices[-1]
+    load = {d: layers.count(d) for d in devices}
+    load[devices[0]] += 1  # the embedding weighs about one layer, the head too
+    load[devices[-1]] += 1
+    assert max(load.values()) - min(load.values()) <= 2
+    if num_layers >= len(devices) + 2:
+        assert devices_used(plan) == sorted(devices)
+
+
+def test_a_bad_device_map_is_refused(tiny_pair, tmp_path):
+    raw = job_config(tiny_pair, rows_in(tmp_path, input_rows()), tmp_path / "out", **{"model.device_map": "gpu0"})
+    with pytest.raises(JobInputError, match="model.device_map must be null"):
+        from_dict(raw)
