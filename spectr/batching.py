@@ -8,7 +8,9 @@ life is a loop of three moves:
 1) admit   - `admit(prompts, max_new_tokens=..., seed=..., tags=...)` checks the prompts and
              queues them, in order; at the next `step`, waiting prompts take the free slots
              (prefill of the new rows only, one forward per model, no host sync);
-2) iterate - `step()` runs one iteration (`spectr.iteration`) on the slots [0, top) (top = the
+2) iterate - `step(config=None)` runs one iteration (`spectr.iteration`) of `config` (any
+             `spectr.steps.StepConfig` within the batcher's bounds; default the batcher's own, see
+             "Configurations" below) on the slots [0, top) (top = the
              highest occupied slot + 1; empty and finished slots below it masked); when at most
              `pack_below x batch_size` rows are live, live rows above the holes are first moved
              down into them (see "Live rows" below);
@@ -21,6 +23,15 @@ actor calls `admit` again whenever `waiting` runs low, so that its batch stays f
 shards. A row's output depends only on its prompt, seed, budget, the models and the run
 settings: its random stream is keyed by (seed, the row's own iteration, slot), and no
 computation mixes rows (batched kernels' floating-point differences aside).
+
+Configurations: the caches, records and drafter are allocated once for the bounds (Kmax, Lmax), so
+consecutive iterations may run different methods, K and L on the same rows, cache pool and random
+streams; `last_step` (`StepReport`) says what each did: its tokens, accepted and tested positions
+come in the iteration's existing host copy (no extra read), its seconds from the host clock. The
+draft cache does not follow autoregressive iterations; the next speculative one catches it up in
+one forward (`spectr.iteration`). Every iteration samples the target's conditional law, so a
+schedule of configurations never changes the output law; a row's exact tokens then depend on the
+schedule (with one fixed configuration, on its prompt, seed, budget, models and settings only).
 
 Host syncs: per iteration the engine's usual one (autoregressive and the single-draft
 methods, speculative and block) or two (multi-draft methods, spectr and specinfer with
@@ -150,6 +161,12 @@ def model_limit(models: Sequence[HFCausalLM]) -> int | None:
 class ContinuousBatcher:
     """Rows in flight over one cache pool; see the module docstring.
 
+    method / num_drafts / draft_length are the default configuration (`config`, what `step()` runs);
+    max_num_drafts / max_draft_length (default: the default configuration's K and L) bound the
+    configurations `step(config)` may run, and size the tree slots of the caches, the records and the
+    drafter once. A draft model is kept when the bounds allow speculation (autoregressive without a
+    draft: autoregressive only).
+
     The constructor checks the run settings and raises ValueError naming the bad argument;
     `admit` checks prompts, budgets and seeds and raises ValueError naming the argument and the
     row (nothing of that call is queued then).
@@ -167,6 +184,8 @@ class ContinuousBatcher:
         s = self.settings
         self.config = StepConfig.of(s.method, s.num_drafts, s.draft_length)
         self.bounds = self._bounds(max_num_drafts, max_draft_length)
+        if draft is None and not s.speculative:
+            self.bounds = (0, 0)  # autoregressive without a draft model: no drafter, whatever the bounds
         self.target, self.draft = load_models(target, draft, s, speculative=self.bounds[1] > 0)
         self.batch_size = batch_size
         self.max_length = self._max_length(max_length)
@@ -330,6 +349,8 @@ class ContinuousBatcher:
         count = min(len(self._free), len(self._waiting))
         if count == 0:
             return
+        if self.in_flight == 0:
+            self.loop.draft_lag = 0  # every row is new: their draft caches are prefilled, nothing to catch up
         with self._engaged():
             requests = [self._waiting.popleft() for _ in range(count)]
             slots = sorted(heapq.heappop(self._free) for _ in range(count))

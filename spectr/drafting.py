@@ -23,6 +23,11 @@ Draft-cache layout during an iteration (see spectr.kv_cache for the invariant): 
 `base + i*K + k`; its depth-L-1 token is never fed. `commit` gathers the accepted path to
 `base + i` and advances the committed prefix, for the rows still running only.
 
+K and L are each call's (the shape of its uniforms), not the drafter's: consecutive iterations
+may draft different trees over the same cache and pending tokens. `catch_up` feeds the cache, in
+one forward, the tokens committed while the drafter sat idle (autoregressive iterations), so that
+the next `propose` starts from the row's whole committed prefix.
+
 Rows of the pool: `reset` starts newly admitted rows (their last prompt token pending),
 `prefix` / `put_prefix` make a drafter of the rows [0, R) (over that prefix of the cache) and
 write its pending tokens back.

@@ -4,7 +4,9 @@ Each iteration has four phases for every row it is given (`spectr.rows.RowState`
 pool, or only its live rows):
 
 1) draft   - `TreeDrafter.propose`: K drafts x L tokens as a prefix tree (spectr.tree), one
-             draft forward per position, returned with the draft-model rows they were drawn from;
+             draft forward per position, returned with the draft-model rows they were drawn from
+             (after autoregressive iterations, first `TreeDrafter.catch_up`: the tokens they
+             committed enter the draft cache in one forward);
 2) verify  - one target forward over the tree of every row: the last committed token, then
              one token per unique tree node, after the row's cached prefix (4D mask + explicit
              position ids), padded to the widest tree of the rows;
@@ -15,7 +17,8 @@ pool, or only its live rows):
              appends the emitted tokens and marks rows that finished.
 
 `autoregressive_step` is the plain target-only iteration with the same cache, warps and
-random streams (one target forward per token).
+random streams (one target forward per token). The method, K and L are the `Loop`'s current
+ones (`Loop.configure`), so consecutive iterations of the same rows may differ.
 
 Rows that are not running (empty slots, finished rows) go through the same ops, masked:
 their caches, pending tokens and records do not change. Host syncs: none here for

@@ -96,7 +96,8 @@ class StepReport:
     rows: live rows the iteration ran; tokens: tokens committed by all rows in it (after EOS and
     budget truncation); accepted / tested: draft positions accepted / examined by the selection
     (0 for autoregressive); seconds: wall seconds of the iteration (admission excluded: that is
-    `prefill_seconds`, the prefill of the rows admitted before it); finished: rows that finished.
+    `prefill_seconds`, the prefill of the rows admitted before it; on CUDA the admission reads nothing,
+    so its kernels may finish inside the iteration's seconds); finished: rows that finished.
     """
 
     config: StepConfig

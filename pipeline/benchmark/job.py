@@ -163,8 +163,7 @@ class CaseResult:
 
     @property
     def predicted_tokens_per_second(self) -> float | None:
-        if self.auto is not None:
-            return self.auto.predicted_tokens_per_second
+        """The cost model's prediction (None for auto: its chooser measures instead, `AutoSummary`)."""
         if not self.predictions:
             return None
         return statistics.median(
@@ -175,10 +174,6 @@ class CaseResult:
     def prediction_error(self) -> float | None:
         """Median over repeats of (predicted - measured) / measured tokens/s, each repeat's prediction
         made from that repeat's own target calls and acceptance (so the two are paired)."""
-        if self.auto is not None:  # the chooser's estimate of its last choice against each repeat
-            predicted = self.auto.predicted_tokens_per_second
-            errors = [predicted / r.tokens_per_second - 1.0 for r in self.runs if r.tokens_per_second]
-            return statistics.median(errors) if errors else None
         errors = [
             p.tokens_per_second(r.generated_tokens) / r.tokens_per_second - 1.0
             for p, r in zip(self.predictions, self.runs)

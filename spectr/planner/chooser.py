@@ -11,24 +11,28 @@ kept (`wasted_seconds` is 0).
 - Measurement: per occupancy bucket (the live rows, rounded to a power of two above 2) and
   configuration, the last `WINDOW` iterations' tokens and seconds; the measured tokens/s of the
   batch is their ratio of sums (robust to one slow iteration on a shared machine).
-- Exploration: with nothing measured yet, autoregressive (the baseline the choice must not lose
-  to) and the prior's best `COLD_EXPLORE` speculative candidates are tried for `TRIAL` iterations
-  each; after that, in any bucket, each unmeasured candidate whose estimate reaches within
+- Exploration: autoregressive (the baseline the choice must not lose to) and, until
+  `COLD_EXPLORE` speculative candidates have been measured, the best-estimated speculative one are
+  tried for `TRIAL` iterations each whatever the prior says; after that, in any bucket, each unmeasured candidate whose estimate reaches within
   `EXPLORE_SLACK` of the best (measured rate, else estimate) is tried, best estimate first. An
   unmeasured candidate's estimate is its prior scaled by what it measured in the nearest other
   bucket, else by the measured/prior ratio of its nearest measured kin in this bucket (same family,
   nearest K and L: the search walks along L as measured): a new bucket, e.g. the
   batch draining at the end of a job, re-explores only what may win there.
+  A bucket with nothing left worth a trial looks again after `REEXPLORE_EVERY` iterations (the
+  acceptance measured meanwhile moves the estimates).
 - Exploitation: the best measured rate; the current choice is kept unless another beats it by
-  `SWITCH_MARGIN` (no thrashing on noise). A bounded share (`RECHECK_SHARE`) of iterations
-  re-measures the rival most likely to have been under-measured (highest rate x (1 + 1/sqrt(n))),
-  so that noise in a short trial and drift (longer contexts, another acceptance) are corrected.
+  `SWITCH_MARGIN` (no thrashing on noise). At most a share `RECHECK_SHARE` of iterations
+  re-measures the rival most likely to have been under-measured (highest rate x (1 + 1/sqrt(n)),
+  among those whose optimistic rate reaches the best's), so that noise in a short trial and drift
+  (longer contexts, another acceptance) are corrected while clearly slower rivals cost nothing.
 - Warm start: `state()` is a JSON-able summary (tokens and seconds per configuration per bucket,
   acceptance); `OnlineChooser(..., warm_state=state)` starts from it and explores only what it
   did not measure.
 
-Not here: running iterations (`spectr.planner.batcher.AutoBatcher`), the cost model's formula
-(`spectr.planner.predict`).
+Per iteration it costs a few dict lookups (priors are cached, rates are running sums): no device
+read, nothing on the engine's hot path. Not here: running iterations
+(`spectr.planner.batcher.AutoBatcher`), the cost model's formula (`spectr.planner.predict`).
 """
 
 from __future__ import annotations
@@ -45,11 +49,12 @@ from spectr.steps import AUTOREGRESSIVE, SINGLE_DRAFT, StepConfig, StepReport
 WINDOW = 24  # iterations per (bucket, configuration) that make its measured rate
 TRIAL = 4  # iterations a candidate is tried before it counts as measured
 EXPLORE_SLACK = 0.2  # explore candidates whose estimate is within this of the best measured rate
-COLD_EXPLORE = 3  # with nothing measured yet: autoregressive and the prior's best 3 speculative candidates
+COLD_EXPLORE = 2  # speculative candidates tried (best estimate first) before estimates may stop exploring
 SWITCH_MARGIN = 0.04  # another configuration must be measured this much faster to replace the current one
-RECHECK_SHARE = 0.08  # at most this share of iterations re-measures the runner-up
+RECHECK_SHARE = 0.05  # at most this share of iterations re-measures a rival
 RECHECK_LENGTH = 2  # iterations per recheck
 MAX_CANDIDATES = 8  # candidates kept after trimming by the prior (autoregressive always)
+REEXPLORE_EVERY = 64  # iterations after which a bucket looks again for candidates worth a trial
 STATE_VERSION = 1
 
 
@@ -81,19 +86,22 @@ def bucket_of(rows: int) -> int:
 
 @dataclass
 class _Measured:
-    """The recent iterations of one configuration in one bucket."""
+    """The recent iterations of one configuration in one bucket (running sums over the window)."""
 
     samples: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # (tokens, seconds)
-    iterations: int = 0
+    tokens: float = 0.0
+    seconds: float = 0.0
 
     def add(self, tokens: float, seconds: float) -> None:
+        if len(self.samples) == WINDOW:
+            old_tokens, old_seconds = self.samples[0]
+            self.tokens, self.seconds = self.tokens - old_tokens, self.seconds - old_seconds
         self.samples.append((tokens, seconds))
-        self.iterations += 1
+        self.tokens, self.seconds = self.tokens + tokens, self.seconds + seconds
 
     @property
     def rate(self) -> float:
-        seconds = sum(s for _, s in self.samples)
-        return sum(t for t, _ in self.samples) / seconds if seconds > 0 else 0.0
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
     @property
     def measured(self) -> bool:
@@ -117,7 +125,9 @@ class OnlineChooser:
 
     def __init__(self, candidates: Sequence[StepConfig], prior: Callable[[StepConfig, float, float], float], *,
                  warm_state: dict | None = None):
-        self.prior = prior
+        self._prior = prior
+        self._priors: dict[tuple[StepConfig, int, float], float] = {}
+        self._explored: dict[int, int] = {}  # bucket -> iteration at which nothing was left to explore
         self.acceptance = [0, 0]  # accepted, tested draft positions over speculative iterations
         self.buckets: dict[int, dict[StepConfig, _Measured]] = {}
         self._tokens: dict[StepConfig, int] = {}
@@ -132,6 +142,7 @@ class OnlineChooser:
         if warm_state:
             self._load(warm_state)
         self.candidates = self._trimmed(list(candidates))
+        self._candidate_set = set(self.candidates)
 
     # -- what was learned ------------------------------------------------------------------------
     @property
@@ -154,8 +165,7 @@ class OnlineChooser:
         """JSON-able summary for a warm start: per bucket and configuration, tokens, seconds, iterations."""
         buckets = {}
         for bucket, configs in self.buckets.items():
-            buckets[str(bucket)] = {c.label: {"tokens": sum(t for t, _ in m.samples),
-                                              "seconds": sum(s for _, s in m.samples), "iterations": len(m.samples)}
+            buckets[str(bucket)] = {c.label: {"tokens": m.tokens, "seconds": m.seconds, "iterations": len(m.samples)}
                                     for c, m in configs.items() if m.samples}
         return {"version": STATE_VERSION, "acceptance": {"accepted": self.acceptance[0], "tested": self.acceptance[1]},
                 "buckets": buckets}
@@ -172,7 +182,7 @@ class OnlineChooser:
                     continue
                 measured = self._measured(int(bucket), StepConfig.parse(label))
                 for _ in range(min(count, TRIAL)):  # a warm entry counts as measured, but new iterations soon dominate
-                    measured.samples.append((entry["tokens"] / count, entry["seconds"] / count))
+                    measured.add(entry["tokens"] / count, entry["seconds"] / count)
 
     def _trimmed(self, candidates: list[StepConfig]) -> list[StepConfig]:
         """Autoregressive and the best of the others by the prior at a full batch (and what warm state measured)."""
@@ -182,6 +192,13 @@ class OnlineChooser:
         known = {c for configs in self.buckets.values() for c in configs}
         kept = speculative[: MAX_CANDIDATES - 1] + [c for c in speculative[MAX_CANDIDATES - 1:] if c in known]
         return [c for c in candidates if not c.speculative] + kept
+
+    def prior(self, config: StepConfig, rows: int, acceptance: float) -> float:
+        """The prior's tokens/s (cached; acceptance to 0.01)."""
+        key = (config, rows, round(acceptance, 2))
+        if key not in self._priors:
+            self._priors[key] = self._prior(config, rows, key[2])
+        return self._priors[key]
 
     def _measured(self, bucket: int, config: StepConfig) -> _Measured:
         return self.buckets.setdefault(bucket, {}).setdefault(config, _Measured())
@@ -223,14 +240,20 @@ class OnlineChooser:
             config, left = self._trial
             self._trial = (config, left - 1) if left > 1 else None
             return self._set(config, rows)
-        bucket = self.buckets.setdefault(bucket_of(rows), {})
-        to_try = self._to_explore(bucket, rows)
-        if to_try is not None:
-            self._trial = (to_try, TRIAL - 1) if TRIAL > 1 else None
-            return self._set(to_try, rows)
-        estimates = {c: self.estimate(c, rows) for c in self.candidates}
-        best = max(self.candidates, key=lambda c: estimates[c])
-        if self.current in estimates and estimates[self.current] * (1 + SWITCH_MARGIN) >= estimates[best]:
+        number = bucket_of(rows)
+        bucket = self.buckets.setdefault(number, {})
+        if self._explored.get(number, -REEXPLORE_EVERY) + REEXPLORE_EVERY <= self.iterations:
+            to_try = self._to_explore(bucket, rows)
+            if to_try is not None:
+                self._trial = (to_try, TRIAL - 1) if TRIAL > 1 else None
+                return self._set(to_try, rows)
+            self._explored[number] = self.iterations
+        # what is left unmeasured was estimated below the best by EXPLORE_SLACK: the best is a measured one
+        rates = {c: m.rate for c, m in bucket.items() if m.measured and c in self._candidate_set}
+        if not rates:
+            return self._set(max(self.candidates, key=lambda c: self.estimate(c, rows)), rows)
+        best = max(rates, key=rates.get)
+        if self.current in rates and rates[self.current] * (1 + SWITCH_MARGIN) >= rates[best]:
             best = self.current  # not measured faster by the margin: no switch
         self._since_recheck += 1
         recheck = self._recheck(bucket, best) if self._since_recheck * RECHECK_SHARE >= RECHECK_LENGTH else None
@@ -238,12 +261,16 @@ class OnlineChooser:
             self._since_recheck = 0
             self._trial = (recheck, RECHECK_LENGTH - 1) if RECHECK_LENGTH > 1 else None
             return self._set(recheck, rows)
-        return self._set(best, rows)
+        self.current, self.predicted_tokens_per_s = best, rates[best]
+        return best
 
     def _recheck(self, bucket: dict[StepConfig, _Measured], best: StepConfig) -> StepConfig | None:
-        """The measured rival most likely to be better than it looked: the highest rate x (1 + 1/sqrt(n))."""
+        """The measured rival most likely to be better than it looked: the highest rate x (1 + 1/sqrt(n)),
+        if that optimistic rate reaches the best's (a rival measured clearly slower, often enough, is left)."""
+        floor = bucket[best].rate if best in bucket else 0.0
         rivals = [(m.rate * (1 + 1 / math.sqrt(len(m.samples))), c) for c, m in bucket.items()
-                  if c != best and c in self.candidates and m.measured]
+                  if c != best and c in self._candidate_set and m.measured]
+        rivals = [(ucb, c) for ucb, c in rivals if ucb >= floor]
         return max(rivals, key=lambda rc: rc[0])[1] if rivals else None
 
     def _to_explore(self, bucket: dict[StepConfig, _Measured], rows: int) -> StepConfig | None:
@@ -251,11 +278,14 @@ class OnlineChooser:
         unmeasured = [c for c in self.candidates if not (c in bucket and bucket[c].measured)]
         if not unmeasured:
             return None
-        if not any(m.measured for configs in self.buckets.values() for m in configs.values()):
-            # cold start: autoregressive, then the prior's best speculative candidates
-            ranked = sorted((c for c in self.candidates if c.speculative), key=lambda c: -self.estimate(c, rows))
-            first = [c for c in self.candidates if not c.speculative] + ranked[:COLD_EXPLORE]
-            return next((c for c in first if c in unmeasured), None)
+        tried = {c for configs in self.buckets.values() for c, m in configs.items() if m.measured and c.speculative}
+        if len(tried) < COLD_EXPLORE:
+            # cold start: autoregressive, then speculative candidates by estimate whatever it says, so that
+            # a pessimistic prior cannot hide speculation (later estimates rest on measured kin)
+            baseline = [c for c in self.candidates if not c.speculative and c in unmeasured]
+            ranked = sorted((c for c in unmeasured if c.speculative), key=lambda c: -self.estimate(c, rows))
+            if baseline or ranked:
+                return (baseline or ranked)[0]
         measured_here = [m.rate for c, m in bucket.items() if m.measured and c in self.candidates]
         best = max(measured_here or [self.estimate(c, rows) for c in self.candidates])
         open_ = [(self.estimate(c, rows), c) for c in unmeasured]
@@ -280,6 +310,10 @@ class OnlineChooser:
         self.iterations += 1
         self.elapsed += report.seconds + report.prefill_seconds
         self.timeline.append(TimelinePoint(self.iterations - 1, self.elapsed, config.label, report.rows, report.tokens))
+
+    def change_points(self) -> list[TimelinePoint]:
+        """The timeline's points where the configuration changed (the first point included)."""
+        return [p for i, p in enumerate(self.timeline) if i == 0 or p.config != self.timeline[i - 1].config]
 
     def describe(self) -> str:
         """`auto: speculative L=3 for 81% of tokens, block L=3 12%, autoregressive 7%`."""

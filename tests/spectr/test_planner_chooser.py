@@ -87,10 +87,12 @@ def measured_rate(chooser, first: int = 0) -> float:
 def test_converges_to_the_best_configurations_with_noisy_timings(seed):
     chooser = new_chooser()
     chosen = drive(chooser, batch_one(seed), [1] * 400)
-    assert measured_rate(chooser, 200) >= 0.95 * 128  # within 5% of the best, timing noise included
-    assert measured_rate(chooser) >= 0.93 * 128  # the whole run, exploration included
+    # the three best are within 6% of each other: +-15% noise per iteration hides part of that
+    assert measured_rate(chooser, 200) >= 0.93 * 128
+    assert measured_rate(chooser) >= 0.92 * 128  # the whole run, exploration included
     late = chosen[200:]
-    assert sum(1 for c in late if c in (SPEC3, BLOCK3)) >= 0.6 * len(late)
+    top = (SPEC3, BLOCK3, StepConfig.parse("speculative L=4"))  # 128, 124, 121 tok/s
+    assert sum(1 for c in late if c in top) >= 0.85 * len(late)
     assert chooser.predicted_tokens_per_s > 110
 
 
@@ -114,13 +116,14 @@ def test_re_exploration_is_a_bounded_share_and_the_choice_does_not_thrash():
 
 def test_a_draining_batch_is_re_explored_at_its_new_occupancy():
     # AR is best while the batch is full, speculation once one row is left
-    machine = Machine(lambda rows: {"autoregressive": 100.0 * rows, "other": 75.0 * rows} if rows > 2 else
-                      {"autoregressive": 100.0, "speculative L=3": 130.0, "other": 95.0})
+    one_row = {"autoregressive": 100.0, "speculative L=1": 108.0, "speculative L=2": 121.0, "speculative L=3": 130.0,
+               "speculative L=4": 123.0, "block L=2": 118.0, "block L=3": 125.0, "other": 95.0}
+    machine = Machine(lambda rows: {"autoregressive": 100.0 * rows, "other": 75.0 * rows} if rows > 2 else one_row)
     chooser = new_chooser()
     full = drive(chooser, machine, [8] * 150)
     assert full[50:].count(AR) >= 0.85 * 100
     drained = drive(chooser, machine, [1] * 150)
-    assert drained[75:].count(SPEC3) >= 0.7 * 75
+    assert sum(1 for c in drained[75:] if c in (SPEC3, BLOCK3)) >= 0.7 * 75
     assert measured_rate(chooser, 225) >= 0.93 * 130
     assert {p.rows for p in chooser.timeline} == {8, 1}
 
@@ -146,6 +149,8 @@ def test_every_token_is_kept_and_the_mix_is_described():
     assert len(chooser.timeline) == 60 and chooser.timeline[-1].seconds == pytest.approx(
         sum(chooser.seconds_by_config().values()))
     assert chooser.describe().startswith("auto: ") and "% of tokens" in chooser.describe()
+    changes = chooser.change_points()
+    assert changes[0] is chooser.timeline[0] and all(a.config != b.config for a, b in zip(changes, changes[1:]))
 
 
 def test_candidates_stay_within_the_bounds_and_greedy_drafts_one_path():
@@ -174,6 +179,14 @@ def test_auto_batcher_has_the_continuous_batcher_surface_and_reports_to_its_choo
     assert len(chooser.timeline) == batcher.stats.iterations
     assert all(StepConfig.parse(p.config).num_drafts <= 2 for p in chooser.timeline)
     assert batcher.snapshot().plan == chooser.describe() and batcher.stats.method == "auto"
+
+
+def test_the_public_generate_keeps_its_signature():
+    import inspect
+
+    assert list(inspect.signature(spectr.generate).parameters) == [
+        "target", "draft", "prompts", "method", "num_drafts", "draft_length", "max_new_tokens", "temperature",
+        "top_k", "top_p", "eos_token_id", "seed", "batch_size"]
 
 
 def test_generate_auto_keeps_the_contract_and_says_what_ran(pair):
