@@ -7,7 +7,12 @@ life is a loop of three moves:
 
 1) admit   - `admit(prompts, max_new_tokens=..., seed=..., tags=...)` checks the prompts and
              queues them, in order; at the next `step`, waiting prompts take the free slots
-             (prefill of the new rows only, one forward per model, no host sync);
+             (prefill of the new rows only, one forward per model, no host sync; a prompt that a
+             live or another new row already holds is not run again: its row copies that row's
+             prompt slots, so the samples of a prompt share one prefill; `share_prefill=False` off);
+             rows may carry their own `SamplingWarp` (`admit(..., warps=)`: the pool then warps per
+             row, `spectr.warps.RowWarps`) and, with `logprobs=True`, each token's log q comes back
+             with the row (`FinishedRow.logprobs`, in the same read-back);
 2) iterate - `step(config=None)` runs one iteration (`spectr.iteration`) of `config` (any
              `spectr.steps.StepConfig` within the batcher's bounds; default the batcher's own, see
              "Configurations" below) on the slots [0, top) (top = the
@@ -175,7 +180,8 @@ class ContinuousBatcher:
     def __init__(self, target, draft, *, batch_size: int, max_length: int | None = None, method: str = "spectr",
                  num_drafts: int = 4, draft_length: int = 4, max_num_drafts: int | None = None,
                  max_draft_length: int | None = None, temperature: float = 1.0, top_k: int = 0,
-                 top_p: float = 1.0, eos_token_id=None, pack_below: float | None = None, logprobs: bool = False):
+                 top_p: float = 1.0, eos_token_id=None, pack_below: float | None = None, logprobs: bool = False,
+                 share_prefill: bool = True):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
         self.settings = Settings.for_run(methods=known_methods(), method=method, num_drafts=num_drafts,
@@ -192,6 +198,7 @@ class ContinuousBatcher:
         self.device = self.target.device
         self.pack_below = float(DEFAULT_PACK_BELOW.get(self.device.type, 0.0) if pack_below is None else pack_below)
         self.logprobs = bool(logprobs)
+        self.share_prefill = bool(share_prefill)  # False: every row runs its own prefill (measurements)
         self.row_warps: RowWarps | None = None  # set when a row is admitted with its own warp
         self.stats = GenerationStats(method=s.method, num_drafts=s.num_drafts, draft_length=s.draft_length)
         with torch.inference_mode():
@@ -383,7 +390,7 @@ class ContinuousBatcher:
         unique_slots, unique_prompts = [], []
         for slot, prompt in zip(slots, prompts):  # admission (host), not the per-iteration loop
             key = tuple(prompt)
-            if key in holders:
+            if self.share_prefill and key in holders:
                 copies.append((holders[key], slot, len(prompt) - 1))
             else:
                 holders[key] = slot
