@@ -129,7 +129,7 @@ def coerce(value: Any, type_name: str, key: str) -> Any:
         return tuple(coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value))
     allowed = [t.strip() for t in text.split("|")]
     if value is None:
-        if "None" in allowed:
+        if "None" in allowed or "Any" in allowed:
             return None
         raise JobInputError(f"config: {key} must not be null")
     for t in allowed:
