@@ -203,3 +203,48 @@ def test_a_bad_device_map_is_refused(tiny_pair, tmp_path):
     raw = job_config(tiny_pair, rows_in(tmp_path, input_rows()), tmp_path / "out", **{"model.device_map": "gpu0"})
     with pytest.raises(JobInputError, match="model.device_map must be null"):
         from_dict(raw)
+
+
+def test_one_job_on_the_embedded_pair_with_every_feature(tmp_path, ray_local):
+    """The issue's goal: 3 samples per prompt, distinct completions, stop strings honoured, logprobs within
+    2e-3 of a plain target forward, carried columns intact; one real job through Ray on the embedded pair."""
+    from pipeline.config import PROJECT_ROOT
+
+    target_dir = PROJECT_ROOT / "assets" / "models" / "target"
+    if not (target_dir / "model.safetensors").exists():
+        pytest.skip("the embedded pair is not in assets/models")
+    lines = (PROJECT_ROOT / "assets" / "prompts.jsonl").read_text().splitlines()[:4]
+    rows = [dict(json.loads(line), topic=f"t{i}", params={"temperature": 0.8} if i == 2 else None)
+            for i, line in enumerate(lines)]
+    for row in rows:  # a signature and the body's indent: the body is left to sample
+        row["prompt"] = row["prompt"].split("\n")[0] + "\n    "
+    data = rows_in(tmp_path, rows)
+    pair = {"target": target_dir, "draft": PROJECT_ROOT / "assets" / "models" / "draft"}
+    raw = job_config(pair, data, tmp_path / "out", **{
+        "spectr.num_samples": 3, "spectr.logprobs": True, "spectr.stop": ["return", "\n\n"], "spectr.max_new_tokens": 32,
+        "data.keep_columns": ["topic"], "data.sampling_params_column": "params", "ray.num_actors": 1})
+    assert run_generate(from_dict(raw)).exit_code == 0
+    table = read_output(tmp_path / "out").to_pylist()
+    assert len(table) == 12 and [r["topic"] for r in table] == [f"t{i}" for i in range(4) for _ in range(3)]
+    assert all("return" not in r["completion"] and "\n\n" not in r["completion"] for r in table)
+    assert any(r["finish_reason"] == "stop" for r in table)
+    for i in range(4):
+        assert len({r["completion"] for r in table[3 * i : 3 * i + 3]}) >= 2, [(r["completion"], r["finish_reason"]) for r in table]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    for r in table:
+        warp = SamplingWarp(0.8) if r["topic"] == "t2" else SamplingWarp()
+        prompt_ids = tokenizer(r["prompt"])["input_ids"]
+        expected = plain_logprobs_of(target, prompt_ids, r["completion_token_ids"], warp)
+        assert max((abs(a - b) for a, b in zip(r["completion_logprobs"], expected)), default=0) < 2e-3
+
+
+def plain_logprobs_of(target, prompt_ids, tokens, warp) -> list[float]:
+    if not tokens:
+        return []
+    with torch.no_grad():
+        logits = target(input_ids=torch.tensor([prompt_ids + tokens]), use_cache=False).logits[0]
+    probs = warp.probs(logits[len(prompt_ids) - 1 : len(prompt_ids) - 1 + len(tokens)])
+    return probs.gather(1, torch.tensor(tokens)[:, None])[:, 0].log().tolist()
