@@ -79,6 +79,9 @@ def family(config: StepConfig) -> str:
     return "single_draft" if config.method in SINGLE_DRAFT else "multi_draft"
 
 
+TIMELINE_POINTS = 20_000  # iterations kept for plots (`timeline`); older ones drop off
+
+
 def bucket_of(rows: int) -> int:
     """Occupancy bucket: 1 and 2 exactly, then the nearest power of two."""
     return rows if rows <= 2 else 2 ** round(math.log2(rows))
@@ -132,7 +135,8 @@ class OnlineChooser:
         self.buckets: dict[int, dict[StepConfig, _Measured]] = {}
         self._tokens: dict[StepConfig, int] = {}
         self._seconds: dict[StepConfig, float] = {}
-        self.timeline: list[TimelinePoint] = []
+        # the most recent iterations only: an actor's chooser lives for the whole job, its memory must not grow
+        self.timeline: deque[TimelinePoint] = deque(maxlen=TIMELINE_POINTS)
         self.iterations = 0
         self.elapsed = 0.0
         self._trial: tuple[StepConfig, int] | None = None  # (config, iterations left)
@@ -313,7 +317,8 @@ class OnlineChooser:
 
     def change_points(self) -> list[TimelinePoint]:
         """The timeline's points where the configuration changed (the first point included)."""
-        return [p for i, p in enumerate(self.timeline) if i == 0 or p.config != self.timeline[i - 1].config]
+        points = list(self.timeline)
+        return [p for i, p in enumerate(points) if i == 0 or p.config != points[i - 1].config]
 
     def describe(self) -> str:
         """`auto: speculative L=3 for 81% of tokens, block L=3 12%, autoregressive 7%`."""

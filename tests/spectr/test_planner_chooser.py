@@ -78,7 +78,7 @@ def batch_eight(seed=0):
 
 def measured_rate(chooser, first: int = 0) -> float:
     """Tokens/s of the batch over the iterations from `first` on (from the chooser's timeline)."""
-    points = chooser.timeline
+    points = list(chooser.timeline)
     start = points[first - 1].seconds if first else 0.0
     return sum(p.tokens for p in points[first:]) / (points[-1].seconds - start)
 
