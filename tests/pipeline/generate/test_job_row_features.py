@@ -248,3 +248,41 @@ def plain_logprobs_of(target, prompt_ids, tokens, warp) -> list[float]:
         logits = target(input_ids=torch.tensor([prompt_ids + tokens]), use_cache=False).logits[0]
     probs = warp.probs(logits[len(prompt_ids) - 1 : len(prompt_ids) - 1 + len(tokens)])
     return probs.gather(1, torch.tensor(tokens)[:, None])[:, 0].log().tolist()
+
+
+@pytest.mark.parametrize("file_format", ["parquet", "csv", "jsonl"])
+def test_per_row_params_and_kept_columns_in_every_format(tiny_pair, tmp_path, file_format):
+    """A greedy row (temperature 0 in its params) gives the same completion in all its samples, the others
+    sample; the kept column keeps its Parquet type, and is text from CSV / JSON lines."""
+    import pyarrow as pa
+
+    params = [json.dumps({"temperature": 0}), None, json.dumps({"top_k": 3, "max_tokens": 4})]
+    if file_format.startswith("parquet"):
+        path = tmp_path / "p.parquet"
+        pq.write_table(pa.table({"id": [0, 1, 2], "prompt": PROMPTS[:3], "topic": [10, 11, 12], "params": params}),
+                       path)
+    elif file_format == "csv":
+        path = tmp_path / "p.csv"
+        lines = ["id,prompt,topic,params"] + [f"{i},{p},{10 + i},\"{(q or '').replace(chr(34), chr(34) * 2)}\""
+                                              for i, (p, q) in enumerate(zip(PROMPTS, params))]
+        path.write_text("\n".join(lines) + "\n")
+    else:
+        path = rows_in(tmp_path, [{"id": i, "prompt": p, "topic": 10 + i, "params": q}
+                                  for i, (p, q) in enumerate(zip(PROMPTS, params))])
+    raw = job_config(tiny_pair, path, tmp_path / "out", **{
+        "spectr.num_samples": 3, "spectr.max_new_tokens": 10, "data.keep_columns": ["topic"],
+        "data.sampling_params_column": "params", "shard_size": 16})
+    plan = prepare(from_dict(raw))
+    (tmp_path / "out").mkdir()
+    schema = output_schema(plan.id_kind, kept=plan.source.columns.kept)
+    generator = ShardGenerator(plan.config.model, plan.config.spectr, num_threads=1)
+    generator.job = WorkerJob(plan.config.data, plan.source, str(tmp_path / "out"), 6, schema)
+    generator.generate_shard(plan.shard(0))
+    table = pq.read_table(tmp_path / "out" / part_name(0))
+    rows = table.to_pylist()
+    assert table.schema.field("topic").type == (pa.int64() if file_format.startswith("parquet") else pa.string())
+    assert [str(r["topic"]) for r in rows] == [str(10 + i) for i in range(3) for _ in range(3)]
+    assert all(r["error"] is None for r in rows), [r["error"] for r in rows]
+    assert len({tuple(r["completion_token_ids"]) for r in rows[0:3]}) == 1  # greedy: one path
+    assert len({tuple(r["completion_token_ids"]) for r in rows[3:6]}) >= 2
+    assert all(r["completion_tokens"] <= 4 for r in rows[6:9])  # its own max_tokens
