@@ -31,6 +31,7 @@ class ModelConfig:
     dtype: str = "auto"  # bfloat16 on CUDA (when supported), float32 on CPU
     allow_pickle: bool = False  # load .bin/.pt weights (pickle can run code); off by default
     trust_remote_code: bool = False
+    device_map: str | None = None  # "auto": the target's placement plan over the actor's GPUs (pipeline.placement)
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,11 @@ class DataConfig:
     messages_column: str = "messages"
     add_special_tokens: bool = True
     max_new_tokens_column: str | None = None  # each row's budget from this integer column (None: spectr.max_new_tokens)
+    keep_columns: Any = None  # input columns carried to the output unchanged: a list of names, or "all"
+    stop_column: str | None = None  # each row's stop strings (a list of strings, or one string)
+    sampling_params_column: str | None = None  # per-row settings: a struct or JSON object (see pipeline.row_columns)
+    chat_template: str | None = None  # chat mode: a Jinja template (a file path or the template itself)
+    chat_template_kwargs: Any = None  # chat mode: extra variables for the template, e.g. {enable_thinking: false}
 
 
 @dataclass(frozen=True)
@@ -123,7 +129,7 @@ def coerce(value: Any, type_name: str, key: str) -> Any:
         return tuple(coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value))
     allowed = [t.strip() for t in text.split("|")]
     if value is None:
-        if "None" in allowed:
+        if "None" in allowed or "Any" in allowed:
             return None
         raise JobInputError(f"config: {key} must not be null")
     for t in allowed:
@@ -134,6 +140,8 @@ def coerce(value: Any, type_name: str, key: str) -> Any:
         if t == "float" and isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
         if t == "str" and isinstance(value, str):
+            return value
+        if t == "Any":  # checked by the section's own rules
             return value
     wanted = " or ".join("null" if t == "None" else t for t in allowed)
     raise JobInputError(f"config: {key} must be {wanted}, got {value!r} ({type(value).__name__})")
@@ -146,6 +154,8 @@ def out_of_range(key: str, rule: str, value: Any) -> JobInputError:
 def check_model(m: ModelConfig) -> None:
     if m.dtype not in DTYPES:
         raise out_of_range("model.dtype", f"one of {', '.join(DTYPES)}", m.dtype)
+    if m.device_map not in (None, "auto"):
+        raise out_of_range("model.device_map", "null (one device) or auto (split over the actor's GPUs)", m.device_map)
     for key, path in (("model.target", m.target), ("model.draft", m.draft)):
         if not path.strip():
             raise out_of_range(key, "a model directory", path)
@@ -165,6 +175,15 @@ def check_data(d: DataConfig) -> None:
                 "data.max_new_tokens_column", "null or a column other than the prompt and id columns",
                 d.max_new_tokens_column,
             )  # fmt: skip
+    _check_row_columns(d)
+
+
+def _check_row_columns(d: DataConfig) -> None:
+    """keep_columns, stop_column, sampling_params_column, chat_template(_kwargs): shapes only (the input's
+    columns are checked by the scan)."""
+    from pipeline.row_columns import check_row_columns_config
+
+    check_row_columns_config(d)
 
 
 def check_mlflow(m: MlflowConfig) -> None:

@@ -110,9 +110,11 @@ def csv_options(
     id_column: str | None,
     id_type: pa.DataType | None,
     budget_column: str | None = None,
+    extra_columns: tuple[str, ...] = (),
 ):
     """pyarrow.csv options that read header-less records with the file's column names (the budget column
-    as text: `pipeline.rowcheck` parses it, and names the row of a value that is not an integer)."""
+    as text: `pipeline.rowcheck` parses it, and names the row of a value that is not an integer; the
+    extra columns of `pipeline.row_columns` as text too)."""
     import pyarrow.csv as pacsv
 
     types = {text: pa.string()}
@@ -120,12 +122,15 @@ def csv_options(
         types[id_column] = id_type
     if budget_column:
         types[budget_column] = pa.string()
+    extra = [c for c in extra_columns if c not in types]
+    types.update(dict.fromkeys(extra, pa.string()))
     return (
         pacsv.ReadOptions(column_names=list(source_header), block_size=4 << 20),
         pacsv.ParseOptions(newlines_in_values=True),
         pacsv.ConvertOptions(
             column_types=types,
-            include_columns=[text] + ([id_column] if id_column else []) + ([budget_column] if budget_column else []),
+            include_columns=[text] + ([id_column] if id_column else []) + ([budget_column] if budget_column else [])
+            + extra,
             strings_can_be_null=True,
         ),
     )

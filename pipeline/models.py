@@ -175,7 +175,7 @@ def _fingerprint(path: Path) -> dict[str, Any]:
 
 
 def check_chat_template(tokenizer: Any, data: DataConfig) -> None:
-    if data.chat and not getattr(tokenizer, "chat_template", None):
+    if data.chat and data.chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise JobInputError(
             "data.chat: chat mode needs a chat template, and the target tokenizer has none "
             "(set chat_template in its tokenizer_config.json, or turn data.chat off)"
@@ -187,8 +187,13 @@ def render_prompts(tokenizer: Any, data: DataConfig, prompts: list[str] | None, 
     if not data.chat:
         return list(prompts or [])
     check_chat_template(tokenizer, data)
+    from pipeline.row_columns import chat_template_text
+
+    options = dict(data.chat_template_kwargs or {})  # e.g. enable_thinking=False for Qwen3-style templates
+    if data.chat_template is not None:
+        options["chat_template"] = chat_template_text(data.chat_template)
     return [
-        tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True, **options)
         for conversation in messages
     ]
 

@@ -60,6 +60,7 @@ class PromptRows:
     messages: list[list[dict[str, str]] | None] | None  # in chat mode
     problems: list[str | None]
     budgets: list[int | None] | None = None  # with data.max_new_tokens_column: each row's max_new_tokens
+    extras: dict[str, list[Any]] | None = None  # the source's extra columns (pipeline.row_columns), as read
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -103,9 +104,10 @@ def read_rows(source: Source, start: int, stop: int, cache: ReadCache | None = N
     ids: list[Any] = []
     values: list[Any] = []
     budgets: list[Any] = []
+    extras: dict[str, list[Any]] = {c: [] for c in source.columns.read}
     wheres: list[str] = []
     for piece in source.pieces(start, stop):
-        piece_ids, piece_values, piece_budgets = _read_piece(source, piece, cache)
+        piece_ids, piece_values, piece_budgets, piece_extras = _read_piece(source, piece, cache)
         if len(piece_values) != piece.stop - piece.start:
             raise InputChangedError(
                 f"data.path: {source.files[piece.file].uri}: expected {piece.stop - piece.start} rows from row "
@@ -115,10 +117,13 @@ def read_rows(source: Source, start: int, stop: int, cache: ReadCache | None = N
         ids.extend(piece_ids if piece_ids is not None else range(first, first + len(piece_values)))
         values.extend(piece_values)
         budgets.extend(piece_budgets or [])
+        for column, values_read in piece_extras.items():
+            extras[column].extend(values_read)
         wheres.extend([source.files[piece.file].uri] * len(piece_values))
     rows = _checked(source, start, ids, values, wheres)
     if source.budget_column is not None:
         rows.budgets = _checked_budgets(source, start, rows, budgets, wheres)
+    rows.extras = extras if extras else None
     return rows
 
 
@@ -155,30 +160,31 @@ def _checked_budgets(
 
 def _read_piece(
     source: Source, piece: Piece, cache: ReadCache
-) -> tuple[list[Any] | None, list[Any], list[Any] | None]:
-    """(ids or None, prompt values, budget values or None) of one piece."""
+) -> tuple[list[Any] | None, list[Any], list[Any] | None, dict[str, list[Any]]]:
+    """(ids or None, prompt values, budget values or None, extra columns' values) of one piece."""
     readers = {"jsonl": _read_jsonl, "csv": _read_csv, "parquet": _read_parquet, "hf_disk": _read_arrow}  # FORMATS
     return readers[source.format](source, piece, cache)
 
 
-def _read_jsonl(source: Source, piece: Piece, cache: ReadCache) -> tuple[list[Any] | None, list[Any], Any]:
+def _read_jsonl(source: Source, piece: Piece, cache: ReadCache) -> tuple[Any, list[Any], Any, dict[str, list[Any]]]:
     uri = source.files[piece.file].uri
     data = cache.text_range(uri, piece.byte_start, piece.byte_stop)
     records = [jsonl_record(raw, uri, offset=piece.byte_start) for raw in split_records(data)]
     values = [record.get(source.text_column) for record in records]
     ids = [record.get(source.id_column) for record in records] if source.id_column else None
     budgets = [record.get(source.budget_column) for record in records] if source.budget_column else None
-    return ids, values, budgets
+    return ids, values, budgets, {c: [record.get(c) for record in records] for c in source.columns.read}
 
 
-def _read_csv(source: Source, piece: Piece, cache: ReadCache) -> tuple[list[Any] | None, list[Any], Any]:
+def _read_csv(source: Source, piece: Piece, cache: ReadCache) -> tuple[Any, list[Any], Any, dict[str, list[Any]]]:
     import pyarrow.csv as pacsv
 
     uri = source.files[piece.file].uri
     data = cache.text_range(uri, piece.byte_start, piece.byte_stop)
     id_type = pa.int64() if source.id_kind == "int" else pa.string()
     read, parse, convert = csv_options(
-        source.csv_header or (), source.text_column, source.id_column, id_type, source.budget_column
+        source.csv_header or (), source.text_column, source.id_column, id_type, source.budget_column,
+        source.columns.read,
     )
     table = pacsv.read_csv(
         pa.BufferReader(data), read_options=read, parse_options=parse, convert_options=convert
@@ -191,10 +197,11 @@ def _columns(source: Source) -> list[str]:
         [source.text_column]
         + ([source.id_column] if source.id_column else [])
         + ([source.budget_column] if source.budget_column else [])
+        + [c for c in source.columns.read if c not in (source.text_column, source.id_column, source.budget_column)]
     )
 
 
-def _read_parquet(source: Source, piece: Piece, cache: ReadCache) -> tuple[list[Any] | None, list[Any], Any]:
+def _read_parquet(source: Source, piece: Piece, cache: ReadCache) -> tuple[Any, list[Any], Any, dict[str, list[Any]]]:
     uri = source.files[piece.file].uri
     parquet, starts = cache.parquet(uri)
     first = bisect.bisect_right(starts, piece.start) - 1
@@ -204,15 +211,16 @@ def _read_parquet(source: Source, piece: Piece, cache: ReadCache) -> tuple[list[
     return _split(source, table)
 
 
-def _read_arrow(source: Source, piece: Piece, cache: ReadCache) -> tuple[list[Any] | None, list[Any], Any]:
+def _read_arrow(source: Source, piece: Piece, cache: ReadCache) -> tuple[Any, list[Any], Any, dict[str, list[Any]]]:
     table = cache.arrow(source.files[piece.file].uri)
     return _split(source, table.slice(piece.start, piece.stop - piece.start).select(_columns(source)))
 
 
-def _split(source: Source, table: pa.Table) -> tuple[list[Any] | None, list[Any], list[Any] | None]:
+def _split(source: Source, table: pa.Table) -> tuple[Any, list[Any], Any, dict[str, list[Any]]]:
     ids = table.column(source.id_column).to_pylist() if source.id_column else None
     budgets = table.column(source.budget_column).to_pylist() if source.budget_column else None
-    return ids, table.column(source.text_column).to_pylist(), budgets
+    extras = {c: table.column(c).to_pylist() for c in source.columns.read}
+    return ids, table.column(source.text_column).to_pylist(), budgets, extras
 
 
 class ReadCache:

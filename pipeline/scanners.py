@@ -28,6 +28,7 @@ from pipeline.config import DataConfig
 from pipeline.errors import JobInputError
 from pipeline.formats import FORMATS, csv_options, jsonl_record, open_text_stream, read_arrow_table
 from pipeline.linescan import Block, ScanError, scan_records
+from pipeline.row_columns import RowColumns, resolve_columns
 from pipeline.rowcheck import (
     BudgetCheck,
     IdChecker,
@@ -79,7 +80,28 @@ def scan_source(
         first_rows=tuple(f.first_row for f in files),
         budget_column=data.max_new_tokens_column,
         max_budget=None if budgets is None else budgets.largest,
+        columns=_row_columns(data, listing, result),
     )
+
+
+def _row_columns(data: DataConfig, listing: SourceListing, result: ScanResult) -> RowColumns:
+    """The kept / stop / sampling-params columns against the first file's columns (and types, where it has some)."""
+    if not (data.keep_columns or data.stop_column or data.sampling_params_column):
+        return RowColumns()
+    uri = listing.files[0].uri
+    schema = None
+    if listing.format == "parquet":
+        schema = _open_parquet(uri).schema_arrow
+    elif listing.format == "hf_disk":
+        schema = _arrow_table(uri).schema
+    if schema is not None:
+        names = list(schema.names)
+    elif listing.format == "csv":
+        names = list(result.csv_header or ())
+    else:
+        first = _first_record(uri, quoted=False)
+        names = list(jsonl_record(first.data.rstrip(b"\r\n"), uri, line=first.first_line)) if first else []
+    return resolve_columns(data, names, schema, listing.format, uri)
 
 
 def _remaining(data: DataConfig, total: int) -> int | None:

@@ -39,6 +39,7 @@ from pipeline.config import DataConfig
 from pipeline.errors import JobInputError
 from pipeline.formats import format_of, kind_of
 from pipeline.linescan import ScanError
+from pipeline.row_columns import RowColumns
 from pipeline.rowcheck import id_kind_of_type, is_text_type
 
 _HF_MARKERS = ("state.json", "dataset_info.json")
@@ -99,6 +100,7 @@ class Source:
     first_rows: tuple[int, ...] = field(default=())
     budget_column: str | None = None  # data.max_new_tokens_column (checked by the scan)
     max_budget: int | None = None  # the largest of its values (the workers size their cache pools with it)
+    columns: RowColumns = field(default_factory=RowColumns)  # kept / stop / sampling-params columns (the scan's)
 
     def pieces(self, start: int, stop: int) -> list[Piece]:
         found = []

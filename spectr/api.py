@@ -24,12 +24,13 @@ def generate(
     num_drafts: int = 4,
     draft_length: int = 4,
     max_new_tokens: int | Sequence[int] = 64,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
+    temperature: float | Sequence[float] = 1.0,
+    top_k: int | Sequence[int] = 0,
+    top_p: float | Sequence[float] = 1.0,
     eos_token_id: int | Sequence[int] | None = None,
     seed: int | Sequence[int] = 0,
     batch_size: int | None = None,
+    logprobs: bool = False,
 ) -> GenerationOutput:
     """Generate up to `max_new_tokens` tokens per prompt from `target`, exactly its (warped) distribution.
 
@@ -46,11 +47,13 @@ def generate(
     models and the settings (with "auto" its law does too, its exact tokens also depend on the
     schedule of configurations). batch_size: rows in flight; None = all prompts at once, else
     prompts are admitted in order and a finished row's slot takes the next waiting prompt
-    (continuous batching; the output is the same). Bad input raises ValueError naming the
-    argument and, per prompt, the row.
+    (continuous batching; the output is the same). temperature / top_k / top_p: one value or one
+    per prompt (each row exact for its own warp); logprobs: also return each generated token's
+    log-probability under the warped target law it was drawn from (`output.logprobs`). Bad input
+    raises ValueError naming the argument and, per prompt, the row.
     """
     run = generate_auto if method == AUTO else generate_fixed
     arguments = {} if method == AUTO else {"method": method}
     return run(target, draft, prompts, num_drafts=num_drafts, draft_length=draft_length,
                max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-               eos_token_id=eos_token_id, seed=seed, batch_size=batch_size, **arguments)
+               eos_token_id=eos_token_id, seed=seed, batch_size=batch_size, logprobs=logprobs, **arguments)

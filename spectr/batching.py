@@ -7,7 +7,12 @@ life is a loop of three moves:
 
 1) admit   - `admit(prompts, max_new_tokens=..., seed=..., tags=...)` checks the prompts and
              queues them, in order; at the next `step`, waiting prompts take the free slots
-             (prefill of the new rows only, one forward per model, no host sync);
+             (prefill of the new rows only, one forward per model, no host sync; a prompt that a
+             live or another new row already holds is not run again: its row copies that row's
+             prompt slots, so the samples of a prompt share one prefill; `share_prefill=False` off);
+             rows may carry their own `SamplingWarp` (`admit(..., warps=)`: the pool then warps per
+             row, `spectr.warps.RowWarps`) and, with `logprobs=True`, each token's log q comes back
+             with the row (`FinishedRow.logprobs`, in the same read-back);
 2) iterate - `step(config=None)` runs one iteration (`spectr.iteration`) of `config` (any
              `spectr.steps.StepConfig` within the batcher's bounds; default the batcher's own, see
              "Configurations" below) on the slots [0, top) (top = the
@@ -80,6 +85,7 @@ from spectr.settings import (
 )
 from spectr.stats import GenerationStats, PhaseTimer
 from spectr.steps import StepConfig, StepReport
+from spectr.warps import RowWarps, SamplingWarp
 
 # Pack live rows into the holes below them when at most this fraction of the slots is live, by
 # device type. Measured on the CPU (scripts/bench_batching.py --sections policy --batch-sizes 16
@@ -108,6 +114,7 @@ class FinishedRow:
     tested_positions: int = 0
     tree_nodes: int = 0
     tokens_per_call_histogram: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None  # with logprobs=True: per token, log q of its warped target law
 
     @property
     def generated_tokens(self) -> int:
@@ -121,6 +128,7 @@ class _Request:
     budget: int
     seed: int
     tag: Any
+    warp: SamplingWarp | None = None  # None: the run's warp
 
 
 def known_methods() -> list[str]:
@@ -172,7 +180,8 @@ class ContinuousBatcher:
     def __init__(self, target, draft, *, batch_size: int, max_length: int | None = None, method: str = "spectr",
                  num_drafts: int = 4, draft_length: int = 4, max_num_drafts: int | None = None,
                  max_draft_length: int | None = None, temperature: float = 1.0, top_k: int = 0,
-                 top_p: float = 1.0, eos_token_id=None, pack_below: float | None = None):
+                 top_p: float = 1.0, eos_token_id=None, pack_below: float | None = None, logprobs: bool = False,
+                 share_prefill: bool = True):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
         self.settings = Settings.for_run(methods=known_methods(), method=method, num_drafts=num_drafts,
@@ -188,6 +197,9 @@ class ContinuousBatcher:
         self.max_length = self._max_length(max_length)
         self.device = self.target.device
         self.pack_below = float(DEFAULT_PACK_BELOW.get(self.device.type, 0.0) if pack_below is None else pack_below)
+        self.logprobs = bool(logprobs)
+        self.share_prefill = bool(share_prefill)  # False: every row runs its own prefill (measurements)
+        self.row_warps: RowWarps | None = None  # set when a row is admitted with its own warp
         self.stats = GenerationStats(method=s.method, num_drafts=s.num_drafts, draft_length=s.draft_length)
         with torch.inference_mode():
             self._allocate()
@@ -253,7 +265,7 @@ class ContinuousBatcher:
                                                                                 device=self.device))
         self.rows = RowState.pool(slots, self.target_cache, drafter, self.device)
         self.occupied = torch.zeros(slots, dtype=torch.bool, device=self.device)  # [B] admitted, not retired
-        self.records = Records(slots, self.max_length, max_l + 1, max_l, s.eos_ids, self.device)
+        self.records = Records(slots, self.max_length, max_l + 1, max_l, s.eos_ids, self.device, self.logprobs)
 
     # -- the caller's view -------------------------------------------------------------
     @property
@@ -277,17 +289,22 @@ class ContinuousBatcher:
         return sum(c.nbytes for c in caches) + self.records.nbytes + self.rows.nbytes
 
     def admit(self, prompts, *, max_new_tokens: int | Sequence[int] = 64, seed: int | Sequence[int] = 0,
-              tags: Sequence[Any] | None = None) -> list[int]:
+              tags: Sequence[Any] | None = None, warps: Sequence[SamplingWarp | None] | None = None) -> list[int]:
         """Queue prompts (token-id lists), in order; returns their request ids.
 
         max_new_tokens: an int >= 1 or one per prompt; seed: an int (prompt i uses seed + i) or one
-        per prompt; tags: None or one value per prompt, returned with the row.
+        per prompt; tags: None or one value per prompt, returned with the row; warps: None or one
+        `SamplingWarp` (or None: the run's) per prompt, the law that row samples (rows of several
+        warps share the batch, each exact for its own).
         """
         checked = check_prompts(prompts)
         budgets = check_max_new_tokens(max_new_tokens, len(checked))
         seeds = check_seeds(seed, len(checked))
-        if tags is not None and len(tags) != len(checked):
-            raise ValueError(f"tags has {len(tags)} entries but there are {len(checked)} prompts")
+        for name, values in (("tags", tags), ("warps", warps)):
+            if values is not None and len(values) != len(checked):
+                raise ValueError(f"{name} has {len(values)} entries but there are {len(checked)} prompts")
+        if warps is not None and not all(w is None or isinstance(w, SamplingWarp) for w in warps):
+            raise ValueError("warps must be None or one SamplingWarp (or None) per prompt")
         for model in (self.target, self.draft):
             if model is not None:
                 check_prompts_fit(checked, model, budgets)
@@ -298,7 +315,8 @@ class ContinuousBatcher:
         first = self._next_request
         self._next_request += len(checked)
         for row, (prompt, budget, row_seed) in enumerate(zip(checked, budgets, seeds)):
-            self._waiting.append(_Request(first + row, prompt, budget, row_seed, None if tags is None else tags[row]))
+            self._waiting.append(_Request(first + row, prompt, budget, row_seed, None if tags is None else tags[row],
+                                          None if warps is None else warps[row]))
         return list(range(first, self._next_request))
 
     def step(self, config: StepConfig | None = None) -> list[FinishedRow]:
@@ -345,11 +363,8 @@ class ContinuousBatcher:
             slots = sorted(heapq.heappop(self._free) for _ in range(count))
             index = torch.tensor(slots, dtype=torch.int64, device=self.device)  # [N]
             prompts = [r.prompt for r in requests]
-            with self.loop.timer.phase("target"):
-                prefill(self.target, self.target_cache, prompts, self.device, rows=index)
-            if self.rows.drafter is not None:
-                with self.loop.timer.phase("draft"):
-                    prefill(self.draft, self.rows.drafter.cache, prompts, self.device, rows=index)
+            self._prefill(slots, prompts)
+            self._set_warps(index, requests)
             last_tokens = torch.tensor([p[-1] for p in prompts], dtype=torch.int64, device=self.device)  # [N]
             self.rows.admit(index, last_tokens, row_keys([r.seed for r in requests], self.device))
             self.occupied.index_fill_(0, index, True)
@@ -364,6 +379,49 @@ class ContinuousBatcher:
         loop.target_longest = max(loop.target_longest, longest - 1)
         loop.draft_extent = (max(loop.draft_extent[0], longest), max(loop.draft_extent[1], 1))
         self.stats.admissions += 1
+
+    def _prefill(self, slots: list[int], prompts: list[list[int]]) -> None:
+        """Prefill the new rows, once per distinct prompt: a row whose prompt a live row or another new row
+        already holds copies that row's prompt slots instead (both caches are left-aligned, so a row's
+        first len(prompt) - 1 slots are its prompt whatever it generated since). One forward per model
+        for the prompts no slot holds; the samples of a prompt share its prefill this way."""
+        holders = {tuple(r.prompt): slot for slot, r in enumerate(self._in_slot) if r is not None}  # live rows
+        copies: list[tuple[int, int, int]] = []  # (source slot, dest slot, prompt length - 1)
+        unique_slots, unique_prompts = [], []
+        for slot, prompt in zip(slots, prompts):  # admission (host), not the per-iteration loop
+            key = tuple(prompt)
+            if self.share_prefill and key in holders:
+                copies.append((holders[key], slot, len(prompt) - 1))
+            else:
+                holders[key] = slot
+                unique_slots.append(slot)
+                unique_prompts.append(prompt)
+        caches = [("target", self.target, self.target_cache)]
+        if self.rows.drafter is not None:
+            caches.append(("draft", self.draft, self.rows.drafter.cache))
+        for phase, model, cache in caches:
+            with self.loop.timer.phase(phase):
+                if unique_prompts:
+                    index = torch.tensor(unique_slots, dtype=torch.int64, device=self.device)  # [U]
+                    prefill(model, cache, unique_prompts, self.device, rows=index)
+                if copies:
+                    source, dest, lengths = (torch.tensor(c, dtype=torch.int64, device=self.device)
+                                             for c in zip(*copies))  # [C] each
+                    cache.rows.copy_rows(source, dest, max(c[2] for c in copies))
+                    cache.rows.lengths.index_copy_(0, dest, lengths)
+        self.stats.prefilled_rows += len(unique_slots)
+        self.stats.shared_prefill_rows += len(copies)
+
+    def _set_warps(self, index: torch.Tensor, requests: list[_Request]) -> None:
+        """Rows with their own warp: the pool switches to per-row warps (`RowWarps`) on the first one."""
+        if self.row_warps is None:
+            if all(r.warp is None for r in requests):
+                return
+            self.row_warps = RowWarps(self.batch_size, self.settings.warp, self.device)
+            self.loop.warp = self.row_warps
+            if self.rows.drafter is not None:
+                self.rows.drafter.warp = self.row_warps
+        self.row_warps.set(index, [self.settings.warp if r.warp is None else r.warp for r in requests])
 
     # -- one iteration -------------------------------------------------------------------
     def _iterate(self, config: StepConfig) -> None:
@@ -397,6 +455,8 @@ class ContinuousBatcher:
             cache.move_rows(source, dest, min(cache.capacity, used))
         self.rows.move(source, dest)
         self.records.move(source, dest)
+        if self.row_warps is not None:
+            self.row_warps.move(source, dest)
         self.occupied.index_fill_(0, dest, True)
         self.occupied.index_fill_(0, source, False)
         for slot, hole in zip(sources, holes):
@@ -457,7 +517,7 @@ class ContinuousBatcher:
                            finish_reason=result.finish_reason, target_calls=result.target_calls, error=error,
                            accepted_per_position=result.accepted_per_position,
                            tested_positions=result.tested_positions, tree_nodes=result.tree_nodes,
-                           tokens_per_call_histogram=result.tokens_per_call_histogram)
+                           tokens_per_call_histogram=result.tokens_per_call_histogram, logprobs=result.logprobs)
 
     @contextlib.contextmanager
     def _engaged(self):

@@ -30,16 +30,19 @@ from spectr.batching import ContinuousBatcher, FinishedRow, known_methods
 from spectr.rows import prefill
 from spectr.settings import Settings, check_prompts
 from spectr.stats import GenerationStats
+from spectr.warps import split_row_warps
 
 __all__ = ["Generation", "GenerationOutput", "generate", "known_methods", "prefill"]
 
 
 @dataclass
 class GenerationOutput:
-    """tokens[i]: generated ids of prompt i (prompt excluded, EOS included if produced)."""
+    """tokens[i]: generated ids of prompt i (prompt excluded, EOS included if produced); logprobs[i]
+    (with `logprobs=True`): per token, its log-probability under the warped target law it was drawn from."""
 
     tokens: list[list[int]]
     stats: GenerationStats
+    logprobs: list[list[float]] | None = None
     chooser: Any = None  # method="auto": the `spectr.planner.chooser.OnlineChooser` that ran it
 
 
@@ -52,12 +55,13 @@ def generate(
     num_drafts: int = 4,
     draft_length: int = 4,
     max_new_tokens: int | Sequence[int] = 64,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
+    temperature: float | Sequence[float] = 1.0,
+    top_k: int | Sequence[int] = 0,
+    top_p: float | Sequence[float] = 1.0,
     eos_token_id: int | Sequence[int] | None = None,
     seed: int | Sequence[int] = 0,
     batch_size: int | None = None,
+    logprobs: bool = False,
 ) -> GenerationOutput:
     """Generate up to `max_new_tokens` tokens per prompt from `target`, exactly its (warped) distribution.
 
@@ -72,11 +76,15 @@ def generate(
     int per prompt; a row's output depends only on its prompt, its seed, the models and the
     settings. batch_size: rows in flight; None = all prompts at once, else prompts are admitted
     in order and a finished row's slot takes the next waiting prompt (continuous batching; the
-    output is the same). Bad input raises ValueError naming the argument and, per prompt, the row.
+    output is the same). temperature / top_k / top_p: one value, or one per prompt (a list or an [N]
+    tensor): rows of different warps share the batch, each exact for its own warped law.
+    logprobs: also return, per generated token, its log-probability under the warped target law it
+    was sampled from (read back with the tokens, no extra device read). Bad input raises
+    ValueError naming the argument and, per prompt, the row.
     """
     return _run(Generation(target, draft, prompts, method=method, num_drafts=num_drafts, draft_length=draft_length,
                            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                           eos_token_id=eos_token_id, seed=seed, batch_size=batch_size))
+                           eos_token_id=eos_token_id, seed=seed, batch_size=batch_size, logprobs=logprobs))
 
 
 def _run(generation: Generation) -> GenerationOutput:
@@ -116,9 +124,11 @@ class Generation:
 
     def __init__(self, target, draft, prompts, *, method="spectr", num_drafts=4, draft_length=4,
                  max_new_tokens=64, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=None, seed=0,
-                 batch_size: int | None = None, pack_below: float | None = None, make_batcher=None):
+                 batch_size: int | None = None, pack_below: float | None = None, make_batcher=None,
+                 logprobs: bool = False):
         self.prompts = check_prompts(prompts)
         check_batch_size(batch_size)
+        (temperature, top_k, top_p), warps = split_row_warps(temperature, top_k, top_p, len(self.prompts))
         self.settings = Settings.from_arguments(
             self.prompts, methods=known_methods(), method=method, num_drafts=num_drafts,
             draft_length=draft_length, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
@@ -128,9 +138,10 @@ class Generation:
         self.batcher = (make_batcher or ContinuousBatcher)(
             target, draft, batch_size=max(1, min(batch_size or count, count)), max_length=longest,
             method=method, num_drafts=num_drafts, draft_length=draft_length, temperature=temperature, top_k=top_k,
-            top_p=top_p, eos_token_id=eos_token_id, pack_below=pack_below)
+            top_p=top_p, eos_token_id=eos_token_id, pack_below=pack_below, logprobs=logprobs)
         self.batcher.admit(self.prompts, max_new_tokens=list(self.settings.max_new_tokens),
-                           seed=list(self.settings.seeds))
+                           seed=list(self.settings.seeds), warps=warps)
+        self.logprobs: list[list[float]] | None = None
         self.target, self.draft = self.batcher.target, self.batcher.draft
         self.method = self.settings.method
         self.finished: dict[int, FinishedRow] = {}
@@ -160,11 +171,13 @@ class Generation:
         self.batcher.loop.timer.finish(self.stats)
         rows = [self.finished[i] for i in range(len(self.prompts))]
         self.tokens = [row.tokens for row in rows]
+        if rows and rows[0].logprobs is not None:
+            self.logprobs = [row.logprobs for row in rows]
         for row in rows:
             self.stats.add_row(row)
 
     def output(self) -> GenerationOutput:
-        return GenerationOutput(tokens=self.tokens, stats=self.stats)
+        return GenerationOutput(tokens=self.tokens, stats=self.stats, logprobs=self.logprobs)
 
     def row_sequences(self) -> list[list[int]]:
         """Prompt + generated tokens of the row in each occupied slot, in slot order (reads the device: for tests)."""

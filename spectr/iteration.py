@@ -95,8 +95,11 @@ def autoregressive_step(loop: Loop, rows: RowState) -> None:
         probs = loop.warp.probs(logits[:, 0])  # [R, V]
         uniforms = counter_uniforms(rows.keys, rows.iteration, 1)  # [R, 1]
         next_tokens = sample_categorical(probs, uniforms[:, 0])  # [R]
+        logprobs = None
+        if loop.records.logprobs is not None:  # the law the token was drawn from
+            logprobs = probs.gather(1, next_tokens[:, None]).log()  # [R, 1]
     still = loop.records.record(rows.slots, rows.running, next_tokens[:, None], torch.ones_like(next_tokens),
-                                errors)
+                                errors, logprobs)
     loop.stats.verify_tokens += 1
     cache.rows.advance(still.to(torch.int64))
     rows.pending = torch.where(still, next_tokens, rows.pending)
@@ -122,13 +125,27 @@ def speculative_step(loop: Loop, rows: RowState) -> None:
         target_probs = loop.warp.probs(logits)  # [R, W, V]
         selection = select_tree(tree.tokens, tree.draft_probs, target_probs, tree.node_of, selection_uniforms,
                                 method=loop.method, row_splits=splits)
+        logprobs = None if loop.records.logprobs is None else _path_logprobs(tree, selection, target_probs)
     errors = target_nonfinite.to(torch.int64) * TARGET_NONFINITE + tree.nonfinite.to(torch.int64) * DRAFT_NONFINITE
     accepted = selection.num_accepted  # [R]
     loop.records.record_acceptance(rows.slots, rows.running, accepted, tree.num_nodes, loop.draft_length)
-    still = loop.records.record(rows.slots, rows.running, selection.tokens, accepted + 1, errors)
+    still = loop.records.record(rows.slots, rows.running, selection.tokens, accepted + 1, errors, logprobs)
     loop.stats.verify_tokens += width
     _commit(loop, rows, tree, selection, still)
     rows.iteration = rows.iteration + 1
+
+
+def _path_logprobs(tree, selection, target_probs: torch.Tensor) -> torch.Tensor:
+    """log q of each emitted token at the node it follows on the chosen draft's path -> [R, L + 1].
+
+    Token i of an iteration (accepted draft token, correction or bonus) follows the chosen draft's
+    prefix of length i, whose node's warped target law q is the law it was sampled from (exactness:
+    the selection reproduces q at every position). target_probs: [R, W, V].
+    """
+    chosen = selection.draft_index[:, None, None].expand(-1, 1, tree.node_of.shape[2])  # [R, 1, L + 1]
+    path = tree.node_of.gather(1, chosen)[:, 0]  # [R, L + 1] node of the prefix of length i
+    rows = torch.arange(path.shape[0], device=path.device)[:, None]  # [R, 1]
+    return target_probs[rows, path, selection.tokens.clamp(min=0)].log()  # [R, L + 1] (padding: ignored)
 
 
 def _catch_up(loop: Loop, rows: RowState) -> None:

@@ -187,11 +187,17 @@ class RowKVCache:
     def move_rows(self, source: torch.Tensor, dest: torch.Tensor, used_slots: int) -> None:
         """Copy rows `source` to rows `dest` ([M] int64 each, disjoint): their lengths and their first
         `used_slots` slots (a bound of every row's used slots; the rest is scratch), then empty the sources."""
+        self.copy_rows(source, dest, used_slots)
+        self.lengths.index_fill_(0, source, 0)
+
+    def copy_rows(self, source: torch.Tensor, dest: torch.Tensor, used_slots: int) -> None:
+        """Rows `dest` ([M] int64) become copies of rows `source` ([M] int64, none of them in `dest`;
+        a source may repeat): lengths and the first `used_slots` slots. The sources keep their rows
+        (admission shares one prefill among the copies of a prompt this way)."""
         self.lengths.index_copy_(0, dest, self.lengths.index_select(0, source))
         if self.buffer is not None:
             used = self.buffer[:, :, :, :, :used_slots]  # [layers, 2, B, H, used, D] a view
             used.index_copy_(2, dest, used.index_select(2, source))
-        self.lengths.index_fill_(0, source, 0)
 
     def committed(self, layer_idx: int, row: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Row `row`'s committed keys and values of one layer, [H, lengths[row], D] each (for tests)."""

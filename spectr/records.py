@@ -17,11 +17,17 @@ per slot (target calls, accepted draft tokens per position, tested positions, tr
 tokens-per-call histogram), so a finished row carries its own numbers and any set of rows
 (a shard, a job) sums them exactly, whatever rows shared its batch.
 
+With `logprobs=True`, `logprobs [B, max_new + E]` float32 holds, beside each output token, the
+log-probability of that token under the warped target law it was sampled from; it is written
+like the tokens and read back with them at retirement (its float32 bits ride the one int64
+copy), so it adds no device read.
+
 This module does not run models or select tokens.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -45,14 +51,16 @@ class SlotResult:
     tested_positions: int
     tree_nodes: int
     tokens_per_call_histogram: list[int]
+    logprobs: list[float] | None = None
 
 
 class Records:
     """Outputs and counters of `num_slots` slots, written by the rows that occupy them."""
 
     def __init__(self, num_slots: int, max_new_tokens: int, emit_width: int, draft_length: int,
-                 eos_ids: Sequence[int], device):
-        """max_new_tokens: the largest budget any row may have (sizes the output buffer)."""
+                 eos_ids: Sequence[int], device, logprobs: bool = False):
+        """max_new_tokens: the largest budget any row may have (sizes the output buffer); logprobs: keep
+        each output token's log-probability under its warped target law."""
         self.device = device
         self.emit_width = emit_width  # E
         slots, positions = num_slots, max(draft_length, 0)
@@ -61,6 +69,8 @@ class Records:
             return torch.zeros(*shape, dtype=torch.int64, device=device)
 
         self.tokens = zeros(slots, max_new_tokens + emit_width)  # [B, max_new + E]
+        self.logprobs = (torch.zeros(slots, max_new_tokens + emit_width, dtype=torch.float32, device=device)
+                         if logprobs else None)  # [B, max_new + E]
         self.lengths = zeros(slots)  # [B]
         self.budget = zeros(slots)  # [B] 0 for an empty slot
         self.reason = torch.full((slots,), LENGTH, dtype=torch.int64, device=device)  # [B]
@@ -79,6 +89,7 @@ class Records:
     @property
     def nbytes(self) -> int:
         tensors = [self.tokens, self.budget, self.reason, self.eos_ids, *self._counters()]
+        tensors += [] if self.logprobs is None else [self.logprobs]
         return sum(t.untyped_storage().nbytes() for t in tensors)
 
     def reset(self, slots: torch.Tensor, budgets: torch.Tensor) -> None:
@@ -90,15 +101,17 @@ class Records:
 
     def move(self, source: torch.Tensor, dest: torch.Tensor) -> None:
         """Rows in slots `source` move to the empty slots `dest` ([M] int64 each)."""
-        for tensor in (self.tokens, self.budget, self.reason, *self._counters()):
+        outputs = [self.tokens] + ([] if self.logprobs is None else [self.logprobs])
+        for tensor in (*outputs, self.budget, self.reason, *self._counters()):
             tensor.index_copy_(0, dest, tensor.index_select(0, source))
 
     def record(self, slots: torch.Tensor, running: torch.Tensor, emitted: torch.Tensor, counts: torch.Tensor,
-               error_flags: torch.Tensor) -> torch.Tensor:
+               error_flags: torch.Tensor, logprobs: torch.Tensor | None = None) -> torch.Tensor:
         """One iteration of the rows in `slots`; returns [R] bool, the rows still running afterwards.
 
         slots [R] slot of each row; running [R] bool rows that took part; emitted [R, E] tokens (the
-        first counts[r] are real); error_flags [R] int (0 = fine).
+        first counts[r] are real); error_flags [R] int (0 = fine); logprobs [R, E] float32 of the
+        emitted tokens (when the records keep them).
         """
         lengths = self.lengths[slots]  # [R]
         offsets = torch.arange(emitted.shape[1], device=emitted.device)  # [E]
@@ -110,6 +123,8 @@ class Records:
         budget = self.budget[slots]  # [R]
         kept = torch.where(healthy, torch.minimum(torch.minimum(counts, first_eos), budget - lengths), 0)  # [R]
         self.tokens[slots[:, None], lengths[:, None] + offsets] = emitted  # see the module docstring
+        if self.logprobs is not None:
+            self.logprobs[slots[:, None], lengths[:, None] + offsets] = logprobs
         new_lengths = lengths + kept
         self.lengths[slots] = new_lengths
         eos = healthy & (first_eos <= kept)
@@ -150,15 +165,23 @@ class Records:
                     self.tree_nodes]
         columns = torch.stack([t if t is slots else t[slots] for t in per_slot], 1)  # [F, 7]
         parts = [columns, self.accepted_per_position[slots], self.histogram[slots], self.tokens[slots]]
+        if self.logprobs is not None:  # float32 bits as int64, so that one copy carries everything
+            parts.append(self.logprobs[slots].view(torch.int32).to(torch.int64))
         host = torch.cat(parts, 1).tolist()  # host copy: the finished rows, once each
+        width = self.tokens.shape[1]
         positions, bins = self.accepted_per_position.shape[1], self.histogram.shape[1]
         results = []
         for row in host:
             slot, length, reason, flags, calls, tested, nodes = row[:7]
             histogram_end = 7 + positions + bins
+            logprobs = None
+            if self.logprobs is not None:
+                bits = row[histogram_end + width : histogram_end + width + length]
+                logprobs = array("f", array("i", bits).tobytes()).tolist()  # the float32 bits back, on the host
             results.append(SlotResult(
                 slot=slot, tokens=row[histogram_end : histogram_end + length], finish_reason=REASONS[reason],
                 error_flags=flags, target_calls=calls, accepted_per_position=row[7 : 7 + positions],
                 tested_positions=tested, tree_nodes=nodes, tokens_per_call_histogram=row[7 + positions : histogram_end],
+                logprobs=logprobs,
             ))
         return results

@@ -22,6 +22,8 @@ Definitions:
   target call) of the row's own tree nodes (root included), so tree_nodes / total_target_calls
   is the mean tree size (1 + K*L when no drafts share a prefix, L + 1 when all coincide);
   admissions: how often waiting prompts were prefilled into free slots (one prefill each);
+  prefilled_rows / shared_prefill_rows: admitted rows whose prompt was run through the models,
+  and rows that copied the cache rows of an identical prompt admitted with them instead;
   narrow_iterations: iterations run on fewer slots than the pool has (the slots above the
   highest occupied one are skipped); packed_rows: rows moved into empty lower slots (one copy
   of the row's used cache slots each), so that the iterations cover the live rows only;
@@ -62,6 +64,8 @@ class GenerationStats:
     verify_tokens: int = 0
     tree_nodes: int = 0
     admissions: int = 0
+    prefilled_rows: int = 0
+    shared_prefill_rows: int = 0
     narrow_iterations: int = 0
     packed_rows: int = 0
     draft_catch_ups: int = 0
@@ -146,7 +150,7 @@ class GenerationStats:
         for name in ("accepted_per_position", "tokens_per_call_histogram"):
             setattr(self, name, [a + b for a, b in zip(getattr(self, name), getattr(other, name))])
         for name in ("tested_positions", "iterations", "verify_tokens", "tree_nodes", "admissions", "narrow_iterations",
-                     "packed_rows", "draft_seconds", "target_seconds", "selection_seconds", "other_seconds",
+                     "packed_rows", "prefilled_rows", "shared_prefill_rows", "draft_seconds", "target_seconds", "selection_seconds", "other_seconds",
                      "wall_seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 

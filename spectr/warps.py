@@ -83,3 +83,96 @@ def warp_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: floa
         greedy = logits.argmax(dim=-1, keepdim=True)  # [..., 1]
         return torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(-1, greedy, 1.0)
     return warp_logits(logits, temperature, top_k, top_p).softmax(dim=-1)
+
+
+def row_warp_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   truncate: tuple[bool, bool] = (True, True)) -> torch.Tensor:
+    """Warped probabilities (float32) with one warp per row: the same law as `warp_probs` row by row.
+
+    logits: [R, ..., V]; temperature [R] float (0: greedy), top_k [R] int64 (0: off), top_p [R]
+    float (1: off). truncate: host flags (any row uses top-k, any row uses top-p), so that a batch
+    with no truncation skips the sorts. Returns [R, ..., V].
+    """
+    shape = (logits.shape[0],) + (1,) * (logits.dim() - 1)  # [R, 1, ..., 1]
+    temperature = temperature.to(torch.float32).view(shape)
+    greedy = temperature == 0
+    scores = logits.float() / torch.where(greedy, 1.0, temperature)  # [R, ..., V]
+    vocab_size = scores.shape[-1]
+    if truncate[0]:
+        k = top_k.view(shape)
+        ranked = torch.sort(scores, dim=-1, descending=True).values  # [R, ..., V]
+        kth_largest = ranked.gather(-1, (k - 1).clamp(0, vocab_size - 1).expand(*scores.shape[:-1], 1))
+        cut = (k > 0) & (k < vocab_size) & (scores < kth_largest)
+        scores = scores.masked_fill(cut, -math.inf)
+    if truncate[1]:
+        p = top_p.to(torch.float32).view(shape)
+        sorted_scores, sorted_indices = torch.sort(scores, dim=-1, descending=False)  # [R, ..., V]
+        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)  # [R, ..., V]
+        sorted_remove = (cumulative <= (1 - p)) & (p < 1)
+        sorted_remove[..., -1] = False  # keep at least the most likely token
+        remove = sorted_remove.scatter(-1, sorted_indices, sorted_remove)
+        scores = scores.masked_fill(remove, -math.inf)
+    one_hot = torch.zeros(scores.shape, dtype=torch.float32, device=logits.device).scatter_(
+        -1, logits.argmax(dim=-1, keepdim=True), 1.0)  # [R, ..., V]
+    return torch.where(greedy, one_hot, scores.softmax(dim=-1))
+
+
+class RowWarps:
+    """One warp per slot of the pool (temperature, top-k, top-p as [B] tensors), set at admission.
+
+    `probs(logits)` warps [R, ..., V] logits of the rows [0, R) of the pool (R <= B: an iteration
+    may run on a prefix of the pool). Host flags say whether any admitted row truncates, so that a
+    pool without top-k / top-p never sorts.
+    """
+
+    def __init__(self, num_slots: int, default: SamplingWarp, device):
+        self.temperature = torch.full((num_slots,), default.temperature, dtype=torch.float32, device=device)  # [B]
+        self.top_k = torch.full((num_slots,), default.top_k, dtype=torch.int64, device=device)  # [B]
+        self.top_p = torch.full((num_slots,), default.top_p, dtype=torch.float32, device=device)  # [B]
+        self.truncate = (default.top_k > 0, default.top_p < 1.0)
+
+    def set(self, slots: torch.Tensor, warps: list[SamplingWarp]) -> None:
+        """Rows in `slots` ([N] int64) take `warps` (N of them)."""
+        device = self.temperature.device
+        self.temperature.index_copy_(0, slots, torch.tensor([w.temperature for w in warps], dtype=torch.float32,
+                                                            device=device))
+        self.top_k.index_copy_(0, slots, torch.tensor([w.top_k for w in warps], dtype=torch.int64, device=device))
+        self.top_p.index_copy_(0, slots, torch.tensor([w.top_p for w in warps], dtype=torch.float32, device=device))
+        self.truncate = (self.truncate[0] or any(w.top_k > 0 for w in warps),
+                         self.truncate[1] or any(w.top_p < 1.0 for w in warps))
+
+    def move(self, source: torch.Tensor, dest: torch.Tensor) -> None:
+        for tensor in (self.temperature, self.top_k, self.top_p):
+            tensor.index_copy_(0, dest, tensor.index_select(0, source))
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Warped probabilities of rows [0, R) of the pool: logits [R, ..., V] -> [R, ..., V] float32."""
+        rows = logits.shape[0]
+        return row_warp_probs(logits, self.temperature[:rows], self.top_k[:rows], self.top_p[:rows], self.truncate)
+
+
+def split_row_warps(temperature, top_k, top_p, count: int) -> tuple[tuple[float, int, float], list[SamplingWarp] | None]:
+    """Scalars, or one value per row (lists or [N] tensors), -> (the run's warp settings, per-row warps).
+
+    All scalars: (those scalars, None). Any of them per row: (the defaults (1.0, 0, 1.0), one
+    `SamplingWarp` per row, scalars broadcast). ValueError names the argument and the row.
+    """
+    values = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+    for name, value in values.items():
+        if isinstance(value, torch.Tensor):
+            values[name] = value.tolist()
+    per_row = {name: v for name, v in values.items() if isinstance(v, (list, tuple))}
+    if not per_row:
+        return (temperature, top_k, top_p), None
+    for name, value in per_row.items():
+        if len(value) != count:
+            raise ValueError(f"{name} has {len(value)} entries but there are {count} prompts")
+    warps = []
+    for row in range(count):
+        row_values = [v[row] if name in per_row else v for name, v in values.items()]
+        try:
+            validate_sampling(*row_values)
+        except ValueError as error:
+            raise ValueError(f"prompt {row}: {error}") from None
+        warps.append(SamplingWarp(float(row_values[0]), int(row_values[1]), float(row_values[2])))
+    return (1.0, 0, 1.0), warps

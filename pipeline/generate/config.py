@@ -29,6 +29,7 @@ from pipeline.config import (
     require_sections,
     resolved_container,
 )
+from pipeline.row_columns import check_stop_list
 
 METHODS = ("auto", "autoregressive", "speculative", "block", "spectr", "specinfer")
 
@@ -47,6 +48,9 @@ class SpectrConfig:
     max_num_drafts: int | None = None  # auto: the largest K the planner may choose (None: 8)
     max_draft_length: int | None = None  # auto: the largest L the planner may choose (None: 8)
     plan_cache: bool = True  # auto: warm-start from what earlier runs on this pair and device learned
+    num_samples: int = 1  # completions per prompt, one output row each (`sample_index`)
+    stop: Any = None  # stop strings (a list): a completion ends before the first one it contains
+    logprobs: bool = False  # a `completion_logprobs` column: each token's log-probability under the warped target
 
 
 @dataclass(frozen=True)
@@ -143,6 +147,9 @@ def check_spectr(s: SpectrConfig) -> None:
     for key in ("max_num_drafts", "max_draft_length"):
         if getattr(s, key) is not None and getattr(s, key) < 1:
             raise out_of_range(f"spectr.{key}", ">= 1 or null (the planner's default, 8)", getattr(s, key))
+    if s.num_samples < 1:
+        raise out_of_range("spectr.num_samples", ">= 1", s.num_samples)
+    check_stop_list(s.stop, "spectr.stop")
 
 
 def check_ray(r: RayConfig) -> None:
@@ -196,8 +203,13 @@ def generation_settings(c: GenerateConfig) -> dict[str, Any]:
     spectr.pop("batch_size")
     spectr.pop("plan_cache")  # speed only: every configuration the planner may run is exact
     data = dataclasses.asdict(c.data)
-    if data["max_new_tokens_column"] is None:
-        data.pop("max_new_tokens_column")  # unset, the hash is the one output dirs written before it had
+    for key in ("max_new_tokens_column", "keep_columns", "stop_column", "sampling_params_column", "chat_template",
+                "chat_template_kwargs"):
+        if data[key] is None:
+            data.pop(key)  # unset, the hash is the one output dirs written before the key existed
+    for key, default in (("num_samples", 1), ("stop", None), ("logprobs", False)):
+        if spectr[key] == default:
+            spectr.pop(key)
     return {
         "model": {"target": c.model.target, "draft": c.model.draft, "dtype": c.model.dtype},
         "data": data,

@@ -69,12 +69,14 @@ class FeedAborted(RuntimeError):
 
 @dataclass(frozen=True)
 class Row:
-    """One prompt of a shard: its position in the shard, token ids, budget and seed."""
+    """One prompt of a shard: its position in the shard, token ids, budget and seed; `warp` (temperature,
+    top_k, top_p) when the row has its own (`data.sampling_params_column`), else the job's."""
 
     position: int
     prompt: list[int]
     budget: int
     seed: int
+    warp: tuple[float, int, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,8 @@ class ShardRun:
     index: int
     rows: list[Row]
     outcomes: dict[int, FinishedRow | str] = field(default_factory=dict)  # position -> row or error message
+    admitted: dict[int, float] = field(default_factory=dict)  # position -> perf_counter at admission
+    seconds: dict[int, float] = field(default_factory=dict)  # position -> admission to finish (time_taken_s)
     stats: dict[str, Any] = field(default_factory=empty_stats)
     mix: ConfigMix | None = None  # method=auto: the batch's configurations while this shard's rows were in it
     plan: dict[str, Any] | None = None  # method=auto: the part file's `spectr.plan` (set when done)
@@ -131,9 +135,9 @@ class ShardFeed:
         self.chooser_state: dict[str, Any] | None = None  # method=auto: what the chooser has learned so far
         self._charged = dict.fromkeys(BATCH_FIELDS, 0)  # the current batcher's counters already charged
         self._uncharged = self._zero_batch()
+        self.steps = 0  # iterations of the stepping loop so far (the driver's progress watchdog reads it)
         self._uncharged_mix = ConfigMix()
         self._wasted_charged = 0.0
-        self.steps = 0  # iterations of the stepping loop so far (the driver's progress watchdog reads it)
 
     # -- the shards' threads ----------------------------------------------------------------------
     def run(self, index: int, rows: list[Row]) -> ShardRun:
@@ -238,10 +242,18 @@ class ShardFeed:
         gets the error (nothing of a refused call is queued)."""
         if not take:
             return []
+        from spectr import SamplingWarp
+
         rows = [row for _, row in take]
+        now = time.perf_counter()
+        for shard_run, row in take:
+            shard_run.admitted.setdefault(row.position, now)
+        warps = None
+        if any(r.warp is not None for r in rows):
+            warps = [None if r.warp is None else SamplingWarp(*r.warp) for r in rows]
         try:
             ids = self.batcher.admit([r.prompt for r in rows], max_new_tokens=[r.budget for r in rows],
-                                     seed=[r.seed for r in rows])
+                                     seed=[r.seed for r in rows], warps=warps)
         except ValueError as err:
             if len(take) == 1:
                 return [(take[0][0], take[0][1], f"{type(err).__name__}: {err}")]
@@ -285,12 +297,13 @@ class ShardFeed:
         import spectr
 
         s = self.spectr
+        temperature, top_k, top_p = row.warp or (s.temperature, s.top_k, s.top_p)
         try:
             output = spectr.generate(
                 self.target, None if config.method == "autoregressive" else self.draft, [row.prompt],
                 method=config.method, num_drafts=config.num_drafts, draft_length=config.draft_length,
-                max_new_tokens=[row.budget], temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                eos_token_id=self.eos_token_id, seed=[row.seed],
+                max_new_tokens=[row.budget], temperature=temperature, top_k=top_k, top_p=top_p,
+                eos_token_id=self.eos_token_id, seed=[row.seed], logprobs=s.logprobs,
             )  # fmt: skip
         except Exception as err:  # noqa: BLE001 - this row's own failure: its error row
             return f"{type(err).__name__}: {err}"
@@ -302,13 +315,16 @@ class ShardFeed:
             target_calls=stats.target_calls[0], error=stats.errors[0],
             accepted_per_position=list(stats.accepted_per_position), tested_positions=stats.tested_positions,
             tree_nodes=stats.tree_nodes, tokens_per_call_histogram=list(stats.tokens_per_call_histogram),
+            logprobs=None if output.logprobs is None else output.logprobs[0],
         )  # fmt: skip
 
     def _hand_out(self, outcomes: list[tuple[ShardRun, Row, FinishedRow | str]]) -> None:
         """Give finished rows to their shards; report progress; close the shards that are complete."""
         counts: dict[ShardRun, int] = {}
+        now = time.perf_counter()
         for shard_run, row, outcome in outcomes:
             shard_run.outcomes[row.position] = outcome
+            shard_run.seconds[row.position] = now - shard_run.admitted.get(row.position, now)
             counts[shard_run] = counts.get(shard_run, 0) + 1
         for shard_run, count in counts.items():
             if self.on_rows is not None:
@@ -363,7 +379,7 @@ class ShardFeed:
         self._retire_batcher()
         s = self.spectr
         common = dict(batch_size=s.batch_size, max_length=config.capacity, temperature=s.temperature, top_k=s.top_k,
-                      top_p=s.top_p, eos_token_id=self.eos_token_id)  # fmt: skip
+                      top_p=s.top_p, eos_token_id=self.eos_token_id, logprobs=s.logprobs)  # fmt: skip
         if config.method == "auto":
             from spectr.planner import AutoBatcher
 

@@ -137,7 +137,8 @@ def _open_output(plan: JobPlan) -> None:
 def _execute(
     plan: JobPlan, tracker: Any, tracker_started: Future, hooks: RunHooks | None, started: float
 ) -> JobReport:
-    schema = output_schema(plan.id_kind, _schema_settings(plan))
+    schema = output_schema(plan.id_kind, _schema_settings(plan), logprobs=plan.config.spectr.logprobs,
+                           kept=plan.source.columns.kept)
     with Lease.acquire(plan.output, plan.config.lease_timeout_s) as lease:
         plan.lease = lease
         plan.refresh()  # the directory as it is now that this job holds it
@@ -198,7 +199,8 @@ def _run_shards(
     """Every shard to do through the pool; each result is committed (appended to the log) as it arrives,
     and fed to the live MLflow metrics."""
     config = plan.config
-    bar = ProgressBar(plan.num_rows, plan.state.rows_done, config.progress, hooks.on_progress if hooks else None)
+    rows = plan.num_rows * config.spectr.num_samples  # output rows: one per prompt and sample
+    bar = ProgressBar(rows, plan.state.rows_done, config.progress, hooks.on_progress if hooks else None)
     run.generation_started = time.perf_counter()
     commits = open_commit_log(plan.output)
     live = tracker.live_metrics([plan.state.earlier_stats], started=run.generation_started)

@@ -35,8 +35,12 @@ FINISH_REASONS = ("eos", "length", "stop", "error")
 _OWN_TEMPORARIES = (".part-", f".{MANIFEST_NAME}", f".{SUCCESS_NAME}", "._lease.json")
 
 
-def output_schema(id_kind: str, settings: dict[str, Any] | None = None) -> pa.Schema:
-    """The Parquet row of the contract; run-level `settings` go into the schema metadata as JSON."""
+def output_schema(id_kind: str, settings: dict[str, Any] | None = None, logprobs: bool = False,
+                  kept: tuple[tuple[str, Any], ...] = ()) -> pa.Schema:
+    """The Parquet row of the contract; run-level `settings` go into the schema metadata as JSON.
+
+    logprobs: with `spectr.logprobs`, a `completion_logprobs` column; kept: the `data.keep_columns`
+    (name, Arrow type), last."""
     schema = pa.schema(
         [
             ("id", pa.int64() if id_kind == "int" else pa.string()),
@@ -50,6 +54,10 @@ def output_schema(id_kind: str, settings: dict[str, Any] | None = None) -> pa.Sc
             ("block_efficiency", pa.float64()),
             ("seed", pa.int64()),
             ("error", pa.string()),
+            ("sample_index", pa.int32()),
+            ("time_taken_s", pa.float64()),
+            *([("completion_logprobs", pa.list_(pa.float32()))] if logprobs else []),
+            *kept,
         ]
     )
     if settings is not None:

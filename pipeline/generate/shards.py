@@ -71,6 +71,7 @@ class Shard:
     seeds: list[int]
     problems: list[str | None] | None = None
     max_new_tokens: list[int | None] | None = None
+    extras: dict[str, list[Any]] | None = None  # kept / stop / sampling-params columns (pipeline.row_columns)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -82,6 +83,15 @@ class Shard:
 def row_seed(base_seed: int, row_id: Any) -> int:
     """A 63-bit seed for one row, from the job seed and the row id (int and str ids never collide)."""
     key = f"{int(base_seed)}\x00{type(row_id).__name__}\x00{row_id}".encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+def sample_seed(seed: int, sample_index: int) -> int:
+    """The seed of sample `sample_index` of a row seeded `seed` (`spectr.num_samples`): the row's own seed for
+    sample 0 (one sample is the row as without num_samples), a hash of (seed, index) for the others."""
+    if sample_index == 0:
+        return seed
+    key = f"{int(seed)}\x00sample\x00{int(sample_index)}".encode()
     return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & ((1 << 63) - 1)
 
 
@@ -162,6 +172,7 @@ def load_shard(
         seeds=[row_seed(base_seed, row_id) for row_id in rows.ids],
         problems=problems,
         max_new_tokens=rows.budgets,
+        extras=rows.extras,
     )
 
 

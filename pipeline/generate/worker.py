@@ -49,8 +49,8 @@ class ShardResult:
     file: str = ""  # the part file's name in the output directory
     bytes: int = 0  # and its size
     plan: dict[str, Any] | None = None  # method=auto: the configurations that generated the shard (`with_plan`)
-    planner_state: dict[str, Any] | None = None  # method=auto: {"key": cache entry key, "state": the chooser's}
     attempt: int = 0  # the task's attempt (`ShardTask.attempt`; its fence names the file)
+    planner_state: dict[str, Any] | None = None  # method=auto: {"key": cache entry key, "state": the chooser's}
 
 
 @dataclass(frozen=True)
@@ -185,19 +185,31 @@ class ShardGenerator:
 
         started = time.perf_counter()
         meter = ResourceMeter(self.device)
+        samples = self.spectr.num_samples
         by_position: dict[int, dict[str, Any]] = {}
         rows: list[Row] = []
+        stops: dict[int, list[str]] = {}
         for i in range(len(shard)):
-            if shard.problem(i):
-                by_position[i] = self._error_row(shard, i, shard.problem(i))
-            else:
-                rows.append(Row(i, shard.prompt_token_ids[i], self._budget(shard, i), shard.seeds[i]))
+            try:
+                settings = self._settings(shard, i)
+            except ValueError as err:
+                by_position.update({i * samples + s: self._error_row(shard, i, str(err), s) for s in range(samples)})
+                continue
+            stops[i] = list(self.spectr.stop or ()) + settings.stop
+            rows += self._samples(shard, i, settings)
         run = self.feed.run(shard.index, rows)
+        seeds = {r.position: r.seed for r in rows}
         with self._text_lock:
-            for i, outcome in run.outcomes.items():
-                is_row = isinstance(outcome, FinishedRow)
-                by_position[i] = self._row(shard, i, outcome) if is_row else self._error_row(shard, i, outcome)
-        out = [by_position[i] for i in range(len(shard))]
+            for position, outcome in run.outcomes.items():
+                i, sample = divmod(position, samples)
+                if isinstance(outcome, FinishedRow):
+                    row = self._row(shard, i, outcome, sample, stops[i])
+                else:
+                    row = self._error_row(shard, i, outcome, sample)
+                row["time_taken_s"] = run.seconds.get(position)
+                row["seed"] = seeds.get(position, row["seed"])  # the seed this sample was generated with
+                by_position[position] = row
+        out = [by_position[p] for p in range(len(shard) * samples)]
         stats = merge_stats(empty_stats(), run.stats)
         stats["prompts_failed"] = sum(row["finish_reason"] == "error" for row in out)
         stats["prompts_completed"] = len(out) - stats["prompts_failed"]
@@ -221,6 +233,40 @@ class ShardGenerator:
             return None
         return {"key": feed.plan_cache_key, "state": feed.chooser_state}
 
+    def _settings(self, shard: Shard, i: int) -> Any:
+        """Row i's own settings (`data.sampling_params_column`, `data.stop_column`); ValueError: its problem."""
+        from pipeline.row_columns import RowSettings, row_settings
+
+        problem = shard.problem(i)
+        if problem:
+            raise ValueError(problem)
+        data = self.job.data if self.job is not None else None
+        extras = shard.extras or {}
+        if data is None or not (data.sampling_params_column or data.stop_column):
+            return RowSettings()
+        params = extras.get(data.sampling_params_column, [None] * len(shard))[i] if data.sampling_params_column else None
+        stop = extras.get(data.stop_column, [None] * len(shard))[i] if data.stop_column else None
+        try:
+            return row_settings(params, stop, f"data.sampling_params_column '{data.sampling_params_column}'",
+                                f"data.stop_column '{data.stop_column}'")
+        except ValueError as err:
+            raise ValueError(f"row {shard.ids[i]!r}: {err}") from None
+
+    def _samples(self, shard: Shard, i: int, settings: Any) -> list[Row]:
+        """Row i's `spectr.num_samples` engine rows: seeds from (the row's seed, the sample index)."""
+        from pipeline.generate.shards import sample_seed
+
+        s = self.spectr
+        warp = None
+        if (settings.temperature, settings.top_k, settings.top_p) != (None, None, None):
+            warp = (s.temperature if settings.temperature is None else settings.temperature,
+                    s.top_k if settings.top_k is None else settings.top_k,
+                    s.top_p if settings.top_p is None else settings.top_p)
+        budget = settings.max_tokens or self._budget(shard, i)
+        seed = shard.seeds[i] if settings.seed is None else settings.seed
+        return [Row(i * s.num_samples + sample, shard.prompt_token_ids[i], budget, sample_seed(seed, sample), warp)
+                for sample in range(s.num_samples)]
+
     def _budget(self, shard: Shard, i: int) -> int:
         """Row i's max_new_tokens: its `data.max_new_tokens_column` value, else `spectr.max_new_tokens`."""
         budgets = shard.max_new_tokens
@@ -234,27 +280,54 @@ class ShardGenerator:
         except Exception as err:  # noqa: BLE001 - progress is best effort
             log.warning("progress report failed (%s: %s); generation goes on", type(err).__name__, err)
 
-    def _row(self, shard: Shard, i: int, finished: Any) -> dict[str, Any]:
+    def _row(self, shard: Shard, i: int, finished: Any, sample: int = 0, stops: list[str] | None = None
+             ) -> dict[str, Any]:
         """Row i from its `spectr.FinishedRow`; a row the engine stopped (non-finite logits) keeps its
-        tokens so far, finish_reason "error" and the engine's message."""
+        tokens so far, finish_reason "error" and the engine's message. A completion holding a stop string
+        is cut before it (`pipeline.stops`), finish_reason "stop"."""
+        from pipeline.stops import cut_at_stop
+
         tokens = [int(t) for t in finished.tokens]
+        logprobs = finished.logprobs
         calls = int(finished.target_calls)
-        return {
+        reason = str(finished.finish_reason)
+        def decode(ids):
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+        cut = cut_at_stop(decode, tokens, stops or []) if reason != "error" else None
+        if cut is not None:
+            tokens, reason = tokens[: cut.num_tokens], "stop"
+            logprobs = None if logprobs is None else logprobs[: cut.num_tokens]
+        row = {
             "id": shard.ids[i],
             "prompt": shard.prompts[i],
-            "completion": self.tokenizer.decode(tokens, skip_special_tokens=True),
+            "completion": cut.text if cut is not None else decode(tokens),
             "completion_token_ids": tokens,
             "prompt_tokens": len(shard.prompt_token_ids[i]),
             "completion_tokens": len(tokens),
-            "finish_reason": str(finished.finish_reason),
+            "finish_reason": reason,
             "target_calls": calls,
-            "block_efficiency": len(tokens) / calls if calls else 0.0,
+            "block_efficiency": len(finished.tokens) / calls if calls else 0.0,
             "seed": shard.seeds[i],
             "error": finished.error,
+            "sample_index": sample,
         }
+        if self.spectr.logprobs:
+            row["completion_logprobs"] = logprobs
+        return self._with_extras(shard, i, row)
 
-    def _error_row(self, shard: Shard, i: int, message: str) -> dict[str, Any]:
-        return {
+    def _with_extras(self, shard: Shard, i: int, row: dict[str, Any]) -> dict[str, Any]:
+        """The row with its `data.keep_columns` (and the seed it was generated with)."""
+        from pipeline.row_columns import carried
+
+        source = self.job.source if self.job is not None else None
+        if source is not None and shard.extras:
+            for name, _ in source.columns.kept:
+                row[name] = carried(shard.extras[name][i], source.format)
+        return row
+
+    def _error_row(self, shard: Shard, i: int, message: str, sample: int = 0) -> dict[str, Any]:
+        row = {
             "id": shard.ids[i],
             "prompt": shard.prompts[i],
             "completion": "",
@@ -266,4 +339,6 @@ class ShardGenerator:
             "block_efficiency": None,
             "seed": shard.seeds[i],
             "error": message,
+            "sample_index": sample,
         }
+        return self._with_extras(shard, i, row)

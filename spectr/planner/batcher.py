@@ -48,12 +48,13 @@ class AutoBatcher:
     def __init__(self, target, draft, *, batch_size: int, max_length: int | None = None, max_num_drafts: int = 4,
                  max_draft_length: int = 4, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                  eos_token_id=None, pack_below: float | None = None, warm_state: dict | None = None,
-                 candidates: Sequence[StepConfig] | None = None):
+                 candidates: Sequence[StepConfig] | None = None, logprobs: bool = False):
         speculative = draft is not None
         bounds = {"max_num_drafts": max_num_drafts, "max_draft_length": max_draft_length} if speculative else {}
         self.batcher = ContinuousBatcher(target, draft, batch_size=batch_size, max_length=max_length,
                                          method=AUTOREGRESSIVE, temperature=temperature, top_k=top_k, top_p=top_p,
-                                         eos_token_id=eos_token_id, pack_below=pack_below, **bounds)
+                                         eos_token_id=eos_token_id, pack_below=pack_below, logprobs=logprobs,
+                                         **bounds)
         max_k, max_l = self.batcher.bounds
         if candidates is None:
             candidates = default_candidates(max_k, max_l, greedy=self.batcher.settings.warp.greedy,
@@ -128,8 +129,8 @@ class AutoBatcher:
         return self.chooser.current
 
     def admit(self, prompts, *, max_new_tokens: int | Sequence[int] = 64, seed: int | Sequence[int] = 0,
-              tags: Sequence[Any] | None = None) -> list[int]:
-        return self.batcher.admit(prompts, max_new_tokens=max_new_tokens, seed=seed, tags=tags)
+              tags: Sequence[Any] | None = None, warps=None) -> list[int]:
+        return self.batcher.admit(prompts, max_new_tokens=max_new_tokens, seed=seed, tags=tags, warps=warps)
 
     def fill(self) -> None:
         """Move waiting prompts into free slots (`ContinuousBatcher.fill`)."""

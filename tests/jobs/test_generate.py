@@ -77,8 +77,8 @@ def test_one_row_per_prompt_with_contract_types(finished_run, prompts_jsonl):
     assert schema.field("completion_token_ids").type == pa.list_(pa.int32())
     assert [f.name for f in schema] == [
         "id", "prompt", "completion", "completion_token_ids", "prompt_tokens", "completion_tokens",
-        "finish_reason", "target_calls", "block_efficiency", "seed", "error",
-    ]  # fmt: skip
+        "finish_reason", "target_calls", "block_efficiency", "seed", "error", "sample_index", "time_taken_s",
+    ]  # fmt: skip (completion_logprobs with spectr.logprobs, then the data.keep_columns)
     assert set(table.column("finish_reason").to_pylist()) <= {"eos", "length"}
     assert table.column("error").null_count == 40
     assert sorted(p.name for p in out.iterdir()) == ["_SUCCESS", "_commits.jsonl", "_manifest.json", "_mlflow_run.json"] + [

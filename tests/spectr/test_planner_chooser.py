@@ -184,9 +184,13 @@ def test_auto_batcher_has_the_continuous_batcher_surface_and_reports_to_its_choo
 def test_the_public_generate_keeps_its_signature():
     import inspect
 
-    assert list(inspect.signature(spectr.generate).parameters) == [
+    parameters = inspect.signature(spectr.generate).parameters
+    assert list(parameters)[:13] == [
         "target", "draft", "prompts", "method", "num_drafts", "draft_length", "max_new_tokens", "temperature",
         "top_k", "top_p", "eos_token_id", "seed", "batch_size"]
+    added = list(parameters.values())[13:]  # new keyword arguments, with defaults that keep the old behaviour
+    assert [p.name for p in added] == ["logprobs"]
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is False for p in added)
 
 
 def test_generate_auto_keeps_the_contract_and_says_what_ran(pair):

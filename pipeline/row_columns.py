@@ -1,0 +1,193 @@
+"""The input's per-row columns besides the prompt: carried columns, stop strings, per-row sampling settings.
+
+- `data.keep_columns` (a list of names, or "all": every input column but the prompt / messages and id
+  columns): carried to the output unchanged. Their output types: the input's own for Parquet and saved
+  HF datasets; strings for CSV (the text as read) and JSON lines (a string as is, any other value as its
+  JSON text), because those formats declare no types the driver could give the part files' schema.
+- `data.stop_column`: a row's stop strings (a list of strings or one string; null: none), added to
+  `spectr.stop`.
+- `data.sampling_params_column`: a struct or a JSON object with any of `temperature`, `top_p`, `top_k`,
+  `max_tokens`, `seed`, `stop`; a value out of range fails that row alone, with its error.
+
+Config shapes are checked here (`check_row_columns_config`, `check_stop_list`: exit 2 before anything is
+written); the input's column names by the scan (`resolve_columns`); a row's values on the worker
+(`row_settings`). Not here: reading files (`pipeline.prompts`), generating, writing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.errors import JobInputError
+
+# the output row's own columns: a kept input column may not take one of these names
+OUTPUT_COLUMNS = ("id", "prompt", "completion", "completion_token_ids", "prompt_tokens", "completion_tokens",
+                  "finish_reason", "target_calls", "block_efficiency", "seed", "error", "sample_index",
+                  "completion_logprobs", "time_taken_s")
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop")
+
+
+def check_stop_list(value: Any, key: str) -> tuple[str, ...]:
+    """None or a list of non-empty strings -> a tuple (JobInputError naming `key` otherwise)."""
+    if value is None:
+        return ()
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)) or not all(
+            isinstance(s, str) and s for s in value):
+        raise JobInputError(f"config: {key} must be a list of non-empty strings, got {value!r}")
+    return tuple(value)
+
+
+def check_row_columns_config(d: Any) -> None:
+    """The shapes of data.keep_columns, stop_column, sampling_params_column, chat_template(_kwargs)."""
+    keep = d.keep_columns
+    if keep is not None and keep != "all":
+        if isinstance(keep, str) or not isinstance(keep, (list, tuple)) or not all(
+                isinstance(c, str) and c.strip() for c in keep) or len(set(keep)) != len(keep):
+            raise JobInputError(f"config: data.keep_columns must be null, 'all' or a list of distinct column "
+                                f"names, got {keep!r}")
+        clash = [c for c in keep if c in OUTPUT_COLUMNS]
+        if clash:
+            raise JobInputError(f"config: data.keep_columns: {clash[0]!r} is an output column; rename it in the "
+                                f"input to keep it")
+    text = d.messages_column if d.chat else d.prompt_column
+    for key in ("stop_column", "sampling_params_column"):
+        column = getattr(d, key)
+        if column is not None and (not column.strip() or column in (text, d.id_column)):
+            raise JobInputError(f"config: data.{key} must be null or a column other than the prompt and id "
+                                f"columns, got {column!r}")
+    if d.chat_template is not None:
+        chat_template_text(d.chat_template)
+    kwargs = d.chat_template_kwargs
+    if kwargs is not None and (not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs)):
+        raise JobInputError(f"config: data.chat_template_kwargs must be null or a mapping, got {kwargs!r}")
+    if not d.chat and (d.chat_template is not None or kwargs):
+        raise JobInputError("config: data.chat_template and data.chat_template_kwargs need data.chat=true")
+
+
+def chat_template_text(value: str) -> str:
+    """data.chat_template: a Jinja template (it holds '{'), else the path of a file holding one."""
+    if "{" in value:
+        return value
+    from pathlib import Path
+
+    path = Path(value).expanduser()
+    if not value.strip() or not path.is_file():
+        raise JobInputError(f"config: data.chat_template must be a template (Jinja text) or the path of a "
+                            f"template file, got {value!r} (no such file)")
+    return path.read_text()
+
+
+@dataclass(frozen=True)
+class RowColumns:
+    """What the scan resolved: the columns a worker reads besides prompt / id / budget, and the kept ones
+    with their output Arrow types."""
+
+    read: tuple[str, ...] = ()  # every extra column to read (kept, stop, sampling params)
+    kept: tuple[tuple[str, Any], ...] = ()  # (name, pyarrow type) carried to the output
+    stop_column: str | None = None
+    params_column: str | None = None
+
+
+def resolve_columns(d: Any, names: list[str], schema: Any, file_format: str, where: str) -> RowColumns:
+    """The configured extra columns against the input's column `names` (JobInputError for an unknown one)."""
+    import pyarrow as pa
+
+    text = d.messages_column if d.chat else d.prompt_column
+    if d.keep_columns == "all":
+        kept = [n for n in names if n not in (text, d.id_column)]
+        clash = [c for c in kept if c in OUTPUT_COLUMNS]
+        if clash:
+            raise JobInputError(f"data.keep_columns: input column {clash[0]!r} of {where} is an output column; "
+                                f"list the columns to keep instead of 'all', or rename it")
+    else:
+        kept = list(d.keep_columns or [])
+    for key, columns in (("data.keep_columns", kept), ("data.stop_column", [d.stop_column]),
+                         ("data.sampling_params_column", [d.sampling_params_column])):
+        missing = [c for c in columns if c is not None and c not in names]
+        if missing:
+            raise JobInputError(f"{key}: column '{missing[0]}' not found in {where}; columns are: "
+                                f"{', '.join(sorted(names)) or '(none)'}")
+    typed = schema is not None and file_format in ("parquet", "hf_disk")
+    types = tuple((c, schema.field(c).type if typed else pa.string()) for c in kept)
+    read = tuple(dict.fromkeys([*kept, *(c for c in (d.stop_column, d.sampling_params_column) if c)]))
+    return RowColumns(read, types, d.stop_column, d.sampling_params_column)
+
+
+def carried(value: Any, file_format: str) -> Any:
+    """A kept value as the output stores it (JSON lines: non-strings as their JSON text)."""
+    if file_format == "jsonl" and value is not None and not isinstance(value, str):
+        return json.dumps(value)
+    return value
+
+
+@dataclass
+class RowSettings:
+    """One row's own settings (None: the job's)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    max_tokens: int | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+
+
+def _number(value: Any, key: str, integer: bool) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not float(value).is_integer()):
+        raise ValueError(f"{key} must be {'an int' if integer else 'a number'}, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{key} must be finite, got {value!r}")
+    return int(value) if integer else float(value)
+
+
+def _stop_strings(value: Any, key: str) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) and s for s in value):
+        raise ValueError(f"{key} must be a list of non-empty strings, got {value!r}")
+    return list(value)
+
+
+def _params(value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as err:
+            raise ValueError(f"not a JSON object: {err}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a struct or a JSON object, got {type(value).__name__}")
+    unknown = sorted(k for k, v in value.items() if k not in SAMPLING_KEYS and v is not None)
+    if unknown:
+        raise ValueError(f"unknown key(s) {', '.join(unknown)}; known: {', '.join(SAMPLING_KEYS)}")
+    return {k: v for k, v in value.items() if v is not None}
+
+
+def row_settings(params: Any, stop: Any, params_key: str, stop_key: str) -> RowSettings:
+    """A row's sampling-params value and stop-column value -> its settings (ValueError naming the problem)."""
+    settings = RowSettings(stop=_stop_strings(stop, stop_key))
+    try:
+        values = _params(params)
+        for key in ("temperature", "top_p"):
+            if key in values:
+                setattr(settings, key, _number(values[key], key, integer=False))
+        for key in ("top_k", "max_tokens", "seed"):
+            if key in values:
+                setattr(settings, key, _number(values[key], key, integer=True))
+        settings.stop += _stop_strings(values.get("stop"), "stop")
+    except ValueError as err:
+        raise ValueError(f"{params_key}: {err}") from None
+    checks = (("temperature", lambda v: v >= 0, ">= 0 (0 = greedy)"), ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+              ("top_k", lambda v: v >= 0, ">= 0 (0 = off)"), ("max_tokens", lambda v: v >= 1, ">= 1"),
+              ("seed", lambda v: v >= 0, ">= 0"))
+    for key, ok, rule in checks:
+        value = getattr(settings, key)
+        if value is not None and not ok(value):
+            raise ValueError(f"{params_key}: {key} must be {rule}, got {value!r}")
+    return settings
