@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -22,6 +24,8 @@ def sweep_env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", RAY_AUTH_MODE="token", PYTHONPATH=str(REPO))
 
 
+# slow: two whole jobs in a subprocess; the default suite runs a sweep in test_every_cell_runs_and_the_sweep_exits_non_zero_after_the_last
+@pytest.mark.slow
 def test_two_cell_sweep_has_two_child_runs_under_one_parent(
     mlflow_server, tiny_pair, prompts_jsonl, tmp_path, ray_local
 ):

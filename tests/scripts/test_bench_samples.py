@@ -7,9 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_samples.py"
 
 
+# slow: the measurement script end to end; the engine tests cover the shared prefill
+@pytest.mark.slow
 def test_samples_prefill_once_per_prompt_and_every_arm_generates_the_same_tokens(tmp_path):
     out = tmp_path / "bench.json"
     subprocess.run([sys.executable, str(SCRIPT), "--quick", "--batch-size", "4", "--json", str(out)], check=True,
