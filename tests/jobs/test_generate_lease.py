@@ -13,6 +13,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from pipeline.generate.reader import read_output
 
 
@@ -26,6 +28,9 @@ def command(tiny_pair, data, out, address) -> list[str]:
     ]  # fmt: skip
 
 
+# slow: two whole jobs; the default suite refuses a second job on a live lease in
+# tests/pipeline/generate/test_lease.py::test_a_live_lease_refuses_a_second_job_and_names_the_holder
+@pytest.mark.slow
 def test_two_jobs_at_once_one_runs_one_is_refused(tiny_pair, prompts_jsonl, tmp_path, ray_local):
     out = tmp_path / "out"
     address = ray_local.get_runtime_context().gcs_address
