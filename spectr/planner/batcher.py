@@ -143,9 +143,12 @@ class AutoBatcher:
         rows = batcher.rows_running + min(free, batcher.waiting)  # live rows once the free slots are filled
         if rows == 0:
             return batcher.step()
+        catch_ups = batcher.stats.draft_catch_ups
         finished = batcher.step(self.chooser.choose(rows))
         if batcher.last_step is not None:
-            self.chooser.observe(batcher.last_step)
+            # an iteration that first fed the draft the tokens of earlier autoregressive iterations pays for
+            # the switch, not for its configuration: its tokens count, its seconds are not a sample
+            self.chooser.observe(batcher.last_step, measure=batcher.stats.draft_catch_ups == catch_ups)
         return finished
 
     def finished(self) -> Iterator[FinishedRow]:

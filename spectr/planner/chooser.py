@@ -6,32 +6,41 @@ kept (`wasted_seconds` is 0).
 
 - Candidates: a small set within the bounds (autoregressive, speculative L=1..4, block L=2..4,
   spectr K in {2, 4} x L in {2, 3, 4}), trimmed to the `MAX_CANDIDATES` best by the prior
-  (`spectr.planner.prior`: the one cost model on latencies guessed from parameter counts, at the
-  acceptance measured so far, `DEFAULT_ACCEPTANCE` before any).
-- Measurement: per occupancy bucket (the live rows, rounded to a power of two above 2) and
-  configuration, the last `WINDOW` iterations' tokens and seconds; the measured tokens/s of the
-  batch is their ratio of sums (robust to one slow iteration on a shared machine).
+  (`spectr.planner.prior`: the one cost model on latencies guessed from parameter counts).
+- Measurement: an iteration's rate is (live rows x tokens per row) / seconds, and the two factors
+  are measured apart, because their noise differs:
+  - seconds per iteration: per occupancy bucket (the live rows, rounded to a power of two above 2)
+    and configuration, over its last `WINDOW` iterations (the first iteration of a configuration in
+    a bucket warms up new shapes and is not measured, nor is one that paid the draft's catch-up
+    after autoregressive iterations: `observe(..., measure=False)`);
+  - tokens per row per iteration: per configuration over every bucket (acceptance does not depend
+    on occupancy), shrunk toward the model `sum(reach(config, acceptance))` times its method's
+    measured/model ratio, with the weight of `PSEUDO_ROWS` row-iterations. At batch 1 one
+    iteration's tokens are a single draw of 1 to L + 1: a short trial measured by its own tokens
+    is decided by luck, while its seconds are steady.
+- Estimates of what is not measured in a bucket: the same tokens per row over the prior's seconds
+  per iteration, scaled by measured/prior seconds of the same configuration in the nearest other
+  bucket, else of its nearest measured kin here (same family: autoregressive, one draft, several
+  drafts; nearest K and L), else of the median speculative one.
 - Exploration: autoregressive (the baseline the choice must not lose to) and, until
   `COLD_EXPLORE` speculative candidates have been measured, the best-estimated speculative one are
-  tried for `TRIAL` iterations each whatever the prior says; after that, in any bucket, each unmeasured candidate whose estimate reaches within
-  `EXPLORE_SLACK` of the best (measured rate, else estimate) is tried, best estimate first. An
-  unmeasured candidate's estimate is its prior scaled by what it measured in the nearest other
-  bucket, else by the measured/prior ratio of its nearest measured kin in this bucket (same family,
-  nearest K and L: the search walks along L as measured): a new bucket, e.g. the
-  batch draining at the end of a job, re-explores only what may win there.
-  A bucket with nothing left worth a trial looks again after `REEXPLORE_EVERY` iterations (the
-  acceptance measured meanwhile moves the estimates).
+  tried for `TRIAL` measured iterations each whatever the prior says; after that, in any bucket,
+  each unmeasured candidate whose estimate reaches within `EXPLORE_SLACK` of the best (measured
+  rate, else estimate) is tried, best estimate first: a new bucket, e.g. the batch draining at the
+  end of a job, re-explores only what may win there. A bucket with nothing left worth a trial
+  looks again after `REEXPLORE_EVERY` iterations (the acceptance measured meanwhile moves the
+  estimates).
 - Exploitation: the best measured rate; the current choice is kept unless another beats it by
   `SWITCH_MARGIN` (no thrashing on noise). At most a share `RECHECK_SHARE` of iterations
   re-measures the rival most likely to have been under-measured (highest rate x (1 + 1/sqrt(n)),
   among those whose optimistic rate reaches the best's), so that noise in a short trial and drift
   (longer contexts, another acceptance) are corrected while clearly slower rivals cost nothing.
-- Warm start: `state()` is a JSON-able summary (tokens and seconds per configuration per bucket,
-  acceptance); `OnlineChooser(..., warm_state=state)` starts from it and explores only what it
-  did not measure.
+- Warm start: `state()` is a JSON-able summary (seconds and rows per configuration per bucket,
+  tokens per configuration, acceptance); `OnlineChooser(..., warm_state=state)` starts from it and
+  explores only what it did not measure.
 
-Per iteration it costs a few dict lookups (priors are cached, rates are running sums): no device
-read, nothing on the engine's hot path. Not here: running iterations
+Per iteration it costs a few dict lookups and sums over at most a few dozen entries (priors are
+cached): no device read, nothing on the engine's hot path. Not here: running iterations
 (`spectr.planner.batcher.AutoBatcher`), the cost model's formula (`spectr.planner.predict`).
 """
 
@@ -43,19 +52,21 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from spectr.planner.prior import DEFAULT_ACCEPTANCE
+from spectr.planner.prior import DEFAULT_ACCEPTANCE, reach
 from spectr.steps import AUTOREGRESSIVE, SINGLE_DRAFT, StepConfig, StepReport
 
-WINDOW = 24  # iterations per (bucket, configuration) that make its measured rate
-TRIAL = 4  # iterations a candidate is tried before it counts as measured
-EXPLORE_SLACK = 0.2  # explore candidates whose estimate is within this of the best measured rate
-COLD_EXPLORE = 2  # speculative candidates tried (best estimate first) before estimates may stop exploring
+WINDOW = 24  # iterations per (bucket, configuration) that make its seconds per iteration
+TRIAL = 4  # measured iterations a candidate is tried before it counts as measured
+EXPLORE_SLACK = 0.25  # explore candidates whose estimate is within this of the best measured rate
+COLD_EXPLORE = 4  # speculative candidates tried (best estimate first) before estimates may stop exploring
 SWITCH_MARGIN = 0.04  # another configuration must be measured this much faster to replace the current one
 RECHECK_SHARE = 0.05  # at most this share of iterations re-measures a rival
 RECHECK_LENGTH = 2  # iterations per recheck
-MAX_CANDIDATES = 8  # candidates kept after trimming by the prior (autoregressive always)
+MAX_CANDIDATES = 14  # candidates kept after trimming by the prior (autoregressive always)
 REEXPLORE_EVERY = 64  # iterations after which a bucket looks again for candidates worth a trial
-STATE_VERSION = 1
+PSEUDO_ROWS = 16  # row-iterations of weight the model's tokens per row get against a configuration's own
+TOKEN_MEMORY = 4096  # row-iterations of tokens kept per configuration (older ones fade by halves)
+STATE_VERSION = 2
 
 
 def default_candidates(max_num_drafts: int, max_draft_length: int, greedy: bool = False,
@@ -88,23 +99,22 @@ def bucket_of(rows: int) -> int:
 
 
 @dataclass
-class _Measured:
-    """The recent iterations of one configuration in one bucket (running sums over the window)."""
+class _Seconds:
+    """Seconds and live rows of one configuration's recent measured iterations in one bucket (running sums)."""
 
-    samples: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # (tokens, seconds)
-    tokens: float = 0.0
+    samples: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # (seconds, rows, tokens)
     seconds: float = 0.0
+    rows: float = 0.0
+    tokens: float = 0.0
+    warmed: bool = False  # its first iteration (new shapes: allocations, kernel choices) was seen
 
-    def add(self, tokens: float, seconds: float) -> None:
+    def add(self, seconds: float, rows: float, tokens: float) -> None:
         if len(self.samples) == WINDOW:
-            old_tokens, old_seconds = self.samples[0]
-            self.tokens, self.seconds = self.tokens - old_tokens, self.seconds - old_seconds
-        self.samples.append((tokens, seconds))
-        self.tokens, self.seconds = self.tokens + tokens, self.seconds + seconds
-
-    @property
-    def rate(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+            old_seconds, old_rows, old_tokens = self.samples[0]
+            self.seconds, self.rows, self.tokens = (self.seconds - old_seconds, self.rows - old_rows,
+                                                    self.tokens - old_tokens)
+        self.samples.append((seconds, rows, tokens))
+        self.seconds, self.rows, self.tokens = self.seconds + seconds, self.rows + rows, self.tokens + tokens
 
     @property
     def measured(self) -> bool:
@@ -132,7 +142,9 @@ class OnlineChooser:
         self._priors: dict[tuple[StepConfig, int, float], float] = {}
         self._explored: dict[int, int] = {}  # bucket -> iteration at which nothing was left to explore
         self.acceptance = [0, 0]  # accepted, tested draft positions over speculative iterations
-        self.buckets: dict[int, dict[StepConfig, _Measured]] = {}
+        self.buckets: dict[int, dict[StepConfig, _Seconds]] = {}
+        self._row_tokens: dict[StepConfig, list[float]] = {}  # config -> [tokens, row-iterations], all buckets
+        self._per_row: dict[StepConfig, float] = {}  # tokens per row, cached until the next observation
         self._tokens: dict[StepConfig, int] = {}
         self._seconds: dict[StepConfig, float] = {}
         # the most recent iterations only: an actor's chooser lives for the whole job, its memory must not grow
@@ -166,27 +178,33 @@ class OnlineChooser:
         return {c.label: s for c, s in self._seconds.items()}
 
     def state(self) -> dict:
-        """JSON-able summary for a warm start: per bucket and configuration, tokens, seconds, iterations."""
+        """JSON-able summary for a warm start: per bucket and configuration, seconds, rows and iterations;
+        per configuration, tokens per row-iteration; the acceptance."""
         buckets = {}
         for bucket, configs in self.buckets.items():
-            buckets[str(bucket)] = {c.label: {"tokens": m.tokens, "seconds": m.seconds, "iterations": len(m.samples)}
+            buckets[str(bucket)] = {c.label: {"seconds": m.seconds, "rows": m.rows, "tokens": m.tokens,
+                                              "iterations": len(m.samples)}
                                     for c, m in configs.items() if m.samples}
+        tokens = {c.label: {"tokens": t, "rows": r} for c, (t, r) in self._row_tokens.items()}
         return {"version": STATE_VERSION, "acceptance": {"accepted": self.acceptance[0], "tested": self.acceptance[1]},
-                "buckets": buckets}
+                "buckets": buckets, "tokens": tokens}
 
     def _load(self, state: dict) -> None:
         if state.get("version") != STATE_VERSION:
             return
         acceptance = state.get("acceptance", {})
         self.acceptance = [int(acceptance.get("accepted", 0)), int(acceptance.get("tested", 0))]
+        for label, entry in state.get("tokens", {}).items():
+            self._row_tokens[StepConfig.parse(label)] = [float(entry["tokens"]), float(entry["rows"])]
         for bucket, configs in state.get("buckets", {}).items():
             for label, entry in configs.items():
                 count = int(entry["iterations"])
                 if count <= 0:
                     continue
                 measured = self._measured(int(bucket), StepConfig.parse(label))
+                measured.warmed = True
                 for _ in range(min(count, TRIAL)):  # a warm entry counts as measured, but new iterations soon dominate
-                    measured.add(entry["tokens"] / count, entry["seconds"] / count)
+                    measured.add(entry["seconds"] / count, entry["rows"] / count, entry["tokens"] / count)
 
     def _trimmed(self, candidates: list[StepConfig]) -> list[StepConfig]:
         """Autoregressive and the best of the others by the prior at a full batch (and what warm state measured)."""
@@ -204,29 +222,89 @@ class OnlineChooser:
             self._priors[key] = self._prior(config, rows, key[2])
         return self._priors[key]
 
-    def _measured(self, bucket: int, config: StepConfig) -> _Measured:
-        return self.buckets.setdefault(bucket, {}).setdefault(config, _Measured())
+    def _prior_seconds(self, config: StepConfig, rows: int) -> float:
+        """The prior's seconds per iteration: its rows x tokens per row over its tokens/s."""
+        acceptance = self.acceptance_rate
+        rate = self.prior(config, rows, acceptance)
+        return rows * sum(reach(config, round(acceptance, 2))) / rate if rate > 0 else math.inf
 
-    # -- choosing ---------------------------------------------------------------------------------
+    def _measured(self, bucket: int, config: StepConfig) -> _Seconds:
+        return self.buckets.setdefault(bucket, {}).setdefault(config, _Seconds())
+
+    # -- estimating -------------------------------------------------------------------------------
+    def tokens_per_row(self, config: StepConfig) -> float:
+        """Tokens a live row commits per iteration of `config` (see the module docstring; cached)."""
+        if not config.speculative:
+            return 1.0
+        if config not in self._per_row:
+            model = sum(reach(config, self.acceptance_rate)) * self._method_ratio(config.method)
+            tokens, rows = self._row_tokens.get(config, (0.0, 0.0))
+            self._per_row[config] = (tokens + PSEUDO_ROWS * model) / (rows + PSEUDO_ROWS)
+        return self._per_row[config]
+
+    def _method_ratio(self, method: str) -> float:
+        """Measured / model tokens per row over every configuration of `method` (shrunk toward 1)."""
+        acceptance = self.acceptance_rate
+        tokens = modelled = PSEUDO_ROWS
+        for config, (measured, rows) in self._row_tokens.items():
+            if config.method == method:
+                tokens += measured
+                modelled += rows * sum(reach(config, acceptance))
+        return tokens / modelled
+
+    def rate(self, config: StepConfig, measured: _Seconds) -> float:
+        """Tokens/s of the batch from a measured window: its rows x tokens per row over its seconds."""
+        if measured.seconds <= 0:
+            return 0.0
+        if not config.speculative:
+            return measured.tokens / measured.seconds
+        return measured.rows * self.tokens_per_row(config) / measured.seconds
+
     def estimate(self, config: StepConfig, rows: int) -> float:
-        """Measured tokens/s in this bucket, else the prior scaled by what was measured elsewhere."""
+        """Measured tokens/s in this bucket, else tokens per row over the prior's seconds scaled by what was
+        measured elsewhere (see the module docstring)."""
         bucket = bucket_of(rows)
         here = self.buckets.get(bucket, {})
         if config in here and here[config].measured:
-            return here[config].rate
-        prior = self.prior(config, rows, self.acceptance_rate)
+            return self.rate(config, here[config])
         others = sorted((abs(math.log2(b / bucket)), b) for b, configs in self.buckets.items()
                         if b != bucket and config in configs and configs[config].measured)
         if others:
             nearest = others[0][1]
-            return prior * self.buckets[nearest][config].rate / self.prior(config, nearest, self.acceptance_rate)
-        return prior * self._ratio(config, here, rows)
+            seconds = self._prior_seconds(config, rows) * self._seconds_ratio(
+                config, self.buckets[nearest][config], nearest)
+        else:
+            seconds = self._fitted_seconds(config, here, rows)
+        return rows * self.tokens_per_row(config) / seconds
 
-    def _ratio(self, config: StepConfig, here: dict[StepConfig, _Measured], rows: int) -> float:
-        """Measured / prior of the nearest measured configuration of the same family in this bucket (one
-        draft, several drafts; nearest in K and L, so that the search follows the measurements along L),
+    def _fitted_seconds(self, config: StepConfig, here: dict[StepConfig, _Seconds], rows: int) -> float:
+        """Seconds per iteration of an unmeasured speculative configuration in this bucket: an affine map
+        from the prior's seconds fitted to the measured speculative ones (a fixed cost the prior may miss,
+        and a slope along K and L), its slope kept between a quarter of and the plain measured/prior
+        ratio; with fewer than two measured, the ratio of its nearest measured kin."""
+        prior = self._prior_seconds(config, rows)
+        points = [(self._prior_seconds(c, rows), m.seconds / len(m.samples)) for c, m in here.items()
+                  if m.measured and c.speculative]
+        if not config.speculative or len({round(x, 9) for x, _ in points}) < 2:
+            return prior * self._kin_ratio(config, here, rows)
+        mean_x = statistics.fmean(x for x, _ in points)
+        mean_y = statistics.fmean(y for _, y in points)
+        spread = sum((x - mean_x) ** 2 for x, _ in points)
+        slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / spread
+        ratio = mean_y / mean_x
+        slope = min(max(slope, ratio / 4), ratio)
+        return mean_y + slope * (prior - mean_x)
+
+    def _seconds_ratio(self, config: StepConfig, measured: _Seconds, rows: int) -> float:
+        """Measured / prior seconds per iteration of one measured window."""
+        iterations = len(measured.samples)
+        return (measured.seconds / iterations) / self._prior_seconds(config, max(1, round(measured.rows / iterations)))
+
+    def _kin_ratio(self, config: StepConfig, here: dict[StepConfig, _Seconds], rows: int) -> float:
+        """Measured / prior seconds of the nearest measured configuration of the same family in this bucket
+        (one draft, several drafts; nearest in K and L, so that the search follows the measurements along L),
         else the median over the speculative ones, else over all; 1 when nothing was measured."""
-        measured = [(c, m.rate / self.prior(c, rows, self.acceptance_rate)) for c, m in here.items() if m.measured]
+        measured = [(c, self._seconds_ratio(c, m, rows)) for c, m in here.items() if m.measured]
         kin = [(abs(c.draft_length - config.draft_length) + abs(c.num_drafts - config.num_drafts), r)
                for c, r in measured if family(c) == family(config)]
         if kin:
@@ -238,6 +316,7 @@ class OnlineChooser:
                 return statistics.median(ratios)
         return 1.0
 
+    # -- choosing ---------------------------------------------------------------------------------
     def choose(self, rows: int) -> StepConfig:
         """The configuration of the next iteration, with `rows` live rows."""
         if self._trial is not None:
@@ -249,11 +328,12 @@ class OnlineChooser:
         if self._explored.get(number, -REEXPLORE_EVERY) + REEXPLORE_EVERY <= self.iterations:
             to_try = self._to_explore(bucket, rows)
             if to_try is not None:
-                self._trial = (to_try, TRIAL - 1) if TRIAL > 1 else None
+                trial = self._trial_length(bucket.get(to_try))
+                self._trial = (to_try, trial - 1) if trial > 1 else None
                 return self._set(to_try, rows)
             self._explored[number] = self.iterations
         # what is left unmeasured was estimated below the best by EXPLORE_SLACK: the best is a measured one
-        rates = {c: m.rate for c, m in bucket.items() if m.measured and c in self._candidate_set}
+        rates = {c: self.rate(c, m) for c, m in bucket.items() if m.measured and c in self._candidate_set}
         if not rates:
             return self._set(max(self.candidates, key=lambda c: self.estimate(c, rows)), rows)
         best = max(rates, key=rates.get)
@@ -268,16 +348,16 @@ class OnlineChooser:
         self.current, self.predicted_tokens_per_s = best, rates[best]
         return best
 
-    def _recheck(self, bucket: dict[StepConfig, _Measured], best: StepConfig) -> StepConfig | None:
+    def _recheck(self, bucket: dict[StepConfig, _Seconds], best: StepConfig) -> StepConfig | None:
         """The measured rival most likely to be better than it looked: the highest rate x (1 + 1/sqrt(n)),
         if that optimistic rate reaches the best's (a rival measured clearly slower, often enough, is left)."""
-        floor = bucket[best].rate if best in bucket else 0.0
-        rivals = [(m.rate * (1 + 1 / math.sqrt(len(m.samples))), c) for c, m in bucket.items()
+        floor = self.rate(best, bucket[best]) if best in bucket else 0.0
+        rivals = [(self.rate(c, m) * (1 + 1 / math.sqrt(len(m.samples))), c) for c, m in bucket.items()
                   if c != best and c in self._candidate_set and m.measured]
         rivals = [(ucb, c) for ucb, c in rivals if ucb >= floor]
         return max(rivals, key=lambda rc: rc[0])[1] if rivals else None
 
-    def _to_explore(self, bucket: dict[StepConfig, _Measured], rows: int) -> StepConfig | None:
+    def _to_explore(self, bucket: dict[StepConfig, _Seconds], rows: int) -> StepConfig | None:
         """The next candidate to try in this bucket, or None (see the module docstring)."""
         unmeasured = [c for c in self.candidates if not (c in bucket and bucket[c].measured)]
         if not unmeasured:
@@ -290,11 +370,18 @@ class OnlineChooser:
             ranked = sorted((c for c in unmeasured if c.speculative), key=lambda c: -self.estimate(c, rows))
             if baseline or ranked:
                 return (baseline or ranked)[0]
-        measured_here = [m.rate for c, m in bucket.items() if m.measured and c in self.candidates]
+        measured_here = [self.rate(c, m) for c, m in bucket.items() if m.measured and c in self._candidate_set]
         best = max(measured_here or [self.estimate(c, rows) for c in self.candidates])
         open_ = [(self.estimate(c, rows), c) for c in unmeasured]
         open_ = [(e, c) for e, c in open_ if e >= (1 - EXPLORE_SLACK) * best]
         return max(open_, key=lambda ec: ec[0])[1] if open_ else None
+
+    @staticmethod
+    def _trial_length(measured: _Seconds | None) -> int:
+        """Iterations until a candidate counts as measured: its first one in a bucket warms up, then TRIAL."""
+        if measured is None:
+            return TRIAL + 1
+        return max(1, TRIAL - len(measured.samples) + (0 if measured.warmed else 1))
 
     def _set(self, config: StepConfig, rows: int) -> StepConfig:
         self.current = config
@@ -302,13 +389,23 @@ class OnlineChooser:
         return config
 
     # -- learning ---------------------------------------------------------------------------------
-    def observe(self, report: StepReport) -> None:
-        """One iteration's report (`ContinuousBatcher.last_step`)."""
+    def observe(self, report: StepReport, measure: bool = True) -> None:
+        """One iteration's report (`ContinuousBatcher.last_step`). Its tokens and acceptance always count;
+        its seconds are a sample of its configuration's time unless measure=False (it paid for a switch:
+        the draft's catch-up) or it was the first iteration of the configuration in its bucket."""
         config = report.config
-        self._measured(bucket_of(report.rows), config).add(report.tokens, report.seconds)
+        measured = self._measured(bucket_of(report.rows), config)
+        if measure and measured.warmed:
+            measured.add(report.seconds, report.rows, report.tokens)
+        measured.warmed = measured.warmed or measure
         if config.speculative:
             self.acceptance[0] += report.accepted
             self.acceptance[1] += report.tested
+            pooled = self._row_tokens.setdefault(config, [0.0, 0.0])
+            pooled[0], pooled[1] = pooled[0] + report.tokens, pooled[1] + report.rows
+            if pooled[1] > TOKEN_MEMORY:
+                pooled[0], pooled[1] = pooled[0] / 2, pooled[1] / 2
+            self._per_row.clear()
         self._tokens[config] = self._tokens.get(config, 0) + report.tokens
         self._seconds[config] = self._seconds.get(config, 0.0) + report.seconds
         self.iterations += 1

@@ -20,12 +20,13 @@ from hf_tiny import noisy_copy, tiny_model
 import spectr
 from spectr.planner import AutoBatcher
 from spectr.planner.chooser import RECHECK_SHARE, OnlineChooser, default_candidates
-from spectr.planner.prior import PriorLatencies, prior_tokens_per_second
+from spectr.planner.prior import PriorLatencies, prior_tokens_per_second, reach
 from spectr.steps import StepConfig, StepReport
 
 AR = StepConfig.parse("autoregressive")
 SPEC3 = StepConfig.parse("speculative L=3")
 BLOCK3 = StepConfig.parse("block L=3")
+ACCEPTANCE = 0.7  # per draft position, in the simulated machines
 EMBEDDED = PriorLatencies(33_600_000, 2_500_000, 32_000)  # the embedded pair's sizes
 
 
@@ -34,18 +35,31 @@ def prior(config, rows, acceptance):
 
 
 class Machine:
-    """True tokens/s of the batch per configuration: `rates(rows)` -> {label: tokens/s}, default `other`."""
+    """True tokens/s of the batch per configuration: `rates(rows)` -> {label: tokens/s}, default `other`.
+
+    As on a real device, an iteration's seconds do not depend on how many of its draft tokens were
+    accepted (its mean tokens over the rate, +-noise), while its tokens are draws: each row accepts
+    each draft position with probability ACCEPTANCE until the first rejection (several drafts: the
+    first position is tried K times)."""
 
     def __init__(self, rates, seed=0, noise=0.15):
         self.rates, self.random, self.noise = rates, random.Random(seed), noise
 
+    def accepted(self, config: StepConfig) -> int:
+        first = 1 - (1 - ACCEPTANCE) ** config.num_drafts if config.method == "spectr" else ACCEPTANCE
+        count = 0
+        while count < config.draft_length and self.random.random() < (first if count == 0 else ACCEPTANCE):
+            count += 1
+        return count
+
     def run(self, config: StepConfig, rows: int) -> StepReport:
-        tokens = rows if not config.speculative else rows * (1 + self.random.randint(0, config.draft_length))
         rate = self.rates(rows).get(config.label, self.rates(rows)["other"])
-        seconds = tokens / rate * (1 + self.random.uniform(-self.noise, self.noise))
-        accepted = tokens - rows if config.speculative else 0
-        return StepReport(config, rows, tokens, seconds, accepted=accepted,
-                          tested=rows * config.draft_length if config.speculative else 0)
+        seconds = rows * sum(reach(config, ACCEPTANCE)) / rate * (1 + self.random.uniform(-self.noise, self.noise))
+        if not config.speculative:
+            return StepReport(config, rows, rows, seconds)
+        accepted = [self.accepted(config) for _ in range(rows)]
+        tested = sum(min(a + 1, config.draft_length) for a in accepted)
+        return StepReport(config, rows, rows + sum(accepted), seconds, accepted=sum(accepted), tested=tested)
 
 
 def drive(chooser, machine, occupancy):
@@ -123,8 +137,10 @@ def test_a_draining_batch_is_re_explored_at_its_new_occupancy():
     full = drive(chooser, machine, [8] * 150)
     assert full[50:].count(AR) >= 0.85 * 100
     drained = drive(chooser, machine, [1] * 150)
-    assert sum(1 for c in drained[75:] if c in (SPEC3, BLOCK3)) >= 0.7 * 75
-    assert measured_rate(chooser, 225) >= 0.93 * 130
+    # the one-row candidates within 7% of the best (130, 125, 123, 121) are hard to tell apart in 75
+    # iterations at +-15% noise; what matters is that the drained batch left autoregressive (100)
+    assert sum(1 for c in drained[75:] if c.speculative) >= 0.9 * 75
+    assert measured_rate(chooser, 225) >= 0.9 * 130
     assert {p.rows for p in chooser.timeline} == {8, 1}
 
 
@@ -157,6 +173,37 @@ def test_candidates_stay_within_the_bounds_and_greedy_drafts_one_path():
     assert all(c.num_drafts <= 2 and c.draft_length <= 2 for c in default_candidates(2, 2))
     assert {c.method for c in default_candidates(4, 4, greedy=True)} == {"autoregressive", "speculative", "block"}
     assert default_candidates(4, 4, speculative=False) == [AR]
+
+
+def test_at_batch_one_an_unlucky_trial_is_judged_by_its_seconds_not_its_draws():
+    """At batch 1 an iteration's tokens are one draw of 1 to L + 1; a trial's seconds are steady. A trial
+    whose every draft was rejected still counts as the acceptance measured over all speculative iterations
+    predicts. Negative control: the trial's own tokens over its seconds, the rate it would otherwise get."""
+    chooser = new_chooser()
+    spec2, ar_seconds = StepConfig.parse("speculative L=2"), 0.010
+    for _ in range(5):
+        chooser.observe(StepReport(AR, 1, 1, ar_seconds))
+    for index in range(40):  # acceptance 0.75 over speculative L=2 iterations
+        accepted = (2, 1, 2, 1)[index % 4]
+        chooser.observe(StepReport(spec2, 1, 1 + accepted, 1.6 * ar_seconds, accepted=accepted,
+                                   tested=min(accepted + 1, 2)))
+    for _ in range(1 + 4):  # a warm-up iteration, then a trial of 4 that drew nothing
+        chooser.observe(StepReport(SPEC3, 1, 1, 1.7 * ar_seconds, accepted=0, tested=1))
+    measured = chooser.buckets[1][SPEC3]
+    assert len(measured.samples) == 4  # the first iteration of new shapes is not a sample
+    assert chooser.rate(SPEC3, measured) > 1.2 * chooser.rate(AR, chooser.buckets[1][AR])
+    own = measured.tokens / measured.seconds
+    assert own < 0.7 * chooser.rate(AR, chooser.buckets[1][AR])  # the control: by its own draws it looks slow
+
+
+def test_an_iteration_that_paid_the_drafts_catch_up_is_not_a_sample():
+    chooser = new_chooser()
+    for _ in range(3):
+        chooser.observe(StepReport(SPEC3, 2, 6, 0.02, accepted=4, tested=6))
+    chooser.observe(StepReport(SPEC3, 2, 6, 0.5, accepted=4, tested=6), measure=False)
+    measured = chooser.buckets[2][SPEC3]
+    assert len(measured.samples) == 2 and measured.seconds == pytest.approx(0.04)
+    assert sum(chooser.tokens_by_config().values()) == 24 and chooser.acceptance == [16, 24]
 
 
 # --- on the engine ------------------------------------------------------------------------------------
