@@ -50,7 +50,12 @@ class AutoBatcher:
                  eos_token_id=None, pack_below: float | None = None, warm_state: dict | None = None,
                  candidates: Sequence[StepConfig] | None = None, logprobs: bool = False):
         speculative = draft is not None
-        bounds = {"max_num_drafts": max_num_drafts, "max_draft_length": max_draft_length} if speculative else {}
+        # allocate for what a candidate may run, not for the bounds: the default candidates stop at K = L = 4
+        widest = list(candidates) if candidates is not None else default_candidates(
+            max_num_drafts, max_draft_length, speculative=speculative)
+        bounds = {"max_num_drafts": min(max_num_drafts, max([c.num_drafts for c in widest] + [1])),
+                  "max_draft_length": min(max_draft_length, max([c.draft_length for c in widest] + [1]))}
+        bounds = bounds if speculative else {}
         self.batcher = ContinuousBatcher(target, draft, batch_size=batch_size, max_length=max_length,
                                          method=AUTOREGRESSIVE, temperature=temperature, top_k=top_k, top_p=top_p,
                                          eos_token_id=eos_token_id, pack_below=pack_below, logprobs=logprobs,

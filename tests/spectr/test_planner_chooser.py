@@ -228,6 +228,14 @@ def test_auto_batcher_has_the_continuous_batcher_surface_and_reports_to_its_choo
     assert batcher.snapshot().plan == chooser.describe() and batcher.stats.method == "auto"
 
 
+def test_the_auto_batcher_allocates_for_its_candidates_not_for_wider_bounds(pair):
+    wide = AutoBatcher(*pair, batch_size=2, max_length=32, max_num_drafts=8, max_draft_length=8)
+    assert wide.batcher.bounds == (4, 4)  # the default candidates stop at K = L = 4
+    narrow = AutoBatcher(*pair, batch_size=2, max_length=32, max_num_drafts=8, max_draft_length=8,
+                         candidates=[AR, SPEC3])
+    assert narrow.batcher.bounds == (1, 3)
+
+
 def test_the_public_generate_keeps_its_signature():
     import inspect
 
