@@ -103,7 +103,8 @@ class SpecTrStage:
             else:
                 value, problem = row.get("prompt"), prompt_problem(row.get("prompt"))
             values.append(None if problem else value)
-            problems.append(f"row {ids[i]!r} of the batch: {problem}" if problem else None)
+            where = f"row {i} of the batch" + (f" (id {ids[i]!r})" if row.get("id") is not None else "")
+            problems.append(f"{where}: {problem}" if problem else None)
         params, asked = zip(*(_split_logprobs(row.get(SAMPLING_PARAMS_COLUMN)) for row in rows))
         read = PromptRows(ids, None if chat else values, values if chat else None, problems,
                           extras={SAMPLING_PARAMS_COLUMN: list(params)})
