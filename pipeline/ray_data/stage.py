@@ -67,7 +67,7 @@ class SpecTrStage:
 
         self.config = config
         spectr = config.spectr_config()
-        self.generator = ShardGenerator(config.model_config(), spectr, num_threads=int(config.num_cpus or 1),
+        self.generator = ShardGenerator(config.model_config(), spectr, num_threads=max(1, round(config.num_cpus or 1)),
                                         data=config.data_config())
         self.generator.feed.max_budget = spectr.max_new_tokens  # the pool's first size: the default budget
         self.data = config.data_config()

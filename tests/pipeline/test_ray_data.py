@@ -246,13 +246,14 @@ def test_ray_data_llm_build_processor_takes_the_config(tiny_pair):
 
 @pytest.mark.slow
 def test_chat_example_on_two_actors(ray_local, tiny_pair, tmp_path):
-    """The README's chat example: messages + chat_template_kwargs, two actors, local Parquet in and out."""
+    """The README's chat example: messages + chat_template_kwargs, two actors, local Parquet in and out (the
+    actors take half a CPU each: Ray Data's read and write tasks need the local Ray's other CPU)."""
     import ray
 
     rng = random.Random(4)
     rows = [{"id": i, "question": words(rng)} for i in range(16)]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "in.parquet")
-    config = config_for(tiny_pair, concurrency=2, apply_chat_template=True,
+    config = config_for(tiny_pair, concurrency=2, apply_chat_template=True, num_cpus=0.5,
                         chat_template_kwargs={"enable_thinking": False}, should_continue_on_error=False)
     processor = build_processor(
         config,
