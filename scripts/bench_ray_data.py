@@ -73,6 +73,7 @@ def run_job(args: argparse.Namespace, data: Path, out: Path) -> dict[str, float]
 def run_stage(args: argparse.Namespace, data: Path, out: Path) -> dict[str, float]:
     command = [sys.executable, str(Path(__file__).resolve()), "stage", "--data", str(data), "--out", str(out),
                "--actors", str(args.actors), "--cpus-per-actor", str(args.cpus_per_actor),
+               "--batch-rows", str(args.shard_size),
                "--engine", json.dumps(engine_overrides(args))]
     started = time.perf_counter()
     done = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True)
@@ -98,6 +99,7 @@ def stage_command(argv: list[str]) -> None:
         parser.add_argument(name, required=True)
     parser.add_argument("--actors", type=int, required=True)
     parser.add_argument("--cpus-per-actor", type=float, required=True)
+    parser.add_argument("--batch-rows", type=int, required=True)
     args = parser.parse_args(argv)
     sys.path.insert(0, str(PROJECT_ROOT))
     import pyarrow.parquet as pq
@@ -108,10 +110,13 @@ def stage_command(argv: list[str]) -> None:
     # the actors' CPUs, and one more for Ray Data's read and write tasks
     ray.init(num_cpus=int(args.actors * args.cpus_per_actor) + 1, include_dashboard=False, log_to_driver=False)
     config = SpecTrProcessorConfig(model_source=str(PAIR / "target"), draft_model_source=str(PAIR / "draft"),
-                                   batch_size=32, concurrency=args.actors, num_cpus=args.cpus_per_actor,
+                                   batch_size=args.batch_rows, concurrency=args.actors, num_cpus=args.cpus_per_actor,
                                    engine_kwargs=json.loads(args.engine))
     processor = build_processor(config, postprocess=lambda row: {**row, "finished_at": time.time()})
-    processor(ray.data.read_parquet(args.data)).write_parquet(args.out)
+    rows = pq.ParquetFile(args.data).metadata.num_rows
+    # one small file is one block, i.e. one task for one actor: cut it into Ray Data batches for every actor
+    dataset = ray.data.read_parquet(args.data, override_num_blocks=max(1, -(-rows // config.batch_size)))
+    processor(dataset).write_parquet(args.out)
     table = pq.read_table(args.out, columns=["num_generated_tokens", "time_taken_llm", "finished_at"])
     finished, taken = table.column("finished_at").to_pylist(), table.column("time_taken_llm").to_pylist()
     span = max(finished) - min(f - t for f, t in zip(finished, taken))
@@ -148,7 +153,7 @@ def main() -> None:
     parser.add_argument("--draft-length", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=8, help="engine rows in flight per actor")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--shard-size", type=int, default=32, help="the job's rows per shard (= the stage's batch)")
+    parser.add_argument("--shard-size", type=int, default=32, help="the job's rows per shard and the stage's rows per Ray Data batch")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0, help="the order of the runs in each round")
     args = parser.parse_args()

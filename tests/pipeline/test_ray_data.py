@@ -116,6 +116,15 @@ def test_concurrent_batches_share_one_continuous_batch(tiny_pair):
     assert feed.allocations == 1  # one cache pool for every batch
 
 
+def test_method_auto_runs_the_planners_batcher(tiny_pair):
+    stage = SpecTrStage(config_for(tiny_pair, engine_kwargs={**ENGINE, "method": "auto", "max_num_drafts": 2,
+                                                             "max_draft_length": 2}))
+    rows = [{"prompt": "def x in y", "sampling_params": {"max_tokens": m}} for m in (3, 6)]
+    out = stage.generate(pa.Table.from_pylist(rows)).to_pylist()
+    assert [r["num_generated_tokens"] for r in out] == [3, 6] or any(r["finish_reason"] == "eos" for r in out)
+    assert type(stage.generator.feed.batcher).__name__ == "AutoBatcher"
+
+
 def test_chat_rows_use_the_template_and_its_kwargs(tiny_pair, tmp_path):
     target = tmp_path / "target"
     shutil.copytree(tiny_pair["target"], target)
@@ -262,7 +271,8 @@ def test_chat_example_on_two_actors(ray_local, tiny_pair, tmp_path):
         postprocess=lambda row: {"id": row["id"], "answer": row["generated_text"],
                                  "tokens": row["generated_tokens"], "prompt_ids": row["prompt_token_ids"]},
     )
-    processor(ray.data.read_parquet(str(tmp_path / "in.parquet"))).write_parquet(str(tmp_path / "out"))
+    dataset = ray.data.read_parquet(str(tmp_path / "in.parquet"), override_num_blocks=4)  # work for both actors
+    processor(dataset).write_parquet(str(tmp_path / "out"))
     out = sorted(pq.read_table(tmp_path / "out").to_pylist(), key=lambda r: r["id"])
     assert [r["id"] for r in out] == list(range(16)) and set(out[0]) == {"id", "answer", "tokens", "prompt_ids"}
     stage = SpecTrStage(config)
