@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import statistics
@@ -35,6 +36,12 @@ from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 PAIR = PROJECT_ROOT / "assets" / "models"
+
+
+def child_env() -> dict[str, str]:
+    """This checkout's code first, for the job, the stage and their Ray workers (not an installed copy)."""
+    paths = [str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
 
 
 def write_prompts(path: Path, count: int) -> None:
@@ -60,7 +67,7 @@ def run_job(args: argparse.Namespace, data: Path, out: Path) -> dict[str, float]
         f"ray.cpus_per_actor={args.cpus_per_actor}", f"shard_size={args.shard_size}"]
     started = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "jobs.generate", *overrides], cwd=PROJECT_ROOT,
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=child_env())
     wall = time.perf_counter() - started
     if done.returncode != 0:
         raise SystemExit(f"the job failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
@@ -76,7 +83,7 @@ def run_stage(args: argparse.Namespace, data: Path, out: Path) -> dict[str, floa
                "--batch-rows", str(args.shard_size),
                "--engine", json.dumps(engine_overrides(args))]
     started = time.perf_counter()
-    done = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True)
+    done = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, env=child_env())
     wall = time.perf_counter() - started
     if done.returncode != 0:
         raise SystemExit(f"the stage failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
