@@ -1,16 +1,19 @@
 """The Ray Data stage against the Hydra job: the same prompts, pair, settings and number of actors, interleaved.
 
     python scripts/bench_ray_data.py                          # 256 prompts, 2 actors, spectr K=2 L=3, 3 rounds
-    python scripts/bench_ray_data.py --prompts 16 --max-new-tokens 8 --rounds 1     # a quick check
+    python scripts/bench_ray_data.py --prompts 16 --max-new-tokens 8 --rounds 1 --shard-size 8   # a check
 
 Each round runs, in a shuffled order, each side in a fresh process:
 - `job`: `python -m jobs.generate` on the embedded pair (MLflow off, progress off), `ray.num_actors=N`,
   `ray.cpus_per_actor=C`; its throughput is the job's own (the summary's `throughput` line: generated tokens
   over its generation time, Ray's start and model loading excluded);
 - `stage`: this script's `stage` command: a local Ray, `ray.data.read_parquet` -> `pipeline.ray_data`'s stage
-  (`concurrency=N`, `num_cpus=C`) -> `write_parquet`; its generation time runs from the first row admitted
-  to the last row finished (each row's `time_taken_llm` and the moment its batch came out, stamped by a
-  postprocess, so slightly longer than the true span: conservative for the stage).
+  (`concurrency=N`, `num_cpus=C`, `batch_size` = the job's shard size, the input cut into blocks of that
+  many rows so that every actor gets work) -> `write_parquet`; its generation time runs from the first
+  row admitted to the engine to the last row out of the stage (each row's `time_taken_llm` and the moment
+  a postprocess saw it). The job's runs from its actors being ready to its last part committed, so it also
+  holds the first shard's read and tokenizing and the part files' writes, which the stage's leaves out (a
+  few milliseconds a batch; they matter only on tiny runs, where the fixed costs dominate both).
 Both read the same Parquet file (the first `--prompts` rows of assets/prompts.jsonl, repeated if needed,
 with unique ids); a row's seed is the job's (`row_seed(spectr.seed, id)`), so a fixed method gives both
 the same tokens (the report says whether they did). Also the wall-clock throughput of each whole process
