@@ -91,6 +91,19 @@ def test_rows_get_spectr_generates_tokens_for_their_seed_and_settings(stage):
     assert others != [r["generated_tokens"] for r in out]
 
 
+def test_a_stop_string_cuts_the_completion(stage):
+    row = {"prompt": "def x in y", "sampling_params": {"max_tokens": 8, "seed": 11}}
+    full = stage.generate(pa.Table.from_pylist([row])).to_pylist()[0]
+    words_out = full["generated_text"].split()
+    assert len(words_out) >= 3
+    stop = words_out[2]
+    cut = stage.generate(pa.Table.from_pylist([{**row, "sampling_params": {**row["sampling_params"],
+                                                                           "stop": [stop]}}])).to_pylist()[0]
+    assert cut["finish_reason"] == "stop" and stop not in cut["generated_text"]
+    assert full["generated_text"].startswith(cut["generated_text"])
+    assert cut["generated_tokens"] == full["generated_tokens"][: cut["num_generated_tokens"]]
+
+
 def test_concurrent_batches_share_one_continuous_batch(tiny_pair):
     """Two Ray Data batches in flight on one actor: the second's rows take the slots the first's free, so
     the engine runs fewer iterations than for the two one after the other; the tokens are the same."""
