@@ -158,14 +158,18 @@ def load_shard(
     task: ShardTask, source: Source, tokenizer: Any, data: DataConfig, base_seed: int, cache: ReadCache | None = None
 ) -> Shard:
     """Read, render (chat) and tokenize one shard's rows; a row that cannot be used keeps its problem."""
-    rows = read_rows(source, task.start, task.stop, cache)
+    return shard_of_rows(task.index, read_rows(source, task.start, task.stop, cache), tokenizer, data, base_seed)
+
+
+def shard_of_rows(index: int, rows: PromptRows, tokenizer: Any, data: DataConfig, base_seed: int) -> Shard:
+    """Rows already read (the job's `read_rows`, or a Ray Data batch) rendered (chat) and tokenized."""
     problems = list(rows.problems)
     texts = _texts(rows, tokenizer, data, problems)
     # a chat template writes its own special tokens (as apply_chat_template(tokenize=True) does)
     add_special_tokens = data.add_special_tokens and not data.chat
     token_ids = _tokenize(tokenizer, texts, add_special_tokens, problems)
     return Shard(
-        index=task.index,
+        index=index,
         ids=list(rows.ids),
         prompts=texts,
         prompt_token_ids=token_ids,

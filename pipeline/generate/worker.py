@@ -89,11 +89,13 @@ class ShardGenerator:
         device: str | None = None,
         on_batch: Any = None,
         job: WorkerJob | None = None,
+        data: DataConfig | None = None,
     ):
         """on_batch(shard_index, rows): called as a shard's rows finish (the driver's progress bar), from
         the actor's stepping thread; an exception in it is logged and ignored: progress must never fail
         generation.
-        job: what `generate_shard` needs (the pool sends it with each shard instead, by reference)."""
+        job: what `generate_shard` needs (the pool sends it with each shard instead, by reference).
+        data: where rows' own settings are when there is no job (the Ray Data stage, `pipeline.ray_data`)."""
         import torch
 
         from pipeline import models
@@ -107,6 +109,7 @@ class ShardGenerator:
         self.spectr = spectr
         self.on_batch = on_batch
         self.job = job
+        self.data = data
         self._job_ref: Any = None
         self.cache = ReadCache()
         # the shards' threads share the read cache and the tokenizer (a fast tokenizer is not re-entrant)
@@ -240,7 +243,7 @@ class ShardGenerator:
         problem = shard.problem(i)
         if problem:
             raise ValueError(problem)
-        data = self.job.data if self.job is not None else None
+        data = self.job.data if self.job is not None else self.data
         extras = shard.extras or {}
         if data is None or not (data.sampling_params_column or data.stop_column):
             return RowSettings()

@@ -13,16 +13,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from s3_support import CREDENTIALS, free_port, start_moto, stop
 from tiny_pair_support import job_config
 
 from pipeline import fs
@@ -31,43 +29,6 @@ from pipeline.generate.config import from_dict
 from pipeline.generate.job import run_generate
 from pipeline.generate.reader import read_output
 from pipeline.generate.scheduler import RunHooks
-
-MOTO = str(Path(sys.executable).with_name("moto_server"))
-CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_moto(folder: Path, name: str, **env: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    server = subprocess.Popen(
-        [MOTO, "-H", "127.0.0.1", "-p", str(port)], env={**os.environ, **env}, start_new_session=True,
-        stdout=subprocess.DEVNULL, stderr=open(folder / f"{name}.log", "w"),
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            urllib.request.urlopen(url, timeout=2).close()
-            return server, url
-        except OSError as err:
-            if getattr(err, "code", None):  # an HTTP error is an answer
-                return server, url
-            assert server.poll() is None, (folder / f"{name}.log").read_text()[-2000:]
-            assert time.monotonic() < deadline, "moto_server did not start"
-            time.sleep(0.3)
-
-
-def stop(server: subprocess.Popen) -> None:
-    try:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=20)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        os.killpg(server.pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")

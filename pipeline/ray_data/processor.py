@@ -1,0 +1,121 @@
+"""`build_processor(config, preprocess, postprocess)`: the SpecTr stage as a Dataset -> Dataset callable.
+
+    processor = build_processor(config, preprocess=lambda row: {"prompt": row["text"]},
+                                postprocess=lambda row: {"id": row["id"], "answer": row["generated_text"]})
+    ray.data.read_parquet(...).pipe(processor).write_parquet(...)   # or processor(ds)
+
+What `ray.data.llm`'s processors do, with the same conventions: `preprocess` is a `Dataset.map` whose
+output is merged over the row (every input column goes on to the stage and to `postprocess`); the stage is
+one `map_batches` of `pipeline.ray_data.stage.SpecTrStage` on an actor pool
+(`ActorPoolStrategy(size=concurrency)`, or `(min, max)`: autoscaling), `batch_size` rows per Ray Data
+batch, `max_concurrency=max_concurrent_batches` calls per actor (all feeding the actor's one continuous
+batch), one GPU per actor when `accelerator_type` is set or the cluster has GPUs (else `num_cpus`);
+`postprocess` is a `Dataset.map`, and a row carrying `__inference_error__` bypasses it (with
+`should_continue_on_error`; the others get `__inference_error__ = ""`).
+
+`register_with_ray_data_llm()` adds the config to Ray's `ProcessorBuilder` registry, so that
+`ray.data.llm.build_processor(SpecTrProcessorConfig(...))` returns this same processor.
+
+Not here: the actor (`pipeline.ray_data.stage`), the settings (`pipeline.ray_data.config`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pipeline.ray_data.config import SpecTrProcessorConfig, pool_size
+from pipeline.ray_data.stage import ERROR_COLUMN, SpecTrStage
+
+
+class MergedPreprocess:
+    """`preprocess` as Ray Data LLM applies it: its output updates the row, so every input column stays."""
+
+    def __init__(self, fn: Callable[[dict[str, Any]], dict[str, Any]]):
+        self.fn = fn
+
+    def __call__(self, row: dict[str, Any]) -> dict[str, Any]:
+        return {**row, **self.fn(row)}
+
+
+class GuardedPostprocess:
+    """`postprocess` as Ray Data LLM applies it: a row that carries an error is returned as it is."""
+
+    def __init__(self, fn: Callable[[dict[str, Any]], dict[str, Any]], error_column: bool):
+        self.fn, self.error_column = fn, error_column
+
+    def __call__(self, row: dict[str, Any]) -> dict[str, Any]:
+        if row.get(ERROR_COLUMN):
+            return row
+        result = self.fn(row)
+        if self.error_column:
+            result[ERROR_COLUMN] = ""
+        return result
+
+
+class SpecTrProcessor:
+    """preprocess -> the SpecTr stage -> postprocess, on a `ray.data.Dataset` (lazily, as Ray Data plans)."""
+
+    def __init__(self, config: SpecTrProcessorConfig, preprocess: Callable | None = None,
+                 postprocess: Callable | None = None, preprocess_map_kwargs: dict[str, Any] | None = None,
+                 postprocess_map_kwargs: dict[str, Any] | None = None):
+        self.config = config
+        self.preprocess, self.postprocess = preprocess, postprocess
+        self.preprocess_map_kwargs = dict(preprocess_map_kwargs or {})
+        self.postprocess_map_kwargs = dict(postprocess_map_kwargs or {})
+
+    def __call__(self, dataset: Any) -> Any:
+        if self.preprocess is not None:
+            dataset = dataset.map(MergedPreprocess(self.preprocess), **self.preprocess_map_kwargs)
+        dataset = dataset.map_batches(SpecTrStage, **self.stage_map_kwargs())
+        if self.postprocess is not None:
+            guarded = GuardedPostprocess(self.postprocess, self.config.should_continue_on_error)
+            dataset = dataset.map(guarded, **self.postprocess_map_kwargs)
+        return dataset
+
+    def stage_map_kwargs(self, gpus: bool | None = None) -> dict[str, Any]:
+        """`map_batches`' arguments for the stage; gpus: whether the cluster has GPUs (None: ask Ray)."""
+        import ray
+
+        config = self.config
+        if gpus is None:
+            gpus = ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
+        kwargs: dict[str, Any] = dict(
+            fn_constructor_kwargs={"config": config},
+            compute=ray.data.ActorPoolStrategy(**pool_size(config.concurrency)),
+            batch_size=config.batch_size,
+            batch_format="pyarrow",
+            zero_copy_batch=True,
+            max_concurrency=config.max_concurrent_batches,  # Ray Core: concurrent calls per (async) actor
+        )
+        if config.accelerator_type or gpus:
+            kwargs["num_gpus"] = 1
+        else:
+            kwargs["num_cpus"] = config.num_cpus or 1
+        if config.accelerator_type:
+            kwargs["accelerator_type"] = config.accelerator_type
+        return kwargs
+
+
+def build_processor(config: SpecTrProcessorConfig, preprocess: Callable | None = None,
+                    postprocess: Callable | None = None, preprocess_map_kwargs: dict[str, Any] | None = None,
+                    postprocess_map_kwargs: dict[str, Any] | None = None) -> SpecTrProcessor:
+    """The SpecTr stage (with the optional row functions around it): call it on a Dataset to get one."""
+    if not isinstance(config, SpecTrProcessorConfig):
+        raise TypeError(f"build_processor takes a SpecTrProcessorConfig, got {type(config).__name__}")
+    return SpecTrProcessor(config, preprocess, postprocess, preprocess_map_kwargs, postprocess_map_kwargs)
+
+
+def register_with_ray_data_llm() -> bool:
+    """Make `ray.data.llm.build_processor` accept a `SpecTrProcessorConfig` (Ray's builder registry is keyed
+    by the config class's name). False when this Ray has no `ray.data.llm` registry to join."""
+    try:
+        from ray.llm._internal.batch.processor import ProcessorBuilder
+    except ImportError:
+        return False
+    registry = getattr(ProcessorBuilder, "_registry", None)
+    if registry is None or not hasattr(ProcessorBuilder, "register"):
+        return False
+    if SpecTrProcessorConfig.__name__ not in registry:
+        ProcessorBuilder.register(SpecTrProcessorConfig, build_processor)
+    return True

@@ -1,0 +1,53 @@
+"""moto's S3 server on 127.0.0.1 for tests: start it, stop it, and the AWS variables that point at it.
+
+Plain functions (the fixtures that use them live in the test modules: `tests/jobs/test_generate_s3.py`,
+`tests/pipeline/test_ray_data.py`), as `tiny_pair_support` is for the tiny pair.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+MOTO = str(Path(sys.executable).with_name("moto_server"))
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_moto(folder: Path, name: str, **env: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    server = subprocess.Popen(
+        [MOTO, "-H", "127.0.0.1", "-p", str(port)], env={**os.environ, **env}, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=open(folder / f"{name}.log", "w"),
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2).close()
+            return server, url
+        except OSError as err:
+            if getattr(err, "code", None):  # an HTTP error is an answer
+                return server, url
+            assert server.poll() is None, (folder / f"{name}.log").read_text()[-2000:]
+            assert time.monotonic() < deadline, "moto_server did not start"
+            time.sleep(0.3)
+
+
+def stop(server: subprocess.Popen) -> None:
+    try:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=20)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        os.killpg(server.pid, signal.SIGKILL)
