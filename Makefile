@@ -46,3 +46,16 @@ GPU_NAME = $(or $(shell nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev
 GPU_CHECK_OUT ?= benchmarks/results/gpu/$(shell date +%Y-%m-%d)-$(GPU_NAME)
 gpu-check:
 	PYTHONUNBUFFERED=1 $(GPU_CHECK_PY) scripts/gpu_check.py --out $(GPU_CHECK_OUT) $(ARGS)
+
+# The HF adapter and the GPU check against another transformers than the venv's (default: the GPU machine's
+# 5.17), installed without touching .venv into $(TRANSFORMERS_DIR), first on PYTHONPATH. Its own pins that the
+# venv does not meet go in TRANSFORMERS_DEPS (5.17 wants huggingface-hub < 2, which needs httpx).
+.PHONY: check-transformers
+TRANSFORMERS ?= 5.17.*
+TRANSFORMERS_DEPS ?= huggingface-hub>=1.5,<2 httpx httpcore
+TRANSFORMERS_DIR ?= /tmp/transformers-$(subst *,x,$(TRANSFORMERS))
+check-transformers: setup
+	$(PIP) install -q --no-deps --upgrade --target $(TRANSFORMERS_DIR) "transformers==$(TRANSFORMERS)" $(foreach d,$(TRANSFORMERS_DEPS),"$(d)")
+	PYTHONPATH=$(TRANSFORMERS_DIR) $(PY) -c "import transformers; print('transformers', transformers.__version__)"
+	PYTHONPATH=$(TRANSFORMERS_DIR) $(PY) -m pytest -q tests/spectr/test_hf.py
+	PYTHONPATH=$(TRANSFORMERS_DIR) OMP_NUM_THREADS=1 $(PY) scripts/gpu_check.py --smoke --threads 1 --out $(TRANSFORMERS_DIR)/gpu-smoke

@@ -12,7 +12,9 @@ record offsets in them; a worker cannot seek in a compressed file, so it decompr
 shard (`pipeline.prompts.ReadCache.text_range`, which keeps its place for the next shard of the same file).
 Parquet and Arrow files compress inside; a codec suffix on them is refused.
 
-Not here: the scans (`pipeline.scanners`), reading rows (`pipeline.prompts`), listing (`pipeline.source`).
+Each format's scan and read are one `pipeline.readers.FormatReader` (`READERS`, keyed like `FORMATS`).
+Not here: the scans (`pipeline.scanners`), reading rows (`pipeline.readers`, `pipeline.prompts`), listing
+(`pipeline.source`).
 """
 
 from __future__ import annotations

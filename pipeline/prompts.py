@@ -10,12 +10,12 @@ small per-worker cache (`ReadCache`) because neighbouring shards share row group
 chat messages cannot be used gets a problem ("row 3 (id 'b') of p.parquet: prompt is null, expected a
 string"): the worker writes it as an error row, `read_prompts` raises it as a `JobInputError`.
 
+Each format's read of a piece is its reader's (`pipeline.readers.READERS`, the table the plan uses too).
 It does not tokenize (`pipeline.models`), plan (`pipeline.source`, `pipeline.scanners`) or write anything.
 """
 
 from __future__ import annotations
 
-import bisect
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -34,9 +34,9 @@ from pipeline.formats import (
     open_text_stream,
     read_arrow_table,
 )
-from pipeline.linescan import split_records
+from pipeline.readers import reader_of, scan_source
 from pipeline.rowcheck import BUDGET_KEY, budget_problem, messages_problem, prompt_problem, row_where
-from pipeline.source import Piece, Source, list_source
+from pipeline.source import Source, list_source
 
 __all__ = [
     "PromptRows", "PromptTable", "ReadCache", "csv_options", "detect_format", "jsonl_record",
@@ -88,8 +88,6 @@ def detect_format(path: str, data_format: str) -> str:
 
 def read_prompts(data: DataConfig) -> PromptTable:
     """Every row of `data.path` (up to `data.limit`), validated; for inputs that fit in memory."""
-    from pipeline.scanners import scan_source
-
     source = scan_source(data, list_source(data), shard_size=1 << 40)
     rows = read_rows(source, 0, source.num_rows)
     for problem in rows.problems:
@@ -101,13 +99,14 @@ def read_prompts(data: DataConfig) -> PromptTable:
 def read_rows(source: Source, start: int, stop: int, cache: ReadCache | None = None) -> PromptRows:
     """Rows [start, stop) of the source (global row numbers), with each row's problem if it has one."""
     cache = cache or ReadCache()
+    reader = reader_of(source.format)
     ids: list[Any] = []
     values: list[Any] = []
     budgets: list[Any] = []
     extras: dict[str, list[Any]] = {c: [] for c in source.columns.read}
     wheres: list[str] = []
     for piece in source.pieces(start, stop):
-        piece_ids, piece_values, piece_budgets, piece_extras = _read_piece(source, piece, cache)
+        piece_ids, piece_values, piece_budgets, piece_extras = reader.read(source, piece, cache)
         if len(piece_values) != piece.stop - piece.start:
             raise InputChangedError(
                 f"data.path: {source.files[piece.file].uri}: expected {piece.stop - piece.start} rows from row "
@@ -156,71 +155,6 @@ def _checked_budgets(
             at = row_where(BUDGET_KEY, start + offset, rows.ids[offset], where)
             rows.problems[offset] = f"{at}: column '{source.budget_column}': {problem}"
     return budgets
-
-
-def _read_piece(
-    source: Source, piece: Piece, cache: ReadCache
-) -> tuple[list[Any] | None, list[Any], list[Any] | None, dict[str, list[Any]]]:
-    """(ids or None, prompt values, budget values or None, extra columns' values) of one piece."""
-    readers = {"jsonl": _read_jsonl, "csv": _read_csv, "parquet": _read_parquet, "hf_disk": _read_arrow}  # FORMATS
-    return readers[source.format](source, piece, cache)
-
-
-def _read_jsonl(source: Source, piece: Piece, cache: ReadCache) -> tuple[Any, list[Any], Any, dict[str, list[Any]]]:
-    uri = source.files[piece.file].uri
-    data = cache.text_range(uri, piece.byte_start, piece.byte_stop)
-    records = [jsonl_record(raw, uri, offset=piece.byte_start) for raw in split_records(data)]
-    values = [record.get(source.text_column) for record in records]
-    ids = [record.get(source.id_column) for record in records] if source.id_column else None
-    budgets = [record.get(source.budget_column) for record in records] if source.budget_column else None
-    return ids, values, budgets, {c: [record.get(c) for record in records] for c in source.columns.read}
-
-
-def _read_csv(source: Source, piece: Piece, cache: ReadCache) -> tuple[Any, list[Any], Any, dict[str, list[Any]]]:
-    import pyarrow.csv as pacsv
-
-    uri = source.files[piece.file].uri
-    data = cache.text_range(uri, piece.byte_start, piece.byte_stop)
-    id_type = pa.int64() if source.id_kind == "int" else pa.string()
-    read, parse, convert = csv_options(
-        source.csv_header or (), source.text_column, source.id_column, id_type, source.budget_column,
-        source.columns.read,
-    )
-    table = pacsv.read_csv(
-        pa.BufferReader(data), read_options=read, parse_options=parse, convert_options=convert
-    )
-    return _split(source, table)
-
-
-def _columns(source: Source) -> list[str]:
-    return (
-        [source.text_column]
-        + ([source.id_column] if source.id_column else [])
-        + ([source.budget_column] if source.budget_column else [])
-        + [c for c in source.columns.read if c not in (source.text_column, source.id_column, source.budget_column)]
-    )
-
-
-def _read_parquet(source: Source, piece: Piece, cache: ReadCache) -> tuple[Any, list[Any], Any, dict[str, list[Any]]]:
-    uri = source.files[piece.file].uri
-    parquet, starts = cache.parquet(uri)
-    first = bisect.bisect_right(starts, piece.start) - 1
-    last = bisect.bisect_right(starts, piece.stop - 1) - 1
-    tables = [cache.row_group(uri, parquet, group, _columns(source)) for group in range(first, last + 1)]
-    table = pa.concat_tables(tables).slice(piece.start - int(starts[first]), piece.stop - piece.start)
-    return _split(source, table)
-
-
-def _read_arrow(source: Source, piece: Piece, cache: ReadCache) -> tuple[Any, list[Any], Any, dict[str, list[Any]]]:
-    table = cache.arrow(source.files[piece.file].uri)
-    return _split(source, table.slice(piece.start, piece.stop - piece.start).select(_columns(source)))
-
-
-def _split(source: Source, table: pa.Table) -> tuple[Any, list[Any], Any, dict[str, list[Any]]]:
-    ids = table.column(source.id_column).to_pylist() if source.id_column else None
-    budgets = table.column(source.budget_column).to_pylist() if source.budget_column else None
-    extras = {c: table.column(c).to_pylist() for c in source.columns.read}
-    return ids, table.column(source.text_column).to_pylist(), budgets, extras
 
 
 class ReadCache:

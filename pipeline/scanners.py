@@ -1,6 +1,6 @@
 """The driver's pass over the input, per format: row counts, shard offsets, and the up-front row checks.
 
-    source = scan_source(data, list_source(data), shard_size)
+    result = scan_jsonl(data, listing, shard_size, budgets)   # one per format; pipeline.readers dispatches
 
 - Parquet: row counts from the footers; prompt nulls from the column statistics; the id column streamed.
 - Arrow (`datasets.save_to_disk`): the record batches' lengths and null counts (memory-mapped when local);
@@ -11,7 +11,9 @@
 - CSV: the same, quote-aware, with pyarrow's CSV reader; the header is the first record of each file.
 
 Every id goes through `IdChecker` (null, type, mixed, duplicates). What the checks say is in
-`pipeline.source`'s docstring. Not here: reading a shard's rows for generation (`pipeline.prompts`).
+`pipeline.source`'s docstring. `pipeline.readers` holds the one table of formats that picks a scan
+(`scan_source`) and a worker's read. Not here: reading a shard's rows for generation (`pipeline.readers`,
+`pipeline.prompts`).
 """
 
 from __future__ import annotations
@@ -26,9 +28,8 @@ import pyarrow.compute as pc
 from pipeline import fs
 from pipeline.config import DataConfig
 from pipeline.errors import JobInputError
-from pipeline.formats import FORMATS, csv_options, jsonl_record, open_text_stream, read_arrow_table
+from pipeline.formats import csv_options, jsonl_record, open_text_stream, read_arrow_table
 from pipeline.linescan import Block, ScanError, scan_records
-from pipeline.row_columns import RowColumns, resolve_columns
 from pipeline.rowcheck import (
     BudgetCheck,
     IdChecker,
@@ -41,67 +42,11 @@ from pipeline.source import (
     ID_BATCH_ROWS,
     InputFile,
     ScanResult,
-    Source,
     SourceListing,
     check_columns,
     scan_error,
     text_column,
 )
-
-
-def scan_source(
-    data: DataConfig, listing: SourceListing, shard_size: int, max_new_tokens_limit: int | None = None
-) -> Source:
-    """Row counts, shard offsets and every up-front check; see the module docstring.
-
-    max_new_tokens_limit: the most new tokens the models take (with `data.max_new_tokens_column`)."""
-    scan = {"parquet": scan_parquet, "hf_disk": scan_arrow, "jsonl": scan_jsonl, "csv": scan_csv}
-    assert set(scan) == set(FORMATS), "every format of pipeline.formats.FORMATS has a scan"
-    if listing.format not in scan:
-        raise JobInputError(f"data.format: unknown format {listing.format!r}")
-    column = data.max_new_tokens_column
-    budgets = None if column is None else BudgetCheck(column, max_new_tokens_limit)
-    result = scan[listing.format](data, listing, shard_size, budgets)
-    if result.num_rows == 0:
-        raise JobInputError(f"data.path: {listing.path} holds no rows")
-    column, _ = text_column(data)
-    files = tuple(f for f in result.files if f.num_rows)
-    return Source(
-        path=listing.path,
-        format=listing.format,
-        files=files,
-        num_rows=result.num_rows,
-        shard_size=shard_size,
-        text_column=column,
-        id_column=data.id_column if result.has_id else None,
-        id_kind=result.id_kind if result.has_id else "int",
-        chat=data.chat,
-        csv_header=result.csv_header,
-        first_rows=tuple(f.first_row for f in files),
-        budget_column=data.max_new_tokens_column,
-        max_budget=None if budgets is None else budgets.largest,
-        columns=_row_columns(data, listing, result),
-    )
-
-
-def _row_columns(data: DataConfig, listing: SourceListing, result: ScanResult) -> RowColumns:
-    """The kept / stop / sampling-params columns against the first file's columns (and types, where it has some)."""
-    if not (data.keep_columns or data.stop_column or data.sampling_params_column):
-        return RowColumns()
-    uri = listing.files[0].uri
-    schema = None
-    if listing.format == "parquet":
-        schema = _open_parquet(uri).schema_arrow
-    elif listing.format == "hf_disk":
-        schema = _arrow_table(uri).schema
-    if schema is not None:
-        names = list(schema.names)
-    elif listing.format == "csv":
-        names = list(result.csv_header or ())
-    else:
-        first = _first_record(uri, quoted=False)
-        names = list(jsonl_record(first.data.rstrip(b"\r\n"), uri, line=first.first_line)) if first else []
-    return resolve_columns(data, names, schema, listing.format, uri)
 
 
 def _remaining(data: DataConfig, total: int) -> int | None:

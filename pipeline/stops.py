@@ -10,7 +10,8 @@ A stop string that spans tokens is found in the decoded text; one that begins in
 token "ab\\n" with the stop "\\n") drops that whole token, whose text before the stop would otherwise have
 no token ids of its own.
 
-Not here: generation (a row runs to its EOS or budget; its output is cut afterwards).
+Not here: ending a row early (`pipeline.generate.feed`: a row whose newest tokens complete a stop string
+is finished at once, and its output is then cut here).
 """
 
 from __future__ import annotations

@@ -118,7 +118,7 @@ def data_path_alone(pair: dict[str, Path], data: Path, out: Path, shards: int) -
     from pipeline.generate.shards import load_shard, shard_task
     from pipeline.models import load_tokenizer
     from pipeline.prompts import ReadCache
-    from pipeline.scanners import scan_source
+    from pipeline.readers import scan_source
     from pipeline.source import list_source
 
     config = DataConfig(path=str(data))

@@ -2,19 +2,32 @@
 
 It (1) runs the end-to-end chi-square of the first 3 generated tokens against the enumerated law of
 the warped target, on tiny random Llamas in float32 and bfloat16, for every method in
-`spectr.known_methods()`, each next to a negative control the same test must reject; (2) checks that
-greedy decoding equals Hugging Face greedy token for token for Llama, Qwen2 and GPT-NeoX shapes;
-(3) measures the embedded pair's acceptance (`assets/models`; from its `eval.json` when the weights
-are absent), used for predictions only; (4) times, in bf16 on a random ~1.1B Llama target whose draft
-is its own first 2 layers, at batch 1, 16 and 64: ours vs HF `generate`, ours vs HF assisted generation
-(batch 1), SpecTr K in {2, 4} x L in {2, 4, 6} (and `auto` when the engine has it), with block efficiency,
-per-iteration draft/target/selection/other time, syncs per iteration and peak GPU memory, next to the
-speedup PREDICTED at the embedded pair's acceptance; and writes `results.json` and `results.md` to
-`--out` (after every section) and prints the tables. Each section is guarded (a failing one is
-recorded, the rest still run) and the whole run keeps to `--budget-s` (default 300 s; units past their
-section's share are skipped and recorded). It imports only `spectr`, torch, transformers and the
-standard library, and needs nothing installed: on the GPU machine, from the repository root, run it
-as one prepared command with an outer time limit of about 7 minutes (room for one rerun in 15):
+`spectr.known_methods()` (and, where `spectr.generate` takes `compile=`, autoregressive and SpecTr
+compiled), each next to a negative control the same test must reject; (2) checks that greedy decoding
+equals Hugging Face greedy token for token for Llama, Qwen2 and GPT-NeoX shapes; (3) measures the
+embedded pair's acceptance (`assets/models`; from its `eval.json` when the weights are absent), used for
+predictions only; (4) times, in bf16 on a random ~1.1B Llama target whose draft is its own first 2
+layers, at batch 1, 16 and 64, interleaved: our autoregressive and SpecTr eager vs compiled (where the
+engine takes `compile=`; detected with `inspect.signature`, else eager only) vs HF `generate` plain and
+with a static cache + `torch.compile` (HF's own fastest path); ours vs HF assisted generation (batch 1);
+SpecTr K in {2, 4} x L in {2, 4, 6} (and `auto` when the engine has it), with block efficiency,
+per-iteration draft/target/selection/other time, syncs per iteration, compile warm-up and peak GPU
+memory, next to the speedup PREDICTED at the embedded pair's acceptance; and writes `results.json` and
+`results.md` to `--out` (after every unit) and prints the tables. Each section is guarded (a failing
+one is recorded, the rest still run) and the whole run keeps to `--budget-s` (default 420 s): units past
+their section's share are skipped and recorded, and a unit still running `--grace-s` (30 s) past it is
+interrupted; a section cut that way keeps every result it had saved (`cut_for_time`).
+
+It imports only `spectr`, torch, transformers and the standard library (tested against torch 2.11 and
+transformers 5.17, the GPU machine's versions: `make check-transformers TRANSFORMERS=5.17.*`) and needs
+nothing installed. At most 64 MiB of files can be copied to the GPU machine, and the embedded target's
+weights alone are 65 MiB: leave them out of the working tree without staging any change to git (the
+pair section then reads the acceptance from `assets/models/eval.json`), and put them back after:
+
+    git sparse-checkout set --no-cone '/*' '!/assets/models/target/model.safetensors'   # after: git sparse-checkout disable
+
+Then, on the GPU machine, from the repository root, run it as one prepared command of at most 10 minutes
+(e.g. the device tool's `timeout_s` 570):
 
     set -o pipefail; PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py --out "$OUT/gpu" 2>&1 | tee "$OUT/gpu_check.log"
 
@@ -29,6 +42,7 @@ import argparse
 import contextlib
 import datetime
 import gc
+import inspect
 import itertools
 import json
 import os
@@ -61,8 +75,9 @@ from spectr.selection import TOKEN_SELECTORS  # noqa: E402
 from spectr.sequence import SEQUENCE_RULES  # noqa: E402
 
 SECTIONS = ("exactness", "greedy", "pair_acceptance", "speed")
+MEASUREMENTS = ("pair_acceptance", "speed")  # sections whose partial results are results (the others are checks)
 # Share of the time budget each section may use (unused time rolls over to the next section).
-BUDGET_SHARES = {"exactness": 0.30, "greedy": 0.07, "pair_acceptance": 0.06, "speed": 0.57}
+BUDGET_SHARES = {"exactness": 0.27, "greedy": 0.06, "pair_acceptance": 0.05, "speed": 0.62}
 AUTOREGRESSIVE = "autoregressive"
 
 
@@ -87,6 +102,8 @@ class Plan:
     grid_drafts: tuple[int, ...]
     grid_lengths: tuple[int, ...]
     assisted_length: int  # L of ours-speculative vs HF assisted (batch 1)
+    headline_spectr: tuple[int, int]  # (K, L) of SpecTr in the headline groups (eager, compiled)
+    compiled_exact_methods: tuple[str, ...]  # also tested compiled, where the engine compiles
     headline_repeats: int  # interleaved repeats (median) of the ours-vs-HF comparisons
     pair_prompts: int
     pair_new_tokens: int
@@ -97,14 +114,15 @@ LLAMA_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_
 TINY_LLAMA = dict(vocab_size=512, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 
-FULL = Plan(name="full", budget_s=300.0, exact_samples=16000, exact_tokens=3, greedy_new_tokens=24,
+FULL = Plan(name="full", budget_s=420.0, exact_samples=16000, exact_tokens=3, greedy_new_tokens=24,
             speed_shape=LLAMA_1B, draft_layers=2, speed_batches=(1, 16, 64), prompt_lengths=(128, 512),
             speed_new_tokens=64, sync_new_tokens=12, grid_drafts=(2, 4), grid_lengths=(2, 4, 6),
-            assisted_length=4, headline_repeats=3, pair_prompts=16, pair_new_tokens=48)
+            assisted_length=4, headline_spectr=(2, 4), headline_repeats=3,
+            compiled_exact_methods=(AUTOREGRESSIVE, "spectr"), pair_prompts=16, pair_new_tokens=48)
 SMOKE = Plan(name="smoke", budget_s=300.0, exact_samples=2000, exact_tokens=3, greedy_new_tokens=8,
              speed_shape=TINY_LLAMA, draft_layers=1, speed_batches=(1, 2), prompt_lengths=(8, 24),
              speed_new_tokens=10, sync_new_tokens=6, grid_drafts=(2,), grid_lengths=(2, 4),
-             assisted_length=2, headline_repeats=1, pair_prompts=2, pair_new_tokens=8)
+             assisted_length=2, headline_spectr=(2, 2), headline_repeats=1, compiled_exact_methods=(), pair_prompts=2, pair_new_tokens=8)
 
 
 class Budget:
@@ -136,6 +154,7 @@ class Context:
     budget: Budget
     out: Path
     results: dict = field(default_factory=dict)
+    grace_s: float = 30.0  # a unit still running this long after its section's share is interrupted
 
     def save_partial(self, section: str, partial: dict) -> None:
         """Record a section's progress so far (status 'incomplete'), so a run killed mid-section keeps it."""
@@ -145,6 +164,16 @@ class Context:
     @property
     def cuda(self) -> bool:
         return self.device.type == "cuda"
+
+
+def engine_compiles() -> bool:
+    """True when `spectr.generate` takes `compile=` (the compiled engine); else the script runs eager only."""
+    return "compile" in inspect.signature(spectr.generate).parameters
+
+
+def engine_mode(compiled: bool) -> dict:
+    """`compile=` for `spectr.generate` where it takes one: eager runs say so (its default may be "auto")."""
+    return dict(compile=compiled) if engine_compiles() else {}
 
 
 def log(message: str) -> None:
@@ -339,45 +368,53 @@ def exact_pair(dtype: torch.dtype, device: torch.device):
     return tiny_model("llama", layers=2, seed=1, **shape), tiny_model("llama", layers=1, seed=2, **shape)
 
 
-def generate_first_tokens(pair, method: str, warp: tuple, plan: Plan):
+def generate_first_tokens(pair, method: str, warp: tuple, plan: Plan, compiled: bool = False):
     target, draft = pair
     temperature, top_k, top_p = warp
     out = spectr.generate(target, draft, [EXACT_PROMPT] * plan.exact_samples, method=method,
                           num_drafts=1 if method in SINGLE_DRAFT_METHODS else 3, draft_length=EXACT_DRAFT_LENGTH,
                           max_new_tokens=plan.exact_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                          seed=list(range(plan.exact_samples)))
+                          seed=list(range(plan.exact_samples)), **engine_mode(compiled))
     if any(len(t) != plan.exact_tokens for t in out.tokens):
         raise AssertionError(f"{method}: some rows did not produce {plan.exact_tokens} tokens")
     return out
 
 
-def negative_control(pair, law, method: str, warp: tuple, plan: Plan) -> dict:
+def negative_control(pair, law, method: str, warp: tuple, plan: Plan, compiled: bool = False) -> dict:
     """Run the same test on a deliberately broken sampler; it must be rejected."""
     if method == AUTOREGRESSIVE:  # no selection rule: sample the wrong law (temperature x 1.25)
         kind = f"temperature x {CONTROL_TEMPERATURE_FACTOR} (autoregressive has no selection rule)"
-        out = generate_first_tokens(pair, method, (warp[0] * CONTROL_TEMPERATURE_FACTOR, *warp[1:]), plan)
+        out = generate_first_tokens(pair, method, (warp[0] * CONTROL_TEMPERATURE_FACTOR, *warp[1:]), plan,
+                                   compiled)
     else:
         with broken_selection(method) as names:
             kind = (f"keep-every-block stops (h = 1) injected into SEQUENCE_RULES{names}"
                     if method in SEQUENCE_RULES else f"skip-residual selector injected into TOKEN_SELECTORS{names}")
-            out = generate_first_tokens(pair, method, warp, plan)
+            out = generate_first_tokens(pair, method, warp, plan, compiled)
     test = chi_square(out.tokens, law, EXACT_VOCAB, plan.exact_tokens)
     return dict(kind=kind, **test, rejected=test["p_value"] < REJECT_P)
 
 
-def exactness_case(pair, law, method: str, dtype_name: str, plan: Plan) -> dict:
+def exactness_case(pair, law, method: str, dtype_name: str, plan: Plan, compiled: bool = False) -> dict:
     warp = EXACT_WARPS[dtype_name]
-    out = generate_first_tokens(pair, method, warp, plan)
+    out = generate_first_tokens(pair, method, warp, plan, compiled)
     test = chi_square(out.tokens, law, EXACT_VOCAB, plan.exact_tokens)
     stats = out.stats
-    case = dict(dtype=dtype_name, method=method, num_drafts=stats.num_drafts, draft_length=stats.draft_length,
+    case = dict(dtype=dtype_name, method=method, compiled=compiled, num_drafts=stats.num_drafts, draft_length=stats.draft_length,
                 warp=dict(zip(("temperature", "top_k", "top_p"), warp)), samples=plan.exact_samples,
                 tokens=plan.exact_tokens, acceptance_rate=stats.acceptance_rate, **test)
     # the drafts must really have been tested and sometimes rejected, or the test proves little
     case["drafts_tested"] = method == AUTOREGRESSIVE or 0.02 < stats.acceptance_rate < 0.98
-    case["control"] = negative_control(pair, law, method, warp, plan)
+    case["control"] = negative_control(pair, law, method, warp, plan, compiled)
     case["passed"] = bool(test["p_value"] > ACCEPT_P and case["drafts_tested"] and case["control"]["rejected"])
     return case
+
+
+def exact_units(plan: Plan) -> list[tuple[str, bool]]:
+    """(method, compiled): every known method eager, then `plan.compiled_exact_methods` compiled where the
+    engine takes `compile=` (the compiled engine must be as exact as the eager one, negative controls too)."""
+    compiled = [m for m in plan.compiled_exact_methods if m in spectr.known_methods()] if engine_compiles() else []
+    return [(m, False) for m in spectr.known_methods()] + [(m, True) for m in compiled]
 
 
 def section_exactness(ctx: Context) -> dict:
@@ -386,15 +423,16 @@ def section_exactness(ctx: Context) -> dict:
         dtype = getattr(torch, dtype_name)
         pair = exact_pair(dtype, ctx.device)
         law = enumerated_law(pair[0], EXACT_PROMPT, ctx.plan.exact_tokens, spectr.SamplingWarp(*EXACT_WARPS[dtype_name]))
-        for method in spectr.known_methods():
+        for method, compiled in exact_units(ctx.plan):
+            label = f"{dtype_name}/{method}" + (" compiled" if compiled else "")
             if ctx.budget.expired():
-                skipped.append(f"{dtype_name}/{method}")
+                skipped.append(label)
                 continue
             try:
-                case = exactness_case(pair, law, method, dtype_name, ctx.plan)
+                case = exactness_case(pair, law, method, dtype_name, ctx.plan, compiled)
             except Exception as error:  # one broken method must not hide the others
-                case = dict(dtype=dtype_name, method=method, passed=False, error=_describe(error))
-            log(f"exactness {dtype_name} {method}: p = {case.get('p_value', float('nan')):.3g}, control p = "
+                case = dict(dtype=dtype_name, method=method, compiled=compiled, passed=False, error=_describe(error))
+            log(f"exactness {label}: p = {case.get('p_value', float('nan')):.3g}, control p = "
                 f"{case.get('control', {}).get('p_value', float('nan')):.3g} -> {'PASS' if case['passed'] else 'FAIL'}")
             cases.append(case)
             ctx.save_partial("exactness", dict(cases=cases))
@@ -452,6 +490,7 @@ def section_greedy(ctx: Context) -> dict:
             arch_cases = [dict(arch=arch, method="*", equal=False, error=_describe(error))]
         log(f"greedy {arch}: " + ", ".join(f"{c['method']} {'==' if c['equal'] else '!='} HF" for c in arch_cases))
         cases += arch_cases
+        ctx.save_partial("greedy", dict(dtype="float32", cases=cases))
     passed = bool(cases) and all(c["equal"] for c in cases) and not skipped
     return dict(status="passed" if passed else "failed", dtype="float32", cases=cases, skipped_for_time=skipped)
 
@@ -508,6 +547,8 @@ def measure_pair_acceptance(ctx: Context) -> dict:
     length = ctx.plan.assisted_length  # the L of the speed section's speculative row
     out = spectr.generate(target, draft, prompts, method="speculative", draft_length=length, **common)
     efficiency = {f"K=1,L={length}": out.stats.block_efficiency}
+    ctx.save_partial("pair_acceptance", dict(alpha=out.stats.acceptance_rate, block_efficiency=efficiency,
+                                             source=f"assets/models on this device ({dtype}), cut short"))
     for k, length in itertools.product(ctx.plan.grid_drafts, ctx.plan.grid_lengths):
         if ctx.budget.expired():
             break
@@ -527,25 +568,36 @@ def measure_pair_acceptance(ctx: Context) -> dict:
 
 @dataclass(frozen=True)
 class SpeedRun:
-    """One measured configuration. kind: 'ours' | 'hf' | 'hf_assisted'."""
+    """One measured configuration. kind: 'ours' | 'hf' | 'hf_static' | 'hf_assisted'.
+
+    compiled: ours with `spectr.generate(compile=True)` (only where the engine takes `compile`);
+    'hf_static' is HF `generate` with a static cache, which HF compiles itself on CUDA (`torch.compile`,
+    its fastest documented path; on CPU it runs the static cache uncompiled).
+    """
 
     kind: str
     batch: int
     method: str = AUTOREGRESSIVE
     num_drafts: int = 1
     draft_length: int = 1
+    compiled: bool = False
 
     @property
     def name(self) -> str:
         if self.kind == "hf":
             return "HF generate (sampling)"
+        if self.kind == "hf_static":
+            return "HF generate static cache + compile"
         if self.kind == "hf_assisted":
             return f"HF assisted L={self.draft_length}"
+        mode = " compiled" if self.compiled else ""
         if self.method == AUTOREGRESSIVE:
-            return "ours autoregressive"
+            return f"ours autoregressive{mode}"
         if self.method == "speculative":
-            return f"ours speculative L={self.draft_length}"
-        return f"ours {self.method} K={self.num_drafts} L={self.draft_length}"
+            return f"ours speculative L={self.draft_length}{mode}"
+        return f"ours {self.method} K={self.num_drafts} L={self.draft_length}{mode}"
+
+
 
 
 def speed_prompts(batch: int, lengths: tuple[int, int], vocab: int, seed: int) -> list[list[int]]:
@@ -573,7 +625,7 @@ def run_ours(pair, prompts, run: SpeedRun, new_tokens: int, device: torch.device
     start = time.perf_counter()
     out = spectr.generate(target, draft, prompts, method=run.method, num_drafts=run.num_drafts,
                           draft_length=run.draft_length, max_new_tokens=new_tokens, temperature=1.0,
-                          seed=list(range(len(prompts))))
+                          seed=list(range(len(prompts))), **engine_mode(run.compiled))
     synchronize(device)
     wall = time.perf_counter() - start
     tokens = sum(len(t) for t in out.tokens)
@@ -584,11 +636,13 @@ def run_ours(pair, prompts, run: SpeedRun, new_tokens: int, device: torch.device
 
 @torch.inference_mode()
 def run_hf(pair, prompts, run: SpeedRun, new_tokens: int, device: torch.device) -> dict:
-    """One timed HF `generate` call, the same sampling (do_sample, top_k=0), optionally assisted."""
+    """One timed HF `generate` call, the same sampling (do_sample, top_k=0): plain, static cache, or assisted."""
     target, draft = pair
     ids, mask = left_padded(prompts, device)
     kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
                   min_new_tokens=new_tokens, pad_token_id=0, eos_token_id=None)
+    if run.kind == "hf_static":
+        kwargs["cache_implementation"] = "static"  # HF compiles the decode step itself on CUDA
     if run.kind == "hf_assisted":
         draft.generation_config.num_assistant_tokens = run.draft_length
         draft.generation_config.num_assistant_tokens_schedule = "constant"
@@ -605,6 +659,10 @@ def run_hf(pair, prompts, run: SpeedRun, new_tokens: int, device: torch.device) 
     tokens = (out.shape[1] - ids.shape[1]) * ids.shape[0]
     peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
     return dict(wall_s=wall, tokens=tokens, tokens_per_s=tokens / wall, peak_memory_mib=peak)
+
+
+def run_once(pair, prompts, run: SpeedRun, new_tokens: int, device: torch.device) -> dict:
+    return (run_ours if run.kind == "ours" else run_hf)(pair, prompts, run, new_tokens, device)
 
 
 @contextlib.contextmanager
@@ -661,53 +719,110 @@ def decode_costs(long: dict, short: dict) -> dict:
                 prefill_removed=short is not None)
 
 
-def measure_ours(pair, prompts, run: SpeedRun, plan: Plan, device: torch.device, repeats: int) -> dict:
-    long_runs = [run_ours(pair, prompts, run, plan.speed_new_tokens, device) for _ in range(repeats)]
+def ours_row(pair, prompts, run: SpeedRun, plan: Plan, device: torch.device, long_runs: list[dict]) -> dict:
+    """The row of one of our configurations from its timed calls, plus its untimed prefill and sync runs."""
     long = sorted(long_runs, key=lambda r: r["wall_s"])[len(long_runs) // 2]  # the median run
     short = run_ours(pair, prompts, run, 1, device)
     stats = long["stats"]
-    row = dict(name=run.name, kind=run.kind, batch=run.batch, method=stats.method, num_drafts=stats.num_drafts,
-               draft_length=stats.draft_length, new_tokens=plan.speed_new_tokens,
+    row = dict(name=run.name, kind=run.kind, batch=run.batch, method=stats.method, compiled=run.compiled,
+               num_drafts=stats.num_drafts, draft_length=stats.draft_length, new_tokens=plan.speed_new_tokens,
                tokens_per_s=statistics.median(r["tokens_per_s"] for r in long_runs),
                wall_s=long["wall_s"], generated_tokens=long["tokens"], iterations=long["iterations"],
                block_efficiency=stats.block_efficiency, acceptance_rate=stats.acceptance_rate,
-               peak_memory_mib=long["peak_memory_mib"], repeats=repeats)
+               peak_memory_mib=long["peak_memory_mib"], repeats=len(long_runs))
     row.update(decode_costs(long, short))
     row.update(count_syncs(pair, prompts, run, plan.sync_new_tokens, device))
     return row
 
 
-def measure_hf(pair, prompts, run: SpeedRun, plan: Plan, device: torch.device, repeats: int) -> dict:
-    runs = [run_hf(pair, prompts, run, plan.speed_new_tokens, device) for _ in range(repeats)]
-    return dict(name=run.name, kind=run.kind, batch=run.batch, method=run.kind, num_drafts=1 if run.kind != "hf" else 0,
-                draft_length=run.draft_length if run.kind != "hf" else 0, new_tokens=plan.speed_new_tokens,
+def hf_row(run: SpeedRun, plan: Plan, device: torch.device, runs: list[dict]) -> dict:
+    return dict(name=run.name, kind=run.kind, batch=run.batch, method=run.kind,
+                compiled=run.kind == "hf_static" and device.type == "cuda",  # HF's own auto-compile criteria
+                num_drafts=1 if run.kind == "hf_assisted" else 0,
+                draft_length=run.draft_length if run.kind == "hf_assisted" else 0, new_tokens=plan.speed_new_tokens,
                 tokens_per_s=statistics.median(r["tokens_per_s"] for r in runs),
                 wall_s=statistics.median(r["wall_s"] for r in runs), generated_tokens=runs[0]["tokens"],
                 peak_memory_mib=max((r["peak_memory_mib"] or 0) for r in runs) if device.type == "cuda" else None,
-                repeats=repeats)
+                repeats=len(runs))
 
 
-def speed_runs(plan: Plan, methods: list[str]) -> list[tuple[SpeedRun, int]]:
-    """(run, repeats) in priority order: the headline ratios first, then the K x L grids."""
-    runs: list[tuple[SpeedRun, int]] = []
+def measure_group(pair, prompts, group: tuple[SpeedRun, ...], plan: Plan, device: torch.device,
+                  repeats: int) -> list[dict]:
+    """Time the runs of `group` interleaved: `repeats` rounds, each run once per round, so that a drift of
+    the machine (clocks, heat) falls on every run alike; a row's tokens/s is the median of its rounds.
+
+    A compiled run (ours compiled, HF static cache) first makes one untimed call of the full length, which
+    compiles its graphs: its wall time is recorded as `warmup_s` (the compile time paid, plus one run).
+    A run that raises (e.g. out of memory) gets an error row; the others go on.
+    """
+    timed: dict[SpeedRun, list[dict]] = {run: [] for run in group}
+    errors: dict[SpeedRun, str] = {}
+    warmup: dict[SpeedRun, float] = {}
+
+    def attempt(run: SpeedRun) -> dict | None:
+        try:
+            return run_once(pair, prompts, run, plan.speed_new_tokens, device)
+        except Exception as error:  # recorded in its row; SectionTimeout is no Exception and cuts the section
+            errors[run] = _describe(error)
+            release_memory(device)
+            return None
+
+    for run in group:
+        if run.compiled or run.kind == "hf_static":
+            warm = attempt(run)
+            if warm is not None:
+                warmup[run] = warm["wall_s"]
+    for _ in range(repeats):
+        for run in (r for r in group if r not in errors):
+            result = attempt(run)
+            if result is not None:
+                timed[run].append(result)
+    rows = []
+    for run in group:
+        try:
+            if run in errors:
+                raise RuntimeError(errors[run])
+            row = ours_row(pair, prompts, run, plan, device, timed[run]) if run.kind == "ours" else \
+                hf_row(run, plan, device, timed[run])
+        except Exception as error:
+            row = dict(name=run.name, kind=run.kind, batch=run.batch, compiled=run.compiled,
+                       error=errors.get(run) or _describe(error))
+        row["warmup_s"] = warmup.get(run)
+        rows.append(row)
+    return rows
+
+
+SpeedUnit = tuple[tuple[SpeedRun, ...], int]  # (runs timed interleaved, repeats)
+
+
+def speed_units(plan: Plan, methods: list[str], compiles: bool) -> list[SpeedUnit]:
+    """The units in priority order: at each batch the headline group (our autoregressive and SpecTr at
+    `plan.headline_spectr`, eager and, where the engine compiles, compiled; HF generate plain and with a
+    static cache + compile), then ours speculative vs HF assisted (batch 1), then the K x L grids."""
+    k, length = plan.headline_spectr
+    units: list[SpeedUnit] = []
     for batch in plan.speed_batches:
-        runs += [(SpeedRun("ours", batch), plan.headline_repeats), (SpeedRun("hf", batch), plan.headline_repeats)]
+        ours = [SpeedRun("ours", batch), SpeedRun("ours", batch, "spectr", k, length)]
+        if compiles:
+            ours += [SpeedRun("ours", batch, compiled=True), SpeedRun("ours", batch, "spectr", k, length, True)]
+        units.append((tuple(ours) + (SpeedRun("hf", batch), SpeedRun("hf_static", batch)), plan.headline_repeats))
     length = plan.assisted_length
-    runs += [(SpeedRun("ours", 1, "speculative", 1, length), plan.headline_repeats),
-             (SpeedRun("hf_assisted", 1, draft_length=length), plan.headline_repeats)]
+    units.append(((SpeedRun("ours", 1, "speculative", 1, length), SpeedRun("hf_assisted", 1, draft_length=length)),
+                  plan.headline_repeats))
     for batch in sorted(plan.speed_batches, key=lambda b: (b == 1, b)):  # batch 1 last: the slowest per token
         for k, length in itertools.product(plan.grid_drafts, plan.grid_lengths):
-            runs.append((SpeedRun("ours", batch, "spectr", k, length), 1))
+            if (k, length) != plan.headline_spectr:
+                units.append(((SpeedRun("ours", batch, "spectr", k, length),), 1))
         if "auto" in methods:
-            runs.append((SpeedRun("ours", batch, "auto", max(plan.grid_drafts), max(plan.grid_lengths)), 1))
-    return runs
+            units.append(((SpeedRun("ours", batch, "auto", max(plan.grid_drafts), max(plan.grid_lengths)),), 1))
+    return units
 
 
 def warm_up(pair, prompts, device: torch.device) -> None:
-    """Compile/tune kernels for this batch shape once (short runs, not recorded)."""
+    """Tune the eager kernels for this batch shape once (short runs, not recorded; compiled runs warm themselves)."""
     for run in (SpeedRun("ours", len(prompts)), SpeedRun("ours", len(prompts), "spectr", 2, 2),
                 SpeedRun("hf", len(prompts))):
-        (run_hf if run.kind == "hf" else run_ours)(pair, prompts, run, 4, device)
+        run_once(pair, prompts, run, 4, device)
 
 
 def build_speed_pair(ctx: Context):
@@ -726,28 +841,32 @@ def build_speed_pair(ctx: Context):
 
 def section_speed(ctx: Context) -> dict:
     pair, models = build_speed_pair(ctx)
-    log(models["description"])
+    compiles = engine_compiles()
+    models["engine_compiles"] = compiles
+    log(models["description"] + ("" if compiles else "; spectr.generate takes no `compile`: eager only"))
     rows, skipped, warmed = [], [], set()
     vocab = ctx.plan.speed_shape["vocab_size"]
-    for run, repeats in speed_runs(ctx.plan, spectr.known_methods()):
+    for group, repeats in speed_units(ctx.plan, spectr.known_methods(), compiles):
+        batch = group[0].batch
         if ctx.budget.expired():
-            skipped.append(f"B={run.batch} {run.name}")
+            skipped += [f"B={batch} {run.name}" for run in group]
             continue
-        prompts = speed_prompts(run.batch, ctx.plan.prompt_lengths, vocab, seed=run.batch)
+        prompts = speed_prompts(batch, ctx.plan.prompt_lengths, vocab, seed=batch)
         try:
-            if run.batch not in warmed:
+            if batch not in warmed:
                 warm_up(pair, prompts, ctx.device)
-                warmed.add(run.batch)
-            measure = measure_hf if run.kind.startswith("hf") else measure_ours
-            row = measure(pair, prompts, run, ctx.plan, ctx.device, repeats)
-        except Exception as error:  # e.g. out of memory at one batch size: record it, go on
-            row = dict(name=run.name, kind=run.kind, batch=run.batch, error=_describe(error))
+                warmed.add(batch)
+            group_rows = measure_group(pair, prompts, group, ctx.plan, ctx.device, repeats)
+        except Exception as error:  # e.g. out of memory in the warm-up at one batch size: record it, go on
+            group_rows = [dict(name=run.name, kind=run.kind, batch=batch, compiled=run.compiled,
+                               error=_describe(error)) for run in group]
             release_memory(ctx.device)
-        log(f"speed B={run.batch} {run.name}: " + (f"{row['tokens_per_s']:.1f} tokens/s" if "error" not in row
-                                                    else row["error"]))
-        rows.append(row)
-        ctx.save_partial("speed", dict(models=models, rows=rows))
-    add_ratios(rows)
+        for row in group_rows:
+            log(f"speed B={batch} {row['name']}: " + (f"{row['tokens_per_s']:.1f} tokens/s" if "error" not in row
+                                                       else row["error"]))
+        rows += group_rows
+        add_ratios(rows)
+        ctx.save_partial("speed", dict(models=models, rows=rows, skipped_for_time=skipped))
     ok = [r for r in rows if "error" not in r]
     status = "measured" if ok and len(ok) == len(rows) else ("partial" if ok else "failed")
     return dict(status=status, models=models, sampling="temperature 1, top_k 0, top_p 1, no EOS",
@@ -755,23 +874,26 @@ def section_speed(ctx: Context) -> dict:
 
 
 def add_ratios(rows: list[dict]) -> None:
-    """Measured ratios within the run: ours vs HF at the same batch, and every ours row vs our AR."""
-    by_key = {(r["batch"], r["kind"], r.get("method")): r for r in rows if "error" not in r}
-    for row in rows:
-        if "error" in row or row["kind"] != "ours":
-            continue
-        ar = by_key.get((row["batch"], "ours", AUTOREGRESSIVE))
-        if ar:
-            row["speedup_vs_our_autoregressive"] = row["tokens_per_s"] / ar["tokens_per_s"]
-        if row["method"] == AUTOREGRESSIVE:
-            hf = by_key.get((row["batch"], "hf", "hf"))
-        elif row["method"] == "speculative":
-            hf = by_key.get((row["batch"], "hf_assisted", "hf_assisted"))
-        else:
-            hf = by_key.get((row["batch"], "hf", "hf"))
-        if hf:
-            row["vs_hf"] = dict(hf_run=hf["name"], hf_tokens_per_s=hf["tokens_per_s"],
-                                ratio=row["tokens_per_s"] / hf["tokens_per_s"])
+    """Measured ratios within the run, at the same batch: every ours row vs our eager autoregressive (and a
+    compiled row vs our compiled autoregressive and vs its own eager run); ours vs HF generate (speculative:
+    vs HF assisted) and vs HF generate with a static cache + compile."""
+    by_name = {(r["batch"], r["name"]): r for r in rows if "error" not in r}
+
+    def ratio(row: dict, name: str) -> float | None:
+        other = by_name.get((row["batch"], name))
+        return row["tokens_per_s"] / other["tokens_per_s"] if other else None
+
+    for row in (r for r in rows if "error" not in r and r["kind"] == "ours"):
+        row["speedup_vs_our_autoregressive"] = ratio(row, SpeedRun("ours", 1).name)
+        if row.get("compiled"):
+            row["speedup_vs_our_compiled_autoregressive"] = ratio(row, SpeedRun("ours", 1, compiled=True).name)
+            row["compiled_vs_eager"] = ratio(row, row["name"].removesuffix(" compiled"))
+        hf = SpeedRun("hf_assisted", 1, draft_length=row["draft_length"]) if row["method"] == "speculative" \
+            else SpeedRun("hf", 1)
+        if ratio(row, hf.name) is not None:
+            row["vs_hf"] = dict(hf_run=hf.name, hf_tokens_per_s=by_name[(row["batch"], hf.name)]["tokens_per_s"],
+                                ratio=ratio(row, hf.name))
+        row["vs_hf_static_compiled"] = ratio(row, SpeedRun("hf_static", 1).name)
 
 
 # ---------------------------------------------------------------------------------------
@@ -798,10 +920,10 @@ def predict(speed: dict, pair: dict) -> dict:
     if alpha is None or speed.get("status") not in ("measured", "partial"):
         return dict(status="skipped", reason="needs both the speed rows and the embedded pair's acceptance")
     rows = [r for r in speed["rows"] if "error" not in r and r["kind"] == "ours"]
-    ar_rows = {r["batch"]: r for r in rows if r["method"] == AUTOREGRESSIVE}
+    ar_rows = {(r["batch"], r.get("compiled", False)): r for r in rows if r["method"] == AUTOREGRESSIVE}
     predictions = []
     for row in rows:
-        ar = ar_rows.get(row["batch"])
+        ar = ar_rows.get((row["batch"], row.get("compiled", False)))  # a compiled row vs compiled AR
         if row["method"] == AUTOREGRESSIVE or ar is None:
             continue
         k, length = row["num_drafts"], row["draft_length"]
@@ -867,7 +989,7 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
 
 
 def markdown_exactness(section: dict) -> list[str]:
-    rows = [[c["dtype"], c["method"], c.get("num_drafts"), c.get("draft_length"), c.get("samples"),
+    rows = [[c["dtype"], c["method"] + (" compiled" if c.get("compiled") else ""), c.get("num_drafts"), c.get("draft_length"), c.get("samples"),
              _fmt(c.get("p_value"), 3), c.get("acceptance_rate"), _fmt(c.get("control", {}).get("p_value"), 3),
              c.get("control", {}).get("rejected"), c["passed"]] for c in section.get("cases", [])]
     lines = _table(["dtype", "method", "K", "L", "samples", "p-value", "acceptance", "control p",
@@ -880,16 +1002,18 @@ def markdown_speed(section: dict) -> list[str]:
     rows = []
     for r in section.get("rows", []):
         if "error" in r:
-            rows.append([r["batch"], r["name"], "error: " + r["error"][:80]] + [None] * 10)
+            rows.append([r["batch"], r["name"], "error: " + r["error"][:80]] + [None] * 13)
             continue
         breakdown = r.get("per_iteration_ms")
         split = "/".join(f"{breakdown[p]:.1f}" for p in ("draft", "target", "selection", "other")) if breakdown else None
         rows.append([r["batch"], r["name"], r["tokens_per_s"], r.get("vs_hf", {}).get("ratio"),
-                     r.get("speedup_vs_our_autoregressive"), r.get("block_efficiency"), r.get("acceptance_rate"),
+                     r.get("vs_hf_static_compiled"), r.get("speedup_vs_our_autoregressive"),
+                     r.get("compiled_vs_eager"), r.get("block_efficiency"), r.get("acceptance_rate"),
                      r.get("iteration_ms"), split, r.get("host_syncs_per_iteration"),
-                     r.get("cuda_syncs_per_iteration"), r.get("peak_memory_mib")])
-    return _table(["B", "run", "tokens/s", "vs HF", "vs our AR", "block eff.", "acceptance", "iter ms",
-                   "draft/target/select/other ms", "host syncs/iter", "CUDA syncs/iter", "peak MiB"], rows)
+                     r.get("cuda_syncs_per_iteration"), r.get("peak_memory_mib"), r.get("warmup_s")])
+    return _table(["B", "run", "tokens/s", "vs HF", "vs HF static+compile", "vs our AR", "compiled vs eager",
+                   "block eff.", "acceptance", "iter ms", "draft/target/select/other ms", "host syncs/iter",
+                   "CUDA syncs/iter", "peak MiB", "warm-up s"], rows)
 
 
 def markdown_predictions(section: dict) -> list[str]:
@@ -912,7 +1036,13 @@ NOTES = [
     "to one autoregressive step, measured here on the random pair (wall time per iteration, prefill "
     "differenced out; the ratio of forward times alone is shown beside it).",
     "vs HF: ours speculative against HF assisted generation (batch 1, same L, constant schedule); every other "
-    "ours row against HF generate (sampling) at the same batch.",
+    "ours row against HF generate (sampling, dynamic cache) at the same batch. vs HF static+compile: against HF "
+    "generate with cache_implementation='static', which HF compiles itself on CUDA (torch.compile, "
+    "reduce-overhead); on CPU it runs uncompiled.",
+    "The headline group of each batch (our autoregressive and SpecTr, eager and compiled where spectr.generate "
+    "takes compile=, HF plain and static) is timed interleaved: each run once per round, the median of the "
+    "rounds. Compiled runs first make one untimed call of the same length; its time is the warm-up column "
+    "(compile time + one run).",
     "Syncs per iteration are differenced between a run of `sync_new_tokens` and a one-token run (both "
     "instrumented, untimed), so setup and prefill drop out; CUDA syncs are the warnings of "
     "torch.cuda.set_sync_debug_mode('warn'); host syncs are spectr.diagnostics.HostSyncCounter's count.",
@@ -968,11 +1098,11 @@ SECTION_FUNCTIONS = {"exactness": section_exactness, "greedy": section_greedy,
                      "pair_acceptance": section_pair_acceptance, "speed": section_speed}
 
 
-SECTION_GRACE_S = 30.0  # a unit still running this long after its section's share is interrupted
+class SectionTimeout(BaseException):
+    """Raised inside a unit that runs far past its section's share (the units are not otherwise bounded).
 
-
-class SectionTimeout(Exception):
-    """Raised inside a unit that runs far past its section's share (the units are not otherwise bounded)."""
+    A BaseException, so that the sections' per-unit `except Exception` (which records a failing unit and goes
+    on) does not swallow it: it ends the section, which keeps what it saved (`cut_section`)."""
 
 
 @contextlib.contextmanager
@@ -983,7 +1113,8 @@ def hard_deadline(seconds: float):
         return
 
     def interrupt(signum, frame):
-        raise SectionTimeout(f"still running {SECTION_GRACE_S:.0f} s after the section's share of the budget")
+        raise SectionTimeout(f"still running {seconds:.1f} s after its section began (its share of the budget "
+                             "and the grace period are spent)")
 
     previous = signal.signal(signal.SIGALRM, interrupt)
     signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.01))
@@ -994,16 +1125,32 @@ def hard_deadline(seconds: float):
         signal.signal(signal.SIGALRM, previous)
 
 
+def cut_section(name: str, partial: dict | None, error: BaseException) -> dict:
+    """The record of a section that raised: what it saved so far (`Context.save_partial`) is kept.
+
+    A section cut for time (SectionTimeout) with saved results keeps them: status 'partial' for the
+    speed and pair sections (MEASUREMENTS), 'failed' for a check (unfinished checks do not pass).
+    Any other error, or a cut before anything was saved, is status 'error'.
+    """
+    record = dict(partial or {}, error=_describe(error), traceback=traceback.format_exc())
+    record.pop("status", None)
+    kept = bool(partial) and isinstance(error, SectionTimeout)
+    record["cut_for_time"] = isinstance(error, SectionTimeout)
+    record["status"] = ("partial" if name in MEASUREMENTS else "failed") if kept else "error"
+    return record
+
+
 def run_section(name: str, ctx: Context) -> None:
     ctx.budget.enter(name)
     log(f"== {name} (t = {ctx.budget.elapsed():.0f} s) ==")
     start = time.perf_counter()
+    ctx.results.pop(name, None)
     try:
-        with hard_deadline(ctx.budget.section_end[name] - start + SECTION_GRACE_S):
+        with hard_deadline(ctx.budget.section_end[name] - start + ctx.grace_s):
             section = SECTION_FUNCTIONS[name](ctx)
-    except Exception as error:  # a failing section is recorded; the others still run
-        section = dict(status="error", error=_describe(error), traceback=traceback.format_exc())
-        log(f"{name} failed: {section['error']}")
+    except (Exception, SectionTimeout) as error:  # recorded with what the section had saved; the others still run
+        section = cut_section(name, ctx.results.get(name), error)
+        log(f"{name} {'cut' if section['cut_for_time'] else 'failed'}: {section['error']}")
     section["seconds"] = time.perf_counter() - start
     ctx.results[name] = section
     release_memory(ctx.device)
@@ -1019,6 +1166,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"total time budget in seconds (default {FULL.budget_s:.0f}; {SMOKE.budget_s:.0f} with "
                         "--smoke); sections past their share are skipped and recorded as such")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    parser.add_argument("--grace-s", type=float, default=30.0,
+                        help="a unit still running this long past its section's share is interrupted; the section "
+                        "keeps what it had measured (default 30)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = parser.parse_args(argv)
     args.plan = SMOKE if args.smoke else FULL
@@ -1040,7 +1190,8 @@ def main(argv: list[str] | None = None) -> int:
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     device = torch.device(args.device)
-    ctx = Context(plan=args.plan, device=device, budget=Budget(args.budget_s, args.sections), out=args.out)
+    ctx = Context(plan=args.plan, device=device, budget=Budget(args.budget_s, args.sections), out=args.out,
+                  grace_s=args.grace_s)
     ctx.results["environment"] = environment(args, device)
     ctx.results["plan"] = asdict(args.plan)
     ctx.results["notes"] = NOTES

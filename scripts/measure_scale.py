@@ -46,7 +46,7 @@ def write_prompts(path: Path, count: int) -> None:
 def phase_plan(prompts: Path) -> dict:
     from pipeline.config import DataConfig
     from pipeline.generate.shards import SHARD_GRANULE, auto_shard_size, num_shards
-    from pipeline.scanners import scan_source
+    from pipeline.readers import scan_source
     from pipeline.source import list_source, with_shard_size
 
     started = time.perf_counter()

@@ -71,7 +71,7 @@ import torch
 from spectr.drafting import TreeDrafter
 from spectr.hf import HFCausalLM
 from spectr.iteration import Loop, autoregressive_step, speculative_step
-from spectr.records import DRAFT_NONFINITE, TARGET_NONFINITE, Records, SlotResult
+from spectr.records import DRAFT_NONFINITE, STOP, TARGET_NONFINITE, Records, SlotResult
 from spectr.rng import row_keys
 from spectr.rows import RowState, prefill
 from spectr.sequence import sequence_methods
@@ -107,7 +107,7 @@ class FinishedRow:
     request: int
     tag: Any
     tokens: list[int]
-    finish_reason: str  # "eos" | "length" | "error"
+    finish_reason: str  # "eos" | "length" | "error" | "stop" (ended by `ContinuousBatcher.finish_rows`)
     target_calls: int
     error: str | None
     accepted_per_position: list[int] = field(default_factory=list)
@@ -213,6 +213,9 @@ class ContinuousBatcher:
         self.rows_running = 0  # host copy of running.sum()
         self._totals = [0, 0, 0]  # host copy of records.totals(occupied) after the last iteration
         self.last_step: StepReport | None = None
+        self.watch_tokens = False  # True: each iteration's new tokens come back with its host copy (recent_tokens)
+        self.recent_tokens: dict[int, list[int]] = {}  # request -> tokens its row committed in the last iteration
+        self._seen: dict[int, int] = {}  # request -> output length already in recent_tokens (watching only)
 
     def _bounds(self, max_num_drafts: int | None, max_draft_length: int | None) -> tuple[int, int]:
         """(Kmax, Lmax): what the allocation fits; default the default config's own K and L."""
@@ -472,7 +475,11 @@ class ContinuousBatcher:
         parts = [extent, self.records.totals(self.occupied)]  # [2], [3]
         if self.rows.drafter is not None:
             parts.append(self.rows.drafter.host_extent())  # [2]
+        if self.watch_tokens:  # the rows' newest tokens ride the same copy: [top * (1 + E)]
+            parts.append(self.records.recent(self._top).reshape(-1))
         host = torch.cat(parts).tolist()  # the host sync of every iteration (the only one with a single draft)
+        if self.watch_tokens:
+            self._note_recent(host[len(host) - self._top * (1 + self.records.emit_width):])
         self.rows_running, self.loop.target_longest = host[0], host[1]
         if self.rows.drafter is not None:
             self.loop.draft_extent = (host[5], host[6])
@@ -480,11 +487,45 @@ class ContinuousBatcher:
         self._totals = host[2:5]
         return done[0], done[1], done[2]
 
+    def _note_recent(self, values: list[int]) -> None:
+        """recent_tokens from `Records.recent`'s host copy (watching only: a host loop over the slots)."""
+        width = 1 + self.records.emit_width
+        self.recent_tokens = {}
+        for slot in range(self._top):
+            request = self._in_slot[slot]
+            if request is None:
+                continue
+            length, tail = values[slot * width], values[slot * width + 1 : (slot + 1) * width]
+            new = length - self._seen.get(request.request, 0)
+            if new > 0:
+                self.recent_tokens[request.request] = tail[len(tail) - new :]
+                self._seen[request.request] = length
+
     # -- retirement ----------------------------------------------------------------------
+    def finish_rows(self, requests) -> list[FinishedRow]:
+        """End the given rows now (request ids; the caller found a stop string in their tokens): they come
+        back finished, reason "stop", and their slots take the next prompts. Rows not running are ignored.
+        One host copy of those rows, none when no row is given."""
+        wanted = set(requests)
+        slots = [slot for slot, r in enumerate(self._in_slot) if r is not None and r.request in wanted]
+        if not slots:
+            return []
+        with self._engaged():
+            index = torch.tensor(slots, dtype=torch.int64, device=self.device)  # [S]
+            self.rows.running.index_fill_(0, index, False)
+            self.records.reason.index_fill_(0, index, STOP)
+            rows = self._retire_slots(index)
+        self.rows_running -= len(slots)
+        return rows
+
     def _retire(self, count: int) -> list[FinishedRow]:
         """Read back the `count` rows that finished in this iteration and reset their slots."""
         finished = self.occupied & ~self.rows.running  # [B]
         index = torch.argsort((~finished).to(torch.int8), stable=True)[:count]  # [F] finished slots, in order
+        return self._retire_slots(index)
+
+    def _retire_slots(self, index: torch.Tensor) -> list[FinishedRow]:
+        """Read back the finished rows of slots `index` ([F] int64) and reset those slots."""
         results = self.records.read(index)  # host copy: the finished rows
         broken = [r.slot for r in results if r.error_flags]
         self.occupied.index_fill_(0, index, False)
@@ -499,6 +540,7 @@ class ContinuousBatcher:
             self._totals[1] -= sum(result.accepted_per_position)
             self._totals[2] -= result.tested_positions
         for result in results:
+            self._seen.pop(self._in_slot[result.slot].request, None)
             self._in_slot[result.slot] = None
             heapq.heappush(self._free, result.slot)
         while self._top and self._in_slot[self._top - 1] is None:

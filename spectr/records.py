@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-RUNNING, EOS, LENGTH, ERROR = 0, 1, 2, 3
-REASONS = {EOS: "eos", LENGTH: "length", ERROR: "error"}
+RUNNING, EOS, LENGTH, ERROR, STOP = 0, 1, 2, 3, 4
+REASONS = {EOS: "eos", LENGTH: "length", ERROR: "error", STOP: "stop"}  # STOP: ended by the caller (finish_rows)
 TARGET_NONFINITE, DRAFT_NONFINITE = 1, 2  # bits of the per-row error flags
 
 
@@ -155,6 +155,15 @@ class Records:
         weight = occupied.to(torch.int64)  # [B]
         per_slot = torch.stack([self.lengths, self.accepted_per_position.sum(1), self.tested_positions])  # [3, B]
         return (per_slot * weight).sum(1)
+
+    def recent(self, top: int) -> torch.Tensor:
+        """[top, 1 + E] int64 on the device: each slot's output length, then its last E output tokens (what
+        one iteration may have added; positions before 0 repeat token 0). For callers that watch the tokens
+        as they come (stop strings): it rides the iteration's one host copy."""
+        lengths = self.lengths[:top]  # [top]
+        offsets = torch.arange(self.emit_width, device=lengths.device)  # [E]
+        positions = (lengths[:, None] - self.emit_width + offsets).clamp(min=0)  # [top, E]
+        return torch.cat([lengths[:, None], self.tokens[:top].gather(1, positions)], 1)
 
     def read(self, slots: torch.Tensor) -> list[SlotResult]:
         """Copy the rows of `slots` ([F] int64) to the host: one copy for all of them."""

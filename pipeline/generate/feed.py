@@ -22,6 +22,8 @@ takes the rows that were held back; a rebuilt auto batcher keeps what its choose
 - when a row needs more positions than the pool holds: the capacity is the first shard's longest
   prompt + the largest budget (the input's, when the caller sets `max_budget`; else the first
   shard's), rounded up to a power of two and at most the models' positions; grown the same way;
+- (stop strings) a row whose newest tokens complete one of its `Row.stops` ends at once
+  (`ContinuousBatcher.finish_rows`): its slot takes the next prompt instead of running to its budget;
 - after a `step()` that raised: the rows that were in the batcher are re-run one by one with
   `spectr.generate` (a row's output does not depend on its batch, so this loses nothing), so only a
   row that fails alone gets an error; the next rows go into a fresh batcher.
@@ -77,6 +79,7 @@ class Row:
     budget: int
     seed: int
     warp: tuple[float, int, float] | None = None
+    stops: tuple[str, ...] = ()  # its stop strings: the row ends once its newest tokens complete one
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,8 @@ class ShardFeed:
         self.steps = 0  # iterations of the stepping loop so far (the driver's progress watchdog reads it)
         self._uncharged_mix = ConfigMix()
         self._wasted_charged = 0.0
+        self.decode: Callable[[list[int]], str] | None = None  # token ids -> text (set by the worker, for stops)
+        self._tails: dict[int, list[int]] = {}  # request id -> its newest tokens (rows with stop strings)
 
     # -- the shards' threads ----------------------------------------------------------------------
     def run(self, index: int, rows: list[Row]) -> ShardRun:
@@ -259,6 +264,8 @@ class ShardFeed:
                 return [(take[0][0], take[0][1], f"{type(err).__name__}: {err}")]
             return [outcome for item in take for outcome in self._admit([item])]
         self._in_batcher.update(zip(ids, take))
+        if self.decode is not None and any(r.stops for r in rows):
+            getattr(self.batcher, "batcher", self.batcher).watch_tokens = True  # stop strings: watch the tokens
         return []
 
     def _step(self) -> list[tuple[ShardRun, Row, FinishedRow | str]]:
@@ -271,8 +278,32 @@ class ShardFeed:
         else:
             if self.config.method == "auto":
                 self._note_step()
+            finished += self._stopped()
+            for row in finished:
+                self._tails.pop(row.request, None)
             return [(*self._in_batcher.pop(row.request), row) for row in finished]
         return self._recover(failure)  # outside the except block: the traceback no longer holds the pool
+
+    def _stopped(self) -> list[FinishedRow]:
+        """Rows whose newest tokens complete one of their stop strings end now, not at their budget: the
+        tokens came back with the iteration's one host copy (`ContinuousBatcher.recent_tokens`), so this
+        adds no device read. A stop spanning tokens is found in the text of the row's last tokens (its
+        longest stop's length in tokens, plus this iteration's); the worker then cuts the completion."""
+        engine = getattr(self.batcher, "batcher", self.batcher)  # method=auto: the AutoBatcher's own batcher
+        if self.decode is None or not getattr(engine, "watch_tokens", False):
+            return []
+        found = []
+        for request, tokens in engine.recent_tokens.items():
+            entry = self._in_batcher.get(request)
+            if entry is None or not entry[1].stops:
+                continue
+            tail = self._tails.setdefault(request, [])
+            tail.extend(tokens)
+            del tail[: max(0, len(tail) - len(tokens) - max(map(len, entry[1].stops)) - 1)]
+            text = self.decode(tail)
+            if any(stop in text for stop in entry[1].stops):
+                found.append(request)
+        return engine.finish_rows(found) if found else []
 
     def _recover(self, failure: str) -> list[tuple[ShardRun, Row, FinishedRow | str]]:
         """A step raised: rebuild the batcher later, and run the rows that were in it alone, now."""

@@ -3,7 +3,7 @@
     plan = prepare(config)   # lists the input, checks the pair, scans row counts, reads the commit log
 
 The plan never materialises prompts: the input is listed and scanned (`pipeline.source`,
-`pipeline.scanners`), shards are row ranges made on demand (`plan.shard(i)`), and what is done is one
+`pipeline.readers`), shards are row ranges made on demand (`plan.shard(i)`), and what is done is one
 byte per shard (`pipeline.generate.manifest.OutputState`). The config hash covers the settings that decide
 the rows, the input files' identity (path, size, modification time) and the models' identity
 (`pipeline.models.model_identity`), so a changed input or model is refused on resume. It writes nothing;
@@ -37,7 +37,7 @@ from pipeline.generate.shards import (
     shard_task,
 )
 from pipeline.hashing import stable_hash
-from pipeline.scanners import scan_source
+from pipeline.readers import scan_source
 from pipeline.source import Source, list_source, with_shard_size
 
 

@@ -125,6 +125,7 @@ class ShardGenerator:
         self.eos_token_id = models.eos_token_ids_of(self.target, self.tokenizer)  # every EOS id
         # one continuous batch (one cache pool) for every shard this actor holds, built at the first shard
         self.feed = ShardFeed(self.target, self.draft, spectr, self.eos_token_id, on_rows=self._report_rows)
+        self.feed.decode = self._decode  # stop strings end rows early (pipeline.generate.feed)
 
     def ready(self) -> dict[str, Any]:
         """Where this generator runs (called once so that load errors surface before any shard)."""
@@ -267,8 +268,9 @@ class ShardGenerator:
                     s.top_p if settings.top_p is None else settings.top_p)
         budget = settings.max_tokens or self._budget(shard, i)
         seed = shard.seeds[i] if settings.seed is None else settings.seed
-        return [Row(i * s.num_samples + sample, shard.prompt_token_ids[i], budget, sample_seed(seed, sample), warp)
-                for sample in range(s.num_samples)]
+        stops = tuple(s.stop or ()) + tuple(settings.stop)
+        return [Row(i * s.num_samples + sample, shard.prompt_token_ids[i], budget, sample_seed(seed, sample), warp,
+                    stops) for sample in range(s.num_samples)]
 
     def _budget(self, shard: Shard, i: int) -> int:
         """Row i's max_new_tokens: its `data.max_new_tokens_column` value, else `spectr.max_new_tokens`."""
@@ -282,6 +284,11 @@ class ShardGenerator:
             self.on_batch(shard_index, rows)
         except Exception as err:  # noqa: BLE001 - progress is best effort
             log.warning("progress report failed (%s: %s); generation goes on", type(err).__name__, err)
+
+    def _decode(self, ids: list[int]) -> str:
+        """Token ids -> text, as the completion is decoded (the feed's stop check, on the stepping thread)."""
+        with self._text_lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _row(self, shard: Shard, i: int, finished: Any, sample: int = 0, stops: list[str] | None = None
              ) -> dict[str, Any]:

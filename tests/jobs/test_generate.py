@@ -498,3 +498,27 @@ def test_chat_mode_renders_messages_with_the_target_template(tiny_pair, tmp_path
         tokenizer("user : def x assistant :", add_special_tokens=False)["input_ids"]
     ]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow  # two whole jobs; the default suite plans and reads compressed inputs in test_source.py
+def test_a_gzipped_jsonl_input_runs_as_a_whole_job_like_the_plain_file(tiny_pair, prompts_jsonl, tmp_path, ray_local):
+    """`.jsonl.gz`: the driver's scan streams the decompressed bytes, each worker decompresses in a stream up
+    to its shards (several shards of one compressed file, on two actors); the rows equal the plain file's."""
+    import gzip
+
+    lines = prompts_jsonl.read_text().splitlines(keepends=True)[:20]
+    plain = tmp_path / "p.jsonl"
+    plain.write_text("".join(lines))
+    compressed = tmp_path / "p.jsonl.gz"
+    compressed.write_bytes(gzip.compress(plain.read_bytes()))
+    tables = []
+    for data in (compressed, plain):
+        out = tmp_path / f"out-{data.name}"
+        raw = job_config(tiny_pair, data, out, shard_size=4, **{"spectr.max_new_tokens": 4})
+        assert run_generate(from_dict(raw)).exit_code == 0
+        assert (out / "_SUCCESS").exists() and len(commit_records(out)) == 5
+        tables.append(read_output(out))
+    gz, txt = tables
+    assert gz.column("id").to_pylist() == txt.column("id").to_pylist() == prompt_ids(plain)
+    assert gz.column("completion_token_ids").to_pylist() == txt.column("completion_token_ids").to_pylist()
+    assert set(gz.column("finish_reason").to_pylist()) <= {"length", "eos"}

@@ -3,6 +3,11 @@
 - A stuck actor: its target's forward blocks (installed from outside with Ray's `__ray_call__`, the
   documented test-only hook: the engine is not touched). Its pings still answer, its progress does not
   move; after `ray.stall_timeout_s` it is restarted and its shards are generated elsewhere.
+- A late writer: the part an actor the driver gave up on was writing is written, marked, only after the
+  shard's retry is committed (a node cut off from the driver that still reaches the storage). Ray kills
+  an actor's child processes with it, so a process the test starts does the actor's write late: the bytes
+  and the part name are the given-up actor's own. The fence (the attempt's part name) keeps it from
+  replacing the committed part.
 - A sick actor: building its batch raises a CUDA-like error on every shard (again through
   `__ray_call__`). The failed shard is retried on another actor first (quarantine), where it succeeds;
   the sick actor is then restarted, and the shards that were only its neighbours are not charged
@@ -16,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -70,6 +76,53 @@ def _sick_batch(generator) -> None:
     generator.feed._build = broken
 
 
+LATE_SCRIPT = """
+import json, pathlib, sys, time
+out, stage = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+log, deadline = out / "_commits.jsonl", time.time() + 300
+while not (stage / "late.json").exists() and time.time() < deadline:  # the given-up actor's part
+    time.sleep(0.1)
+index, name = json.loads((stage / "late.json").read_text()).values()
+
+def committed():
+    for line in (log.read_text().splitlines() if log.exists() else []):
+        try:
+            if json.loads(line).get("shard") == index:
+                return True
+        except ValueError:
+            pass
+    return False
+
+while not committed() and time.time() < deadline:
+    time.sleep(0.1)
+(out / name).write_bytes((stage / "late.bin").read_bytes())
+(stage / "late.done").write_text(str(committed()))
+"""
+
+
+def _late_writer(generator, stage: str) -> None:
+    """On the actor: the first part it writes (every completion marked LATE) and its attempt's name are left in
+    `stage` for the late writing process (LATE_SCRIPT) instead of written; the actor then hangs, so the driver
+    gives up on it (ray.stall_timeout_s) and kills it."""
+    import threading
+
+    from pipeline.generate import output
+
+    original, first = output.write_shard, []
+
+    def late(out, index, rows, schema, digits, fence):
+        if first:
+            return original(out, index, rows, schema, digits, fence)
+        first.append(index)
+        marked = [dict(row, completion="LATE " + (row.get("completion") or "")) for row in rows]
+        Path(stage, "late.bin").write_bytes(output.encode_part(index, marked, schema))
+        name = output.part_name(index, digits, fence)
+        Path(stage, "late.json").write_text(json.dumps({"index": index, "name": name}))
+        threading.Event().wait()
+
+    output.write_shard = late
+
+
 def _kill_quietly(pids) -> None:
     for pid in pids:
         try:
@@ -111,6 +164,41 @@ def test_a_stuck_actor_is_restarted_and_its_shards_done_by_its_new_process(
     assert stuck[0] not in written.values() and set(written.values()) == set(joined[:1])  # the new process
     assert joined and stuck[0] not in joined
     assert_complete(tmp_path / "out", prompts_jsonl)
+
+
+@pytest.mark.slow
+def test_a_late_writer_never_replaces_the_committed_part(tiny_pair, prompts_jsonl, tmp_path, ray_local):
+    """The actor the driver gave up on writes its part after the retry was committed: under its own attempt's
+    name, so the committed part is untouched, and the read-back has every id once and none of its rows."""
+    out, stage = tmp_path / "out", tmp_path / "stage"
+    stage.mkdir()
+    raw = job_config(
+        tiny_pair, prompts_jsonl, out, shard_size=10,
+        **{"spectr.max_new_tokens": 8, "spectr.batch_size": 2, "ray.max_restarts": 1, "ray.heartbeat_s": 0.5,
+           "ray.num_actors": 1, "ray.shards_per_actor": 1, "ray.heartbeat_timeout_s": 60, "ray.stall_timeout_s": 3},
+    )  # fmt: skip
+    given_up: list[int] = []
+
+    def on_ready(actors, workers):
+        ray_local.get(actors[0].__ray_call__.remote(_late_writer, str(stage)))
+        given_up.append(workers[0]["pid"])
+
+    writer = subprocess.Popen([sys.executable, "-c", LATE_SCRIPT, str(out), str(stage)])
+    try:
+        report = run_generate(from_dict(raw), RunHooks(on_actors_ready=on_ready))
+        writer.wait(timeout=120)  # the late write lands after the commit, maybe after the job's end
+    finally:
+        writer.kill()
+        _kill_quietly(given_up)
+    assert report.exit_code == 0 and (stage / "late.done").read_text() == "True"  # written after the commit
+    late = json.loads((stage / "late.json").read_text())
+    records = [r for r in commit_records(out) if r["shard"] == late["index"]]
+    assert records and all(r["file"] != late["name"] for r in records)  # the fence: another name
+    table = read_output(out)
+    assert table.column("id").to_pylist() == prompt_ids(prompts_jsonl)
+    assert not any(c.startswith("LATE") for c in table.column("completion").to_pylist() if c)
+    committed = out / records[-1]["file"]
+    assert committed.stat().st_size == records[-1]["bytes"] and (out / "_SUCCESS").exists()
 
 
 def test_a_sick_actor_is_quarantined_and_charges_only_its_own_shard(

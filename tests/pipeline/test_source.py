@@ -15,7 +15,7 @@ from pipeline.config import DataConfig
 from pipeline.errors import JobInputError
 from pipeline.linescan import ScanError, scan_records, split_records
 from pipeline.prompts import read_rows
-from pipeline.scanners import scan_source
+from pipeline.readers import scan_source
 from pipeline.source import list_source
 
 ROWS = [{"id": f"r{i:02d}", "prompt": f"def f{i}(x):\n    return {i}", "extra": i} for i in range(23)]
@@ -260,3 +260,43 @@ def test_a_directory_of_compressed_files_and_a_compressed_parquet_name(tmp_path)
     (tmp_path / "x.parquet.gz").write_bytes(b"")
     with pytest.raises(JobInputError, match="cannot tell the format"):
         plan(tmp_path / "x.parquet.gz")
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_one_reader_per_format_serves_both_the_plan_and_the_workers(tmp_path, fmt, monkeypatch):
+    """pipeline.readers.READERS is the only dispatch: a reader swapped in there is what the scan and the reads use."""
+    from pipeline import readers
+    from pipeline.formats import FORMATS
+
+    assert set(readers.READERS) == set(FORMATS)
+    assert all(reader.format.name == name for name, reader in readers.READERS.items())
+    calls = {"scan": 0, "read": 0}
+    real = readers.READERS[fmt]
+
+    def counted(kind, function):
+        def call(*args):
+            calls[kind] += 1
+            return function(*args)
+        return call
+
+    monkeypatch.setitem(readers.READERS, fmt, readers.FormatReader(
+        real.format, counted("scan", real.scan), real.columns, counted("read", real.read)))
+    path = write_rows(tmp_path / f"p.{fmt}", fmt, ROWS)
+    source = plan(path, shard_size=8, id_column="id")
+    ids, _ = all_rows(source, 8)
+    assert ids == [r["id"] for r in ROWS] and calls == {"scan": 1, "read": 3}
+
+
+def test_the_modules_below_the_readers_import_neither_the_readers_nor_the_prompts():
+    """No import circle: prompts -> readers -> scanners -> source -> formats, never back."""
+    import ast
+    from pathlib import Path
+
+    import pipeline
+
+    root = Path(pipeline.__file__).parent
+    for module in ("source", "scanners", "linescan", "rowcheck", "formats", "row_columns"):
+        tree = ast.parse((root / f"{module}.py").read_text())
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        assert not imported & {"pipeline.readers", "pipeline.prompts"}, module

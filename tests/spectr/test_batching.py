@@ -237,3 +237,42 @@ def test_the_batcher_leaves_models_in_their_training_mode_and_reports_its_run(pa
     stats = batcher.snapshot()
     assert stats.iterations >= 25 / (2 * 3) and stats.admissions >= 3 and stats.wall_seconds > 0
     assert stats.target_seconds > 0 and stats.draft_seconds > 0
+
+
+def _run(batcher, prompts, budget, watch_until=None):
+    """Rows by request; with `watch_until` {request: n}, each such row is ended once it has n tokens."""
+    batcher.watch_tokens = watch_until is not None
+    batcher.admit(prompts, max_new_tokens=budget, seed=list(range(len(prompts))))
+    seen, out = {}, {}
+    while not batcher.idle:
+        finished = batcher.step()
+        if watch_until is not None:
+            for request, tokens in batcher.recent_tokens.items():
+                seen[request] = seen.get(request, []) + tokens
+            stop = [r for r, n in watch_until.items() if len(seen.get(r, [])) >= n and r not in out]
+            finished += batcher.finish_rows(stop)
+        out.update({row.request: row for row in finished})
+    return out, seen
+
+
+def test_finish_rows_ends_a_row_early_from_the_tokens_of_the_iteration_copy(pair):
+    """Watching, each iteration's new tokens come back with its one host copy (no extra sync); a row ended
+    with finish_rows has the first tokens of its full run, fewer target calls, reason "stop"; the other rows
+    and the next admissions are as unwatched."""
+    from spectr.diagnostics import HostSyncCounter
+
+    prompts = random_prompts(3, seed=21)
+    make = lambda: ContinuousBatcher(*pair, batch_size=2, max_length=64, **SETTINGS)  # noqa: E731
+    with HostSyncCounter() as plain_syncs:
+        full, _ = _run(make(), prompts, 16)
+    with HostSyncCounter() as watched_syncs:
+        watched, seen = _run(make(), prompts, 16, watch_until={})
+    assert {r: row.tokens for r, row in watched.items()} == {r: row.tokens for r, row in full.items()}
+    assert all(seen[r] == full[r].tokens for r in full)  # recent_tokens add up to every row's output
+    assert watched_syncs.total == plain_syncs.total  # the tokens rode the existing copy
+    stopped, _ = _run(make(), prompts, 16, watch_until={0: 5})
+    assert stopped[0].finish_reason == "stop" and stopped[0].tokens[:5] == full[0].tokens[:5]
+    assert len(stopped[0].tokens) < len(full[0].tokens) and stopped[0].target_calls < full[0].target_calls
+    for r in (1, 2):  # the row that took slot 0 next, and the others, are as in the full run
+        assert stopped[r].tokens == full[r].tokens and stopped[r].finish_reason == full[r].finish_reason
+    assert make().finish_rows([7]) == []  # not running: ignored

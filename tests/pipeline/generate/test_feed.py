@@ -308,3 +308,36 @@ def test_a_failure_charges_the_driving_shard_and_stops_its_neighbours_uncharged(
         thread.join(timeout=120)
     assert sorted(type(err).__name__ for err in errors) == ["FeedAborted", "RuntimeError"]
     assert "CUDA error" in str(next(err for err in errors if not isinstance(err, FeedAborted)))
+
+
+def test_a_stop_string_ends_its_row_early_not_only_cuts_it(tiny_pair):
+    """A stop string spanning two tokens, found in the tokens each iteration already copied back, ends the
+    row then: the same cut completion as a run to the budget, in fewer target calls, while the other rows
+    run as before. Control: without the feed's decode (no early end) the row runs to its budget."""
+    from pipeline.stops import cut_at_stop
+
+    model = ModelConfig(target=str(tiny_pair["target"]), draft=str(tiny_pair["draft"]))
+
+    def generator(stop):
+        config = SpectrConfig(**SETTINGS, max_new_tokens=40, batch_size=2, seed=0, stop=stop)
+        return ShardGenerator(model, config, num_threads=1)
+
+    shard = shards_of(tiny_pair, prompts_of(3, seed=5), 3)[0]
+    full = generator(None)(shard).rows
+    plain = generator(None)
+    tokens = full[0]["completion_token_ids"]
+    stop = plain._decode(tokens[4:6])  # spans two tokens, well before the budget
+    expected = cut_at_stop(plain._decode, tokens, [stop])
+    assert stop.strip() and expected is not None and expected.num_tokens < 30
+    early = generator([stop])
+    rows = early(shard).rows
+    late = generator([stop])
+    late.feed.decode = None  # the control: cut afterwards only
+    control = late(shard).rows
+    for got in (rows[0], control[0]):
+        assert got["finish_reason"] == "stop" and got["completion"] == expected.text
+        assert got["completion_token_ids"] == tokens[: expected.num_tokens]
+    assert rows[0]["target_calls"] < control[0]["target_calls"] == full[0]["target_calls"]
+    for other in (1, 2):  # rows without the stop in their text: as in the run without stop strings
+        if stop not in full[other]["completion"]:
+            assert rows[other]["completion_token_ids"] == full[other]["completion_token_ids"]

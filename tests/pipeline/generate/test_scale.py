@@ -14,7 +14,7 @@ from pipeline.generate.commit_log import AppendLog, compact_commit_log, read_com
 from pipeline.generate.scheduler import ShardQueue
 from pipeline.generate.shards import MAX_PARTS, SHARD_GRANULE, auto_shard_size, num_shards, shard_task
 from pipeline.prompts import read_rows
-from pipeline.scanners import scan_source
+from pipeline.readers import scan_source
 from pipeline.source import list_source, with_shard_size
 
 

@@ -1,0 +1,203 @@
+"""One reader per input format, used by both the plan and the workers: the only format-dispatch table.
+
+    source = scan_source(data, list_source(data), shard_size)    # the driver: READERS[format].scan
+    READERS[source.format].read(source, piece, cache)            # a worker (pipeline.prompts.read_rows)
+
+A `FormatReader` holds what the job does with one format of `pipeline.formats.FORMATS`: the driver's
+pass (`scan`: row counts, shard offsets and the up-front checks, in `pipeline.scanners`), the column
+names (and schema, where the format has one) of a file (`columns`, for `pipeline.row_columns`), and a
+worker's read of one piece of a shard (`read`: a JSON-lines or CSV byte range, decompressed in a stream
+for a compressed file; the Parquet row groups or the Arrow file that hold it). A new format is one
+entry of `FORMATS` and one `FormatReader` here.
+
+Imports point one way, `prompts -> readers -> scanners -> source -> formats`: nothing below imports
+this module. Not here: listing files (`pipeline.source`), the per-format scans themselves
+(`pipeline.scanners`), checking and shaping rows (`pipeline.prompts`), the formats' names, extensions
+and codecs (`pipeline.formats`).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from pipeline.config import DataConfig
+from pipeline.errors import JobInputError
+from pipeline.formats import FORMATS, InputFormat, csv_options, jsonl_record
+from pipeline.linescan import split_records
+from pipeline.row_columns import RowColumns, resolve_columns
+from pipeline.rowcheck import BudgetCheck
+from pipeline.scanners import (
+    _arrow_table,
+    _first_record,
+    _open_parquet,
+    scan_arrow,
+    scan_csv,
+    scan_jsonl,
+    scan_parquet,
+)
+from pipeline.source import Piece, ScanResult, Source, SourceListing, text_column
+
+# (ids or None, prompt values, budget values or None, the extra columns' values) of one piece
+PieceValues = tuple[list[Any] | None, list[Any], list[Any] | None, dict[str, list[Any]]]
+
+
+@dataclass(frozen=True)
+class FormatReader:
+    """What the plan and the workers do with one input format.
+
+    scan(data, listing, shard_size, budgets) -> ScanResult: the driver's pass over every file.
+    columns(uri, result) -> (names, schema or None): a file's column names, for the kept/stop/params columns.
+    read(source, piece, cache) -> PieceValues: a worker's read of one piece (`cache`: a
+    `pipeline.prompts.ReadCache`, which keeps footers, row groups and decompressing streams between shards).
+    """
+
+    format: InputFormat
+    scan: Callable[[DataConfig, SourceListing, int, BudgetCheck | None], ScanResult]
+    columns: Callable[[str, ScanResult], tuple[list[str], pa.Schema | None]]
+    read: Callable[[Source, Piece, Any], PieceValues]
+
+
+# --- the workers' reads ---------------------------------------------------------------------------------
+
+
+def _read_jsonl(source: Source, piece: Piece, cache: Any) -> PieceValues:
+    uri = source.files[piece.file].uri
+    data = cache.text_range(uri, piece.byte_start, piece.byte_stop)
+    records = [jsonl_record(raw, uri, offset=piece.byte_start) for raw in split_records(data)]
+    values = [record.get(source.text_column) for record in records]
+    ids = [record.get(source.id_column) for record in records] if source.id_column else None
+    budgets = [record.get(source.budget_column) for record in records] if source.budget_column else None
+    return ids, values, budgets, {c: [record.get(c) for record in records] for c in source.columns.read}
+
+
+def _read_csv(source: Source, piece: Piece, cache: Any) -> PieceValues:
+    import pyarrow.csv as pacsv
+
+    uri = source.files[piece.file].uri
+    data = cache.text_range(uri, piece.byte_start, piece.byte_stop)
+    id_type = pa.int64() if source.id_kind == "int" else pa.string()
+    read, parse, convert = csv_options(
+        source.csv_header or (), source.text_column, source.id_column, id_type, source.budget_column,
+        source.columns.read,
+    )
+    table = pacsv.read_csv(
+        pa.BufferReader(data), read_options=read, parse_options=parse, convert_options=convert
+    )
+    return _split(source, table)
+
+
+def _columns(source: Source) -> list[str]:
+    return (
+        [source.text_column]
+        + ([source.id_column] if source.id_column else [])
+        + ([source.budget_column] if source.budget_column else [])
+        + [c for c in source.columns.read if c not in (source.text_column, source.id_column, source.budget_column)]
+    )
+
+
+def _read_parquet(source: Source, piece: Piece, cache: Any) -> PieceValues:
+    uri = source.files[piece.file].uri
+    parquet, starts = cache.parquet(uri)
+    first = bisect.bisect_right(starts, piece.start) - 1
+    last = bisect.bisect_right(starts, piece.stop - 1) - 1
+    tables = [cache.row_group(uri, parquet, group, _columns(source)) for group in range(first, last + 1)]
+    table = pa.concat_tables(tables).slice(piece.start - int(starts[first]), piece.stop - piece.start)
+    return _split(source, table)
+
+
+def _read_arrow(source: Source, piece: Piece, cache: Any) -> PieceValues:
+    table = cache.arrow(source.files[piece.file].uri)
+    return _split(source, table.slice(piece.start, piece.stop - piece.start).select(_columns(source)))
+
+
+def _split(source: Source, table: pa.Table) -> PieceValues:
+    ids = table.column(source.id_column).to_pylist() if source.id_column else None
+    budgets = table.column(source.budget_column).to_pylist() if source.budget_column else None
+    extras = {c: table.column(c).to_pylist() for c in source.columns.read}
+    return ids, table.column(source.text_column).to_pylist(), budgets, extras
+
+
+# --- a file's columns ----------------------------------------------------------------------------------
+
+
+def _parquet_columns(uri: str, result: ScanResult) -> tuple[list[str], pa.Schema | None]:
+    schema = _open_parquet(uri).schema_arrow
+    return list(schema.names), schema
+
+
+def _arrow_columns(uri: str, result: ScanResult) -> tuple[list[str], pa.Schema | None]:
+    schema = _arrow_table(uri).schema
+    return list(schema.names), schema
+
+
+def _jsonl_columns(uri: str, result: ScanResult) -> tuple[list[str], pa.Schema | None]:
+    first = _first_record(uri, quoted=False)
+    return (list(jsonl_record(first.data.rstrip(b"\r\n"), uri, line=first.first_line)) if first else []), None
+
+
+def _csv_columns(uri: str, result: ScanResult) -> tuple[list[str], pa.Schema | None]:
+    return list(result.csv_header or ()), None
+
+
+READERS: dict[str, FormatReader] = {
+    "parquet": FormatReader(FORMATS["parquet"], scan_parquet, _parquet_columns, _read_parquet),
+    "hf_disk": FormatReader(FORMATS["hf_disk"], scan_arrow, _arrow_columns, _read_arrow),
+    "jsonl": FormatReader(FORMATS["jsonl"], scan_jsonl, _jsonl_columns, _read_jsonl),
+    "csv": FormatReader(FORMATS["csv"], scan_csv, _csv_columns, _read_csv),
+}
+assert set(READERS) == set(FORMATS), "every format of pipeline.formats.FORMATS has one reader"
+
+
+def reader_of(name: str) -> FormatReader:
+    if name not in READERS:
+        raise JobInputError(f"data.format: unknown format {name!r}")
+    return READERS[name]
+
+
+# --- the plan -----------------------------------------------------------------------------------------
+
+
+def scan_source(
+    data: DataConfig, listing: SourceListing, shard_size: int, max_new_tokens_limit: int | None = None
+) -> Source:
+    """Row counts, shard offsets and every up-front check (`pipeline.scanners`' docstring says which).
+
+    max_new_tokens_limit: the most new tokens the models take (with `data.max_new_tokens_column`)."""
+    reader = reader_of(listing.format)
+    column = data.max_new_tokens_column
+    budgets = None if column is None else BudgetCheck(column, max_new_tokens_limit)
+    result = reader.scan(data, listing, shard_size, budgets)
+    if result.num_rows == 0:
+        raise JobInputError(f"data.path: {listing.path} holds no rows")
+    column, _ = text_column(data)
+    files = tuple(f for f in result.files if f.num_rows)
+    return Source(
+        path=listing.path,
+        format=listing.format,
+        files=files,
+        num_rows=result.num_rows,
+        shard_size=shard_size,
+        text_column=column,
+        id_column=data.id_column if result.has_id else None,
+        id_kind=result.id_kind if result.has_id else "int",
+        chat=data.chat,
+        csv_header=result.csv_header,
+        first_rows=tuple(f.first_row for f in files),
+        budget_column=data.max_new_tokens_column,
+        max_budget=None if budgets is None else budgets.largest,
+        columns=_row_columns(data, listing, result, reader),
+    )
+
+
+def _row_columns(data: DataConfig, listing: SourceListing, result: ScanResult, reader: FormatReader) -> RowColumns:
+    """The kept / stop / sampling-params columns against the first file's columns (and types, where it has some)."""
+    if not (data.keep_columns or data.stop_column or data.sampling_params_column):
+        return RowColumns()
+    uri = listing.files[0].uri
+    names, schema = reader.columns(uri, result)
+    return resolve_columns(data, names, schema, listing.format, uri)
