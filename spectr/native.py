@@ -44,6 +44,33 @@ NATIVE_ROPE_TYPES = ("default", "linear", "llama3")  # a fixed inv_freq (dynamic
 CUDA_VIEW_BUCKET = 64  # on CUDA the attended view is padded to a multiple of this (fewer CUDA graphs)
 RECOMPILE_LIMIT = 64  # dynamo's per-code-object limit: both models' graphs share NativeCore.forward
 COMPILE_BACKEND = "inductor"  # tests set a counting backend here (spectr's tests: graphs, not kernels)
+COMPILE_CHOICES = (False, True, "auto")
+
+# compile="auto" on the CPU: compile when the queued work is at least this many iterations of the pool
+# (sum of the queued rows' budgets / batch size: autoregressive iterations, an upper bound for speculative
+# ones). The rule: compiling pays when iterations x (eager - compiled seconds per iteration) > compile
+# seconds. The issue's probe on this 2-core CPU: 2-28 s of compile per graph (a run compiles 4-8: target
+# and draft, rows 1 and >1, widths 1 and >1) and a saving of about 1/3 of a ~10-30 ms iteration of the
+# embedded pair: 4-8 graphs x ~8 s / ~5 ms saved = 6,000-13,000 iterations. 8,000 is that middle; a
+# 64-prompt job of 64 tokens at 8 slots (512 iterations) stays eager. scripts/bench_compile.py prints the
+# measured break-even (compile seconds / seconds saved per iteration): update this from it.
+CPU_MIN_ITERATIONS = 8000
+
+
+def check_compile(compile) -> bool | str:
+    """`compile` as given (False, True or "auto"), or ValueError naming it."""
+    if not any(compile is choice or (isinstance(choice, str) and compile == choice) for choice in COMPILE_CHOICES):
+        raise ValueError(f"compile must be False, True or 'auto', got {compile!r}")
+    return compile
+
+
+def auto_compile(device: torch.device, queued_tokens: int, batch_size: int) -> bool:
+    """compile="auto": always on CUDA (CUDA graphs pay within a few iterations: an iteration is hundreds
+    of kernel launches); on the CPU when the queued work (`queued_tokens` over `batch_size` slots) is at
+    least `CPU_MIN_ITERATIONS` iterations (see there)."""
+    if device.type == "cuda":
+        return True
+    return queued_tokens / max(batch_size, 1) >= CPU_MIN_ITERATIONS
 
 
 def native_supported(model) -> str | None:
