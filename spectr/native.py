@@ -7,8 +7,9 @@ back) but runs `NativeCore`: a compact functional decoder over the HF model's ow
 embedding, norms, projections, MLPs and head: the same parameters, no copy), with attention
 written out for the engine's layout. The core is a pure function of its inputs:
 
-    core(input_ids [B, T], positions [B, T], kv [layers, 2, B, Hkv, S, D] (the attended cache view),
-         allowed [B, T, S] bool, write_slots [B, T]) -> logits [B, T, V], new_kv [layers, 2, B, Hkv, T, D]
+    core(slots [3, B, T] (input ids, positions, write slots), pool [layers, 2, P, Hkv, C, D] (the
+         cache buffer; rows [0, B) and slots [0, S) are attended), allowed [B, T, S] bool)
+         -> logits [B, T, V], new_kv [layers, 2, B, Hkv, T, D]
 
 The new tokens' own keys attend through a [B, T, T] pattern read from `allowed` at their write
 slots (those slots of the view are stale this forward and masked); per layer the scores over the
@@ -21,7 +22,9 @@ Compilation (`compiled=True`): the core goes through `torch.compile(fullgraph=Tr
 breaks, no host sync inside), with `dynamic=True` on the CPU: the rows B, the new tokens T and
 the view length S are symbolic, so every configuration, batch size and cache length shares a
 handful of graphs per model (B and T of 1 are specialised by dynamo: at most B in {1, >1} x T in
-{1, >1} x last_only). On CUDA it uses `mode="reduce-overhead"` (CUDA graphs, recorded per
+{1, >1} x last_only). Its inputs have one layout whatever the call: the pool's whole buffer (rows and
+view are sliced inside the graph, so a narrower iteration does not change a stride), fresh contiguous
+index tensors (no aliasing, no expanded strides). On CUDA it uses `mode="reduce-overhead"` (CUDA graphs, recorded per
 concrete shape) and pads the view length to a multiple of `CUDA_VIEW_BUCKET` slots (masked
 columns) so that the number of recordings stays small; its outputs are cloned (a later replay
 overwrites the graph's output memory). Prefill (a forward over a `RowView`: newly admitted rows)
@@ -111,10 +114,13 @@ class NativeCore(torch.nn.Module):
         self.scaling = self.head_dim ** -0.5
         self.max_position = getattr(config, "max_position_embeddings", None)
 
-    def forward(self, input_ids, positions, kv, allowed, write_slots, last_only: bool = False):
-        """input_ids, positions, write_slots [B, T]; kv [N, 2, B, Hkv, S, D]; allowed [B, T, S] bool.
-        Returns logits [B, T, V] ([B, 1, V] with last_only) and the new keys/values [N, 2, B, Hkv, T, D]."""
-        batch, new = input_ids.shape
+    def forward(self, slots, pool, allowed, last_only: bool = False):
+        """slots [3, B, T] (input ids, positions, write slots); pool [N, 2, P >= B, Hkv, C >= S, D] (the
+        cache rows [0, B) and slots [0, S) are attended); allowed [B, T, S] bool. Returns logits [B, T, V]
+        ([B, 1, V] with last_only) and the new keys/values [N, 2, B, Hkv, T, D]."""
+        _, batch, new = slots.shape
+        input_ids, positions, write_slots = slots[0], slots[1], slots[2]  # [B, T] each
+        kv = pool[:, :, :batch, :, : allowed.shape[-1]]  # [N, 2, B, Hkv, S, D] a view
         if self.max_position is not None:
             positions = positions.clamp(max=self.max_position - 1)
         cache_allowed, new_allowed = split_pattern(allowed, write_slots)  # [B, T, S], [B, T, T]
@@ -197,6 +203,7 @@ class NativeCausalLM(HFCausalLM):
         self.core = NativeCore(model)
         self.cuda = self.device.type == "cuda"
         self._compiled_core = None
+        self._static_pool = None  # id of the pool buffer marked static for CUDA graphs
         self.compiled = False
         self.set_compiled(compiled)
 
@@ -228,21 +235,29 @@ class NativeCausalLM(HFCausalLM):
             base._allocate(torch.empty(1, self.core.kv_heads, 1, self.core.head_dim, dtype=self.dtype,
                                        device=self.device))
         buffer = base.buffer  # [N, 2, B, Hkv, C, D]
-        core = self.core if subset or self._compiled_core is None else self._compiled_core
-        if core is not self.core and self.cuda:
-            padded = min(-(-view // CUDA_VIEW_BUCKET) * CUDA_VIEW_BUCKET, base.capacity)
-            allowed = torch.nn.functional.pad(allowed, (0, padded - view))  # [B, T, padded] masked columns
-            view = padded
-        kv = buffer[:, :, :, :, :view]  # [N, 2, B, Hkv, S, D] a view
-        if subset:
-            kv = kv.index_select(2, rows.rows)  # [N, 2, R, Hkv, S, D] a copy
-        if core is not self.core and self.cuda:
-            torch.compiler.cudagraph_mark_step_begin()
-        logits, new_kv = core(input_ids, position_ids, kv, allowed, write_slots, last_only)
-        if core is not self.core and self.cuda:
-            logits, new_kv = logits.clone(), new_kv.clone()  # the graph's memory is reused by the next replay
+        slots = torch.stack([input_ids, position_ids.expand_as(write_slots), write_slots])  # [3, B, T] fresh
+        if subset or self._compiled_core is None:  # eager: prefill of new rows (a gathered copy of their slots)
+            pool = buffer[:, :, :, :, :view].index_select(2, rows.rows) if subset else buffer
+            logits, new_kv = self.core(slots, pool, allowed, last_only)
+        else:
+            logits, new_kv = self._run_compiled(slots, base, allowed.contiguous(), last_only)
         _store(buffer, new_kv, write_slots, rows.rows if subset else None)
         return logits
+
+    def _run_compiled(self, slots, cache, allowed, last_only):
+        """The compiled core over the whole pool's buffer (one static input; the rows are its first B)."""
+        pool = cache.root.buffer  # [N, 2, P, Hkv, C, D]: the same tensor for the batcher's life
+        if not self.cuda:
+            return self._compiled_core(slots, pool, allowed, last_only)
+        if id(pool) != self._static_pool:
+            torch._dynamo.mark_static_address(pool)  # CUDA graphs read it in place, never copy it
+            self._static_pool = id(pool)
+        view = allowed.shape[-1]
+        padded = min(-(-view // CUDA_VIEW_BUCKET) * CUDA_VIEW_BUCKET, cache.capacity)
+        allowed = torch.nn.functional.pad(allowed, (0, padded - view))  # [B, T, padded]: masked columns
+        torch.compiler.cudagraph_mark_step_begin()
+        logits, new_kv = self._compiled_core(slots, pool, allowed, last_only)
+        return logits.clone(), new_kv.clone()  # the graph's output memory is reused by the next replay
 
 
 def _store(buffer: torch.Tensor, new_kv: torch.Tensor, write_slots: torch.Tensor, rows: torch.Tensor | None) -> None:
