@@ -183,6 +183,11 @@ class ContinuousBatcher:
     drafter once. A draft model is kept when the bounds allow speculation (autoregressive without a
     draft: autoregressive only).
 
+    compile: False (eager HF forwards), True (Llama / Qwen2 models run `spectr.native`'s forward under
+    torch.compile; other models stay eager) or "auto" (`spectr.native.auto_compile`, decided once at the
+    first `step` from the queued work); `stats.compiled` says which ran. On CUDA, compiled iterations run
+    on a power-of-2 prefix of the slots (masked rows above the live ones) so CUDA graphs see few shapes.
+
     The constructor checks the run settings and raises ValueError naming the bad argument;
     `admit` checks prompts, budgets and seeds and raises ValueError naming the argument and the
     row (nothing of that call is queued then).

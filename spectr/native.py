@@ -19,14 +19,16 @@ every layer. Grouped-query attention folds the G query heads of a KV head into t
 `spectr.hf.grouped_query_attention` does: each K/V head is read once.
 
 Compilation (`compiled=True`): the core goes through `torch.compile(fullgraph=True)` (no graph
-breaks, no host sync inside), with `dynamic=True` on the CPU: the rows B, the new tokens T and
-the view length S are symbolic, so every configuration, batch size and cache length shares a
-handful of graphs per model (B and T of 1 are specialised by dynamo: at most B in {1, >1} x T in
-{1, >1} x last_only). Its inputs have one layout whatever the call: the pool's whole buffer (rows and
-view are sliced inside the graph, so a narrower iteration does not change a stride), fresh contiguous
-index tensors (no aliasing, no expanded strides). On CUDA it uses `mode="reduce-overhead"` (CUDA graphs, recorded per
-concrete shape) and pads the view length to a multiple of `CUDA_VIEW_BUCKET` slots (masked
-columns) so that the number of recordings stays small; its outputs are cloned (a later replay
+breaks, no host sync inside). On the CPU the rows B, the new tokens T and the view length S are
+marked dynamic on every call (and nothing else is), traced with sizes of 1 treated like any other
+(`backed_size_oblivious`) and without duck sizing, so every configuration, batch size and cache
+length shares a handful of graphs per model (the planner's candidates included). Its inputs have
+one layout whatever the call: the pool's whole buffer (rows and view are sliced inside the graph,
+so a narrower iteration changes no stride) and fresh contiguous tensors (no aliasing, no expanded
+strides). On CUDA it uses `mode="reduce-overhead"` (CUDA graphs, recorded per concrete shape), marks
+the pool buffer a static address (read in place, never copied into the graph), and pads the view
+length to a multiple of `CUDA_VIEW_BUCKET` slots (masked columns; the batcher pads the rows to powers
+of 2) so that the number of recordings stays small; its outputs are cloned (a later replay
 overwrites the graph's output memory). Prefill (a forward over a `RowView`: newly admitted rows)
 always runs eager, so a new prompt length never compiles a graph. `compiled=False` runs the HF
 model itself (`HFCausalLM.forward`), bit for bit the engine's eager path.
@@ -36,6 +38,8 @@ when to compile (`spectr.batching`, `compile="auto"`), sampling and selection.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -192,6 +196,11 @@ def split_pattern(allowed: torch.Tensor, write_slots: torch.Tensor) -> tuple[tor
     return cache_part, new_part
 
 
+# Per HF model: its NativeCore and (backend, compiled core), shared by every NativeCausalLM over it, so that a
+# new batcher over the same model (a worker rebuilding its pool, a test) reuses the graphs already compiled.
+_CORES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 class NativeCausalLM(HFCausalLM):
     """An `HFCausalLM` whose forward runs `NativeCore` (compiled or not); see the module docstring."""
 
@@ -200,9 +209,9 @@ class NativeCausalLM(HFCausalLM):
         reason = native_supported(model)
         if reason is not None:
             raise ValueError(f"{self.description} cannot run the native forward: {reason}")
-        self.core = NativeCore(model)
+        self.core, self._compiled_core = _CORES.get(model, (NativeCore(model), None))
+        _CORES[model] = (self.core, self._compiled_core)
         self.cuda = self.device.type == "cuda"
-        self._compiled_core = None
         self._static_pool = None  # id of the pool buffer marked static for CUDA graphs
         self.compiled = False
         self.set_compiled(compiled)
@@ -210,13 +219,14 @@ class NativeCausalLM(HFCausalLM):
     def set_compiled(self, compiled: bool) -> None:
         """Switch between the compiled core (built on first use) and HF's eager forward."""
         self.compiled = bool(compiled)
-        if self.compiled and self._compiled_core is None:
+        if self.compiled and (self._compiled_core is None or self._compiled_core[0] is not COMPILE_BACKEND):
             import torch._dynamo.config as dynamo_config
 
             dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
             options = {"mode": "reduce-overhead"} if self.cuda and COMPILE_BACKEND == "inductor" else {}
-            self._compiled_core = torch.compile(self.core, fullgraph=True, dynamic=not self.cuda,
-                                                backend=COMPILE_BACKEND, **options)
+            compiled = torch.compile(self.core, fullgraph=True, dynamic=False, backend=COMPILE_BACKEND, **options)
+            self._compiled_core = (COMPILE_BACKEND, compiled)
+            _CORES[self.model] = (self.core, self._compiled_core)
 
     def forward(self, input_ids, position_ids, allowed, cache, write_slots, last_only: bool = False):
         """Same contract as `HFCausalLM.forward`; compiled: the native core (eager for row subsets: prefill)."""
@@ -236,7 +246,7 @@ class NativeCausalLM(HFCausalLM):
                                        device=self.device))
         buffer = base.buffer  # [N, 2, B, Hkv, C, D]
         slots = torch.stack([input_ids, position_ids.expand_as(write_slots), write_slots])  # [3, B, T] fresh
-        if subset or self._compiled_core is None:  # eager: prefill of new rows (a gathered copy of their slots)
+        if subset or not self.compiled:  # eager: prefill of new rows (a gathered copy of their slots)
             pool = buffer[:, :, :, :, :view].index_select(2, rows.rows) if subset else buffer
             logits, new_kv = self.core(slots, pool, allowed, last_only)
         else:
@@ -247,17 +257,31 @@ class NativeCausalLM(HFCausalLM):
     def _run_compiled(self, slots, cache, allowed, last_only):
         """The compiled core over the whole pool's buffer (one static input; the rows are its first B)."""
         pool = cache.root.buffer  # [N, 2, P, Hkv, C, D]: the same tensor for the batcher's life
-        if not self.cuda:
-            return self._compiled_core(slots, pool, allowed, last_only)
-        if id(pool) != self._static_pool:
-            torch._dynamo.mark_static_address(pool)  # CUDA graphs read it in place, never copy it
-            self._static_pool = id(pool)
-        view = allowed.shape[-1]
-        padded = min(-(-view // CUDA_VIEW_BUCKET) * CUDA_VIEW_BUCKET, cache.capacity)
-        allowed = torch.nn.functional.pad(allowed, (0, padded - view))  # [B, T, padded]: masked columns
-        torch.compiler.cudagraph_mark_step_begin()
-        logits, new_kv = self._compiled_core(slots, pool, allowed, last_only)
-        return logits.clone(), new_kv.clone()  # the graph's output memory is reused by the next replay
+        if self.cuda:
+            if id(pool) != self._static_pool:
+                torch._dynamo.mark_static_address(pool)  # CUDA graphs read it in place, never copy it
+                self._static_pool = id(pool)
+            view = allowed.shape[-1]
+            padded = min(-(-view // CUDA_VIEW_BUCKET) * CUDA_VIEW_BUCKET, cache.capacity)
+            allowed = torch.nn.functional.pad(allowed, (0, padded - view))  # [B, T, padded]: masked columns
+            torch.compiler.cudagraph_mark_step_begin()
+        for dim in (1, 2):
+            torch._dynamo.mark_dynamic(slots, dim)  # B, T
+        for dim in (0, 1, 2):
+            torch._dynamo.mark_dynamic(allowed, dim)  # B, T, S
+        with _shape_config():
+            logits, new_kv = self._compiled_core[1](slots, pool, allowed, last_only)
+        if self.cuda:  # the graph's output memory is reused by the next replay
+            logits, new_kv = logits.clone(), new_kv.clone()
+        return logits, new_kv
+
+
+def _shape_config():
+    """Trace with sizes 1 treated like any other (no graph specialised for one row or one new token), and
+    without duck sizing (two dims equal at the first trace are not assumed equal forever)."""
+    from torch.fx.experimental import _config as fx_config
+
+    return fx_config.patch(backed_size_oblivious=True, use_duck_shape=False)
 
 
 def _store(buffer: torch.Tensor, new_kv: torch.Tensor, write_slots: torch.Tensor, rows: torch.Tensor | None) -> None:
