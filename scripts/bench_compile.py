@@ -39,8 +39,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 import spectr  # noqa: E402
 from spectr.kv_cache import tree_attention  # noqa: E402
-from spectr.rows import prefill  # noqa: E402
 from spectr.native import NativeCausalLM  # noqa: E402
+from spectr.rows import prefill  # noqa: E402
 
 SECTIONS = ("engine", "best", "forward", "hf", "compile")
 BEST_CANDIDATES = [("speculative", 1, 2), ("speculative", 1, 3), ("speculative", 1, 4), ("speculative", 1, 5),
@@ -105,8 +105,8 @@ def engine_section(target, draft, args) -> list[dict]:
     for batch in args.batches:
         prompts = prompts_for(batch, args.prompt_length, target.config.vocab_size, batch)
         for method, k, length in (("autoregressive", 1, 1), ("speculative", 1, 3)):
-            arms = {mode: (lambda mode=mode: run_generate(target, draft, prompts, args, method, k, length,
-                                                          mode == "compiled"))
+            arms = {mode: (lambda mode=mode, method=method, k=k, length=length, prompts=prompts:
+                           run_generate(target, draft, prompts, args, method, k, length, mode == "compiled"))
                     for mode in ("eager", "compiled")}
             result = interleaved(arms, args.repeats)
             rows.append(dict(section="engine", method=method, num_drafts=k, draft_length=length, batch=batch,

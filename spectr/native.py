@@ -20,7 +20,8 @@ every layer. Grouped-query attention folds the G query heads of a KV head into t
 
 Compilation (`compiled=True`): the core goes through `torch.compile(fullgraph=True)` (no graph
 breaks, no host sync inside). On the CPU the rows B, the new tokens T and the view length S are
-marked dynamic on every call (and nothing else is), traced with sizes of 1 treated like any other
+marked dynamic on every call, and so are the pool's slots and capacity (batchers of other sizes over
+the same model share the graphs; nothing else is dynamic), traced with sizes of 1 treated like any other
 (`backed_size_oblivious`) and without duck sizing, so every configuration, batch size and cache
 length shares a handful of graphs per model (the planner's candidates included). Its inputs have
 one layout whatever the call: the pool's whole buffer (rows and view are sliced inside the graph,
@@ -269,6 +270,8 @@ class NativeCausalLM(HFCausalLM):
             torch._dynamo.mark_dynamic(slots, dim)  # B, T
         for dim in (0, 1, 2):
             torch._dynamo.mark_dynamic(allowed, dim)  # B, T, S
+        for dim in (2, 4):
+            torch._dynamo.mark_dynamic(pool, dim)  # P, C: batchers of other sizes share the graphs
         with _shape_config():
             logits, new_kv = self._compiled_core[1](slots, pool, allowed, last_only)
         if self.cuda:  # the graph's output memory is reused by the next replay

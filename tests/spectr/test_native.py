@@ -27,14 +27,22 @@ from spectr.native import NativeCausalLM, native_supported
 from spectr.rows import prefill
 
 
-@pytest.fixture
-def counter(monkeypatch):
-    """Compiled cores trace through a CompileCounter (counts graphs) instead of inductor."""
-    counting = CompileCounter()
-    monkeypatch.setattr(native, "COMPILE_BACKEND", counting)
+@pytest.fixture(scope="module")
+def counter():
+    """Compiled cores trace through a CompileCounter (counts graphs) instead of inductor; the module's tests
+    share it (and the graphs: the compiled core is kept per model)."""
+    with pytest.MonkeyPatch.context() as patch:
+        counting = CompileCounter()
+        patch.setattr(native, "COMPILE_BACKEND", counting)
+        torch._dynamo.reset()
+        yield counting
     torch._dynamo.reset()
-    yield counting
-    torch._dynamo.reset()
+
+
+@pytest.fixture(scope="module")
+def greedy_pair():
+    target = tiny_model("llama", vocab_size=64, num_layers=1, init_std=0.2, seed=3)
+    return target, noisy_copy(target, noise_std=0.05, seed=4)
 
 
 def _forwards(lm, forward, cache):
@@ -96,15 +104,15 @@ def test_other_architectures_are_not_native():
         NativeCausalLM(tiny_model("gpt_neox"))
 
 
-@pytest.mark.parametrize("method", ["autoregressive", "speculative", "spectr"])
-def test_compiled_greedy_equals_hugging_face_greedy(counter, method):
-    target = tiny_model("llama", vocab_size=64, init_std=0.2, seed=3)
-    draft = noisy_copy(target, noise_std=0.05, seed=4)
+@pytest.mark.parametrize("method", ["autoregressive", pytest.param("speculative", marks=pytest.mark.slow),
+                                    pytest.param("spectr", marks=pytest.mark.slow)])
+def test_compiled_greedy_equals_hugging_face_greedy(counter, greedy_pair, method):
+    target, draft = greedy_pair
     prompts = [[3, 17, 42, 8, 1], [9], [5, 6, 7, 8, 9, 10, 11]]
     out = spectr.generate(target, draft, prompts, method=method, num_drafts=2, draft_length=3, max_new_tokens=8,
                           temperature=0.0, compile=True)
+    assert out.stats.compiled and counter.frame_count > 0
     assert out.tokens == [hf_greedy(target, p, 8) for p in prompts]
-    assert counter.frame_count > 0
 
 
 def _run(batcher, prompts, budgets, seed):
@@ -115,17 +123,17 @@ def _run(batcher, prompts, budgets, seed):
     return rows
 
 
-@pytest.mark.parametrize("method,k", [("autoregressive", 1), ("speculative", 1), ("spectr", 3)])
-def test_no_new_graph_after_warm_up(counter, method, k):
+@pytest.mark.parametrize("method,k", [("autoregressive", 1), pytest.param("speculative", 1, marks=pytest.mark.slow),
+                                      pytest.param("spectr", 3, marks=pytest.mark.slow)])
+def test_no_new_graph_after_warm_up(counter, greedy_pair, method, k):
     """Ragged prompts, admissions mid-run, EOS and the tail (rows finishing one by one): after a warm-up
     run, a second run with other prompt lengths and budgets compiles nothing new."""
-    target = tiny_model("llama", vocab_size=32, init_std=0.3, seed=1)
-    draft = noisy_copy(target, noise_std=0.2, seed=2)
-    batcher = ContinuousBatcher(target, draft, batch_size=3, max_length=48, method=method, num_drafts=k,
+    target, draft = greedy_pair
+    batcher = ContinuousBatcher(target, draft, batch_size=4, max_length=40, method=method, num_drafts=k,
                                 draft_length=3, eos_token_id=5, compile=True)
     warm = _run(batcher, [[1, 2, 3], [4] * 9, [6, 7], [8, 9, 10, 11], [12] * 6], [12, 6, 9, 3, 14], seed=0)
     graphs = counter.frame_count
-    assert graphs > 0 and any(r.finish_reason == "eos" for r in warm)
+    assert batcher.stats.compiled and any(r.finish_reason == "eos" for r in warm)
     again = _run(batcher, [[2] * 11, [3, 4], [9] * 5, [1], [7, 8, 9], [10] * 13, [11]], [9, 15, 4, 11, 7, 5, 10],
                  seed=100)
     assert len(again) == 7
