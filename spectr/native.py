@@ -98,6 +98,8 @@ def native_supported(model) -> str | None:
         return "sliding-window layers"
     if getattr(config, "pretraining_tp", 1) not in (None, 1):
         return "pretraining_tp > 1"
+    if len(set((getattr(model, "hf_device_map", None) or {}).values())) > 1:
+        return "a model split over several devices (device_map)"
     return None
 
 

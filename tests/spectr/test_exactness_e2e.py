@@ -352,14 +352,16 @@ def test_compiled_mode_negative_control_a_commit_without_path_gather_is_rejected
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method,num_drafts,draft_length,warp", MID_RUN_CASES)
-def test_inductor_compiled_rows_admitted_mid_run_follow_the_target(pair, exact_laws, method, num_drafts,
+def test_inductor_compiled_rows_admitted_mid_run_follow_the_target(pair, exact_laws, monkeypatch, method, num_drafts,
                                                                    draft_length, warp):
+    monkeypatch.setattr(native, "COMPILE_BACKEND", "inductor")  # whatever a module fixture set
     out = run(pair, method, num_drafts, draft_length, warp, 6000, batch_size=MID_RUN_BATCH, compile=True)
     assert chi_square_pvalue(out.tokens, exact_laws[warp]) > ACCEPT_P
 
 
 @pytest.mark.slow
 def test_inductor_compiled_negative_control_skipping_the_residual_is_rejected(pair, exact_laws, monkeypatch):
+    monkeypatch.setattr(native, "COMPILE_BACKEND", "inductor")
     monkeypatch.setitem(selection.TOKEN_SELECTORS, "skip_residual", _skip_residual)
     out = run(pair, "skip_residual", 1, 2, "warped", 6000, batch_size=MID_RUN_BATCH, compile=True)
     assert chi_square_pvalue(out.tokens, exact_laws["warped"]) < REJECT_P
