@@ -130,7 +130,7 @@ def test_no_new_graph_after_warm_up(counter, greedy_pair, method, k):
     run, a second run with other prompt lengths and budgets compiles nothing new."""
     target, draft = greedy_pair
     batcher = ContinuousBatcher(target, draft, batch_size=4, max_length=40, method=method, num_drafts=k,
-                                draft_length=3, eos_token_id=list(range(5, 13)), compile=True)
+                                draft_length=3, eos_token_id=list(range(0, 64, 3)), compile=True)
     warm = _run(batcher, [[1, 2, 3], [4] * 9, [6, 7], [8, 9, 10, 11], [12] * 6], [12, 6, 9, 3, 14], seed=0)
     graphs = counter.frame_count
     assert batcher.stats.compiled and any(r.finish_reason == "eos" for r in warm)
