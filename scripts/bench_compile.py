@@ -264,12 +264,13 @@ def main() -> None:
         results["engine"] = engine_section(target, draft, args)
     if "compile" in sections:
         results["compile"] = compile_section(results["engine"])
-    if "best" in sections:
-        results["best"] = best_section(target, draft, args)
-    if "forward" in sections:
-        results["forward"] = forward_section(target, draft, args)
-    if "hf" in sections:
-        results["hf"] = hf_section(target, draft, args)
+    for name, section in (("best", best_section), ("forward", forward_section), ("hf", hf_section)):
+        if name in sections:
+            try:  # a section that fails leaves the others' results
+                results[name] = section(target, draft, args)
+            except Exception as error:  # noqa: BLE001 - recorded, the run goes on
+                results[f"{name}_error"] = repr(error)
+                print(f"section {name} failed: {error!r}", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_compile.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
