@@ -31,6 +31,7 @@ def generate(
     seed: int | Sequence[int] = 0,
     batch_size: int | None = None,
     logprobs: bool = False,
+    compile: bool | str = False,
 ) -> GenerationOutput:
     """Generate up to `max_new_tokens` tokens per prompt from `target`, exactly its (warped) distribution.
 
@@ -49,11 +50,14 @@ def generate(
     prompts are admitted in order and a finished row's slot takes the next waiting prompt
     (continuous batching; the output is the same). temperature / top_k / top_p: one value or one
     per prompt (each row exact for its own warp); logprobs: also return each generated token's
-    log-probability under the warped target law it was drawn from (`output.logprobs`). Bad input
-    raises ValueError naming the argument and, per prompt, the row.
+    log-probability under the warped target law it was drawn from (`output.logprobs`). compile:
+    False, True or "auto" (`spectr.native`: Llama / Qwen2 models under torch.compile; "auto" where
+    the work pays for the compile time). Bad input raises ValueError naming the argument and, per
+    prompt, the row.
     """
     run = generate_auto if method == AUTO else generate_fixed
     arguments = {} if method == AUTO else {"method": method}
     return run(target, draft, prompts, num_drafts=num_drafts, draft_length=draft_length,
                max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-               eos_token_id=eos_token_id, seed=seed, batch_size=batch_size, logprobs=logprobs, **arguments)
+               eos_token_id=eos_token_id, seed=seed, batch_size=batch_size, logprobs=logprobs, compile=compile,
+               **arguments)

@@ -71,6 +71,7 @@ import torch
 from spectr.drafting import TreeDrafter
 from spectr.hf import HFCausalLM
 from spectr.iteration import Loop, autoregressive_step, speculative_step
+from spectr.native import NativeCausalLM, auto_compile, check_compile, native_supported
 from spectr.records import DRAFT_NONFINITE, STOP, TARGET_NONFINITE, Records, SlotResult
 from spectr.rng import row_keys
 from spectr.rows import RowState, prefill
@@ -136,15 +137,25 @@ def known_methods() -> list[str]:
     return [AUTOREGRESSIVE, *sequence_methods()]
 
 
-def load_models(target, draft, settings: Settings, speculative: bool | None = None) -> tuple[HFCausalLM, HFCausalLM | None]:
+def wrap_model(model, role: str, native: bool = False) -> HFCausalLM:
+    """The engine's view of an HF model: `NativeCausalLM` (compilable) when `native` and the model is of
+    the Llama / Qwen2 family (`spectr.native`), else `HFCausalLM` (eager HF forward)."""
+    if native and native_supported(model) is None:
+        return NativeCausalLM(model, role=role)
+    return HFCausalLM(model, role=role)
+
+
+def load_models(target, draft, settings: Settings, speculative: bool | None = None,
+                native: bool = False) -> tuple[HFCausalLM, HFCausalLM | None]:
     """Wrap the pair and check that it is one: vocabulary, device. The draft is kept when some
-    iteration may speculate (`speculative`, default: the settings' method is speculative)."""
-    target_lm = HFCausalLM(target, role="target")
+    iteration may speculate (`speculative`, default: the settings' method is speculative).
+    native: wrap Llama / Qwen2 models as `NativeCausalLM` (so that they may be compiled)."""
+    target_lm = wrap_model(target, "target", native)
     if not (settings.speculative if speculative is None else speculative):
         return target_lm, None
     if draft is None:
         raise ValueError(f"method {settings.method!r} needs a draft model; got draft=None")
-    draft_lm = HFCausalLM(draft, role="draft")
+    draft_lm = wrap_model(draft, "draft", native)
     if draft_lm.vocab_size != target_lm.vocab_size:
         raise ValueError(
             f"target and draft must share a vocabulary: target vocab size {target_lm.vocab_size} "
@@ -172,6 +183,11 @@ class ContinuousBatcher:
     drafter once. A draft model is kept when the bounds allow speculation (autoregressive without a
     draft: autoregressive only).
 
+    compile: False (eager HF forwards), True (Llama / Qwen2 models run `spectr.native`'s forward under
+    torch.compile; other models stay eager) or "auto" (`spectr.native.auto_compile`, decided once at the
+    first `step` from the queued work); `stats.compiled` says which ran. On CUDA, compiled iterations run
+    on a power-of-2 prefix of the slots (masked rows above the live ones) so CUDA graphs see few shapes.
+
     The constructor checks the run settings and raises ValueError naming the bad argument;
     `admit` checks prompts, budgets and seeds and raises ValueError naming the argument and the
     row (nothing of that call is queued then).
@@ -181,7 +197,7 @@ class ContinuousBatcher:
                  num_drafts: int = 4, draft_length: int = 4, max_num_drafts: int | None = None,
                  max_draft_length: int | None = None, temperature: float = 1.0, top_k: int = 0,
                  top_p: float = 1.0, eos_token_id=None, pack_below: float | None = None, logprobs: bool = False,
-                 share_prefill: bool = True):
+                 share_prefill: bool = True, compile: bool | str = False):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
         self.settings = Settings.for_run(methods=known_methods(), method=method, num_drafts=num_drafts,
@@ -192,7 +208,10 @@ class ContinuousBatcher:
         self.bounds = self._bounds(max_num_drafts, max_draft_length)
         if draft is None and not s.speculative:
             self.bounds = (0, 0)  # autoregressive without a draft model: no drafter, whatever the bounds
-        self.target, self.draft = load_models(target, draft, s, speculative=self.bounds[1] > 0)
+        self.compile = check_compile(compile)
+        self.target, self.draft = load_models(target, draft, s, speculative=self.bounds[1] > 0,
+                                              native=self.compile is not False)
+        self.compiled: bool | None = None  # decided at the first step (compile="auto": by the queued work)
         self.batch_size = batch_size
         self.max_length = self._max_length(max_length)
         self.device = self.target.device
@@ -327,6 +346,8 @@ class ContinuousBatcher:
         that finished in it (in slot order); `last_step` then says what the iteration did."""
         config = self.config if config is None else self.check_config(config)
         self.last_step = None
+        if self.compiled is None:
+            self._decide_compile()
         with self._engaged():
             started = time.perf_counter()
             self.fill()
@@ -352,6 +373,19 @@ class ContinuousBatcher:
         """The run's batch-level statistics so far (iterations, widths, seconds); rows are not included."""
         self.loop.timer.write(self.stats)
         return self.stats
+
+    def _decide_compile(self) -> None:
+        """Compile the native models now (compile=True), never (False), or when the queued work pays for it
+        ("auto": `spectr.native.auto_compile`); decided once, before the first iteration."""
+        models = [m for m in (self.target, self.draft) if isinstance(m, NativeCausalLM)]
+        if self.compile == "auto":
+            queued = sum(r.budget for r in self._waiting) + sum(r.budget for r in self._in_slot if r is not None)
+            self.compiled = bool(models) and auto_compile(self.device, queued, self.batch_size)
+        else:
+            self.compiled = bool(models) and self.compile
+        for model in models:
+            model.set_compiled(self.compiled)
+        self.stats.compiled = self.compiled
 
     # -- admission -----------------------------------------------------------------------
     def fill(self) -> None:
@@ -434,12 +468,15 @@ class ContinuousBatcher:
         live = self.rows_running
         if self._top > live and live <= self.pack_below * self.batch_size:
             self._pack()
-        if self._top == self.batch_size:
+        top = self._top
+        if self.compiled and self.device.type == "cuda":  # CUDA graphs: rows in power-of-2 buckets (masked)
+            top = min(self.batch_size, 1 << (top - 1).bit_length())
+        if top == self.batch_size:
             step(self.loop, self.rows)
         else:
-            part = self.rows.prefix(self._top)
+            part = self.rows.prefix(top)
             step(self.loop, part)
-            self.rows.put_prefix(self._top, part)
+            self.rows.put_prefix(top, part)
             self.stats.narrow_iterations += 1
         self.stats.iterations += 1
 

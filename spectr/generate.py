@@ -62,6 +62,7 @@ def generate(
     seed: int | Sequence[int] = 0,
     batch_size: int | None = None,
     logprobs: bool = False,
+    compile: bool | str = False,
 ) -> GenerationOutput:
     """Generate up to `max_new_tokens` tokens per prompt from `target`, exactly its (warped) distribution.
 
@@ -79,12 +80,15 @@ def generate(
     output is the same). temperature / top_k / top_p: one value, or one per prompt (a list or an [N]
     tensor): rows of different warps share the batch, each exact for its own warped law.
     logprobs: also return, per generated token, its log-probability under the warped target law it
-    was sampled from (read back with the tokens, no extra device read). Bad input raises
+    was sampled from (read back with the tokens, no extra device read). compile: False (eager HF
+    forwards), True (Llama / Qwen2 models run `spectr.native`'s forward under torch.compile; other
+    models stay eager) or "auto" (compiled where it pays: `spectr.native.auto_compile`). Bad input raises
     ValueError naming the argument and, per prompt, the row.
     """
     return _run(Generation(target, draft, prompts, method=method, num_drafts=num_drafts, draft_length=draft_length,
                            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                           eos_token_id=eos_token_id, seed=seed, batch_size=batch_size, logprobs=logprobs))
+                           eos_token_id=eos_token_id, seed=seed, batch_size=batch_size, logprobs=logprobs,
+                           compile=compile))
 
 
 def _run(generation: Generation) -> GenerationOutput:
@@ -125,7 +129,7 @@ class Generation:
     def __init__(self, target, draft, prompts, *, method="spectr", num_drafts=4, draft_length=4,
                  max_new_tokens=64, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=None, seed=0,
                  batch_size: int | None = None, pack_below: float | None = None, make_batcher=None,
-                 logprobs: bool = False):
+                 logprobs: bool = False, compile: bool | str = False):
         self.prompts = check_prompts(prompts)
         check_batch_size(batch_size)
         (temperature, top_k, top_p), warps = split_row_warps(temperature, top_k, top_p, len(self.prompts))
@@ -138,7 +142,7 @@ class Generation:
         self.batcher = (make_batcher or ContinuousBatcher)(
             target, draft, batch_size=max(1, min(batch_size or count, count)), max_length=longest,
             method=method, num_drafts=num_drafts, draft_length=draft_length, temperature=temperature, top_k=top_k,
-            top_p=top_p, eos_token_id=eos_token_id, pack_below=pack_below, logprobs=logprobs)
+            top_p=top_p, eos_token_id=eos_token_id, pack_below=pack_below, logprobs=logprobs, compile=compile)
         self.batcher.admit(self.prompts, max_new_tokens=list(self.settings.max_new_tokens),
                            seed=list(self.settings.seeds), warps=warps)
         self.logprobs: list[list[float]] | None = None

@@ -53,6 +53,7 @@ class RowKVCache:
         self._write_index: torch.Tensor | None = None  # [B, H, T, D]
         self._write_rows: torch.Tensor | None = None  # [R] or None (all rows)
         self._view_length = 0
+        self.root = self  # the cache whose buffer this one's rows are (itself; `prefix` keeps its parent's)
 
     @property
     def batch_size(self) -> int:

@@ -28,7 +28,8 @@ Definitions:
   highest occupied one are skipped); packed_rows: rows moved into empty lower slots (one copy
   of the row's used cache slots each), so that the iterations cover the live rows only;
   draft_catch_ups: speculative iterations that first fed the draft cache, in one forward, the
-  tokens committed by autoregressive iterations before them (per-iteration configurations).
+  tokens committed by autoregressive iterations before them (per-iteration configurations);
+  compiled: the models' forwards ran compiled (`compile=True`, or "auto" decided so; `spectr.native`).
 - seconds: wall time split into draft forwards, target forwards, selection (warps, sampling,
   draft selection) and everything else. On CUDA the phases are timed with CUDA events, so the
   loop needs no extra host syncs; on CPU with perf_counter.
@@ -70,6 +71,7 @@ class GenerationStats:
     packed_rows: int = 0
     draft_catch_ups: int = 0
     plan: str = ""  # method="auto": what the planner chose and predicted
+    compiled: bool = False  # the forwards ran compiled (spectr.native)
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
     selection_seconds: float = 0.0

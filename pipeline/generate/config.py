@@ -51,6 +51,7 @@ class SpectrConfig:
     num_samples: int = 1  # completions per prompt, one output row each (`sample_index`)
     stop: Any = None  # stop strings (a list): a completion ends before the first one it contains
     logprobs: bool = False  # a `completion_logprobs` column: each token's log-probability under the warped target
+    compile: Any = "auto"  # true | false | auto: Llama/Qwen2 forwards under torch.compile (spectr.native)
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,8 @@ def check_spectr(s: SpectrConfig) -> None:
     if s.num_samples < 1:
         raise out_of_range("spectr.num_samples", ">= 1", s.num_samples)
     check_stop_list(s.stop, "spectr.stop")
+    if not any(s.compile is choice for choice in (True, False)) and s.compile != "auto":
+        raise out_of_range("spectr.compile", "true, false or auto", s.compile)
 
 
 def check_ray(r: RayConfig) -> None:
@@ -196,12 +199,13 @@ def generation_settings(c: GenerateConfig) -> dict[str, Any]:
     """The settings that decide the generated rows: what the output directory's hash covers.
 
     Left out on purpose: where and how it runs (ray.*, spectr.batch_size: a row's output does not depend on
-    its batch; spectr.plan_cache), where it logs (mlflow.*), output_dir, progress, max_failed_fraction, retry_failed and
+    its batch; spectr.plan_cache, spectr.compile), where it logs (mlflow.*), output_dir, progress, max_failed_fraction, retry_failed and
     lease_timeout_s. The plan adds the identity of the input files and of the models.
     """
     spectr = dataclasses.asdict(c.spectr)
     spectr.pop("batch_size")
     spectr.pop("plan_cache")  # speed only: every configuration the planner may run is exact
+    spectr.pop("compile")  # speed only: the same models' law (a compiled forward rounds differently, no more)
     data = dataclasses.asdict(c.data)
     for key in ("max_new_tokens_column", "keep_columns", "stop_column", "sampling_params_column", "chat_template",
                 "chat_template_kwargs"):

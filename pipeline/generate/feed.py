@@ -410,7 +410,8 @@ class ShardFeed:
         self._retire_batcher()
         s = self.spectr
         common = dict(batch_size=s.batch_size, max_length=config.capacity, temperature=s.temperature, top_k=s.top_k,
-                      top_p=s.top_p, eos_token_id=self.eos_token_id, logprobs=s.logprobs)  # fmt: skip
+                      top_p=s.top_p, eos_token_id=self.eos_token_id, logprobs=s.logprobs,
+                      compile=s.compile)  # fmt: skip
         if config.method == "auto":
             from spectr.planner import AutoBatcher
 

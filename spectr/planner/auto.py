@@ -25,7 +25,7 @@ def generate_auto(target, draft, prompts: Sequence[Sequence[int]], *, num_drafts
                   max_new_tokens: int | Sequence[int] = 64, temperature: float = 1.0, top_k: int = 0,
                   top_p: float = 1.0, eos_token_id=None, seed: int | Sequence[int] = 0,
                   batch_size: int | None = None, warm_state: dict | None = None,
-                  logprobs: bool = False) -> GenerationOutput:
+                  logprobs: bool = False, compile: bool | str = False) -> GenerationOutput:
     """`spectr.generate(method="auto")`; warm_state: a `chooser.state()` of an earlier run to start from."""
     def make_batcher(target, draft, *, method, num_drafts, draft_length, **arguments):
         return AutoBatcher(target, draft, max_num_drafts=num_drafts, max_draft_length=draft_length,
@@ -34,7 +34,7 @@ def generate_auto(target, draft, prompts: Sequence[Sequence[int]], *, num_drafts
     generation = Generation(target, draft, prompts, method="spectr", num_drafts=num_drafts,
                             draft_length=draft_length, max_new_tokens=max_new_tokens, temperature=temperature,
                             top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, seed=seed, batch_size=batch_size,
-                            make_batcher=make_batcher, logprobs=logprobs)
+                            make_batcher=make_batcher, logprobs=logprobs, compile=compile)
     output = _run(generation)
     output.stats.plan = generation.batcher.chooser.describe()
     output.chooser = generation.batcher.chooser

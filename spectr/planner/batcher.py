@@ -42,13 +42,16 @@ class AutoBatcher:
     max_num_drafts / max_draft_length bound the candidates (K <= max_num_drafts, L <= max_draft_length);
     draft=None: autoregressive only. warm_state: a `chooser.state()` of an earlier run (same pair,
     device, dtype, batch size and warps) to start from. candidates: the configurations to choose among
-    (default `default_candidates` within the bounds).
+    (default `default_candidates` within the bounds). compile: passed to the `ContinuousBatcher`; the
+    compiled graphs are shared by every candidate (rows, widths and cache length are dynamic dims, see
+    `spectr.native`), so exploring candidates compiles no graph per candidate.
     """
 
     def __init__(self, target, draft, *, batch_size: int, max_length: int | None = None, max_num_drafts: int = 4,
                  max_draft_length: int = 4, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                  eos_token_id=None, pack_below: float | None = None, warm_state: dict | None = None,
-                 candidates: Sequence[StepConfig] | None = None, logprobs: bool = False):
+                 candidates: Sequence[StepConfig] | None = None, logprobs: bool = False,
+                 compile: bool | str = False):
         speculative = draft is not None
         # allocate for what a candidate may run, not for the bounds: the default candidates stop at K = L = 4
         widest = list(candidates) if candidates is not None else default_candidates(
@@ -59,7 +62,7 @@ class AutoBatcher:
         self.batcher = ContinuousBatcher(target, draft, batch_size=batch_size, max_length=max_length,
                                          method=AUTOREGRESSIVE, temperature=temperature, top_k=top_k, top_p=top_p,
                                          eos_token_id=eos_token_id, pack_below=pack_below, logprobs=logprobs,
-                                         **bounds)
+                                         compile=compile, **bounds)
         max_k, max_l = self.batcher.bounds
         if candidates is None:
             candidates = default_candidates(max_k, max_l, greedy=self.batcher.settings.warp.greedy,

@@ -29,6 +29,12 @@ tokens come from every combination, and the draft cache catches up after autoreg
 iterations) follows the same law; a commit without path gather and a skip-residual rule inside
 the cycle are rejected.
 
+Compiled mode (`compile=True`: `spectr.native`'s forward under torch.compile, fullgraph, dynamic
+shapes): rows admitted mid-run follow the same law, and the commit without path gather is rejected
+there too. In the default suite the graphs are traced by dynamo and run as traced (a counting
+backend: the compiled path's shapes, slicing and cache writes, without inductor's minutes of
+kernel compilation on this CPU); the slow variants compile with inductor.
+
 The default suite runs a representative subset; the full grid (every method, K in {1, 3},
 L in {1, 2, 4}, with and without temperature/top-k/top-p) is marked slow.
 """
@@ -41,8 +47,10 @@ import pytest
 import torch
 from hf_tiny import exact_joint_distribution, tiny_model
 from scipy.stats import chi2
+from torch._dynamo.testing import CompileCounter
 
 import spectr
+import spectr.native as native
 import spectr.selection as selection
 from spectr.batching import ContinuousBatcher
 from spectr.block import block_rule
@@ -116,7 +124,7 @@ MID_RUN_BATCH = 400  # rows in flight when rows are admitted mid-run
 MID_RUN_BUDGETS = (3, 5, 4, 6)
 
 
-def run(pair, method, num_drafts, draft_length, warp_name, num_samples, batch_size=None):
+def run(pair, method, num_drafts, draft_length, warp_name, num_samples, batch_size=None, compile=False):
     """num_samples copies of PROMPT, row i seeded i; with batch_size, budgets cycle through
     MID_RUN_BUDGETS and the returned tokens are each row's first 3."""
     target, draft = pair
@@ -135,7 +143,9 @@ def run(pair, method, num_drafts, draft_length, warp_name, num_samples, batch_si
         top_p=top_p,
         seed=list(range(num_samples)),
         batch_size=batch_size,
+        compile=compile,
     )
+    assert out.stats.compiled == bool(compile)
     if batch_size is not None:
         assert out.stats.admissions > num_samples // batch_size  # slots were refilled mid-run
         assert [len(t) for t in out.tokens] == budgets
@@ -311,3 +321,47 @@ def test_bfloat16_negative_control_skipping_the_residual_is_rejected(pair_bf16, 
     monkeypatch.setitem(selection.TOKEN_SELECTORS, "skip_residual", _skip_residual)
     out = run(pair_bf16, "skip_residual", 1, 2, "warped", 6000)
     assert chi_square_pvalue(out.tokens, exact_law_bf16) < REJECT_P
+
+
+# --- compiled mode ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def traced_graphs():
+    """Compiled cores traced by dynamo (fullgraph, dynamic shapes) and run as traced, counting the graphs."""
+    with pytest.MonkeyPatch.context() as patch:
+        counter = CompileCounter()
+        patch.setattr(native, "COMPILE_BACKEND", counter)
+        yield counter
+    torch._dynamo.reset()
+
+
+def test_compiled_mode_rows_admitted_mid_run_follow_the_target(pair, exact_laws, traced_graphs):
+    out = run(pair, "spectr", 3, 2, "warped", 6000, batch_size=MID_RUN_BATCH, compile=True)
+    assert traced_graphs.frame_count > 0
+    assert 0.05 < out.stats.acceptance_rate < 0.95
+    assert chi_square_pvalue(out.tokens, exact_laws["warped"]) > ACCEPT_P
+
+
+def test_compiled_mode_negative_control_a_commit_without_path_gather_is_rejected(pair, exact_laws, traced_graphs,
+                                                                                  monkeypatch):
+    monkeypatch.setattr(RowKVCache, "keep_path", lambda self, source, dest, rows=None: None)
+    out = run(pair, "spectr", 3, 1, "plain", 6000, batch_size=MID_RUN_BATCH, compile=True)
+    assert chi_square_pvalue(out.tokens, exact_laws["plain"]) < REJECT_P
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,num_drafts,draft_length,warp", MID_RUN_CASES)
+def test_inductor_compiled_rows_admitted_mid_run_follow_the_target(pair, exact_laws, monkeypatch, method, num_drafts,
+                                                                   draft_length, warp):
+    monkeypatch.setattr(native, "COMPILE_BACKEND", "inductor")  # whatever a module fixture set
+    out = run(pair, method, num_drafts, draft_length, warp, 6000, batch_size=MID_RUN_BATCH, compile=True)
+    assert chi_square_pvalue(out.tokens, exact_laws[warp]) > ACCEPT_P
+
+
+@pytest.mark.slow
+def test_inductor_compiled_negative_control_skipping_the_residual_is_rejected(pair, exact_laws, monkeypatch):
+    monkeypatch.setattr(native, "COMPILE_BACKEND", "inductor")
+    monkeypatch.setitem(selection.TOKEN_SELECTORS, "skip_residual", _skip_residual)
+    out = run(pair, "skip_residual", 1, 2, "warped", 6000, batch_size=MID_RUN_BATCH, compile=True)
+    assert chi_square_pvalue(out.tokens, exact_laws["warped"]) < REJECT_P

@@ -1,0 +1,283 @@
+"""Benchmark of the compiled engine (`compile=True`, `spectr.native`) against the eager one, in one run.
+
+Sections (all by default; `--sections` picks some), every ratio from runs interleaved in one process:
+- engine:  tokens/s of `spectr.generate` compiled vs eager, autoregressive and speculative L=3 (K=1), at
+           B = 1 and B = 16 (B prompts, all in flight), medians over --repeats interleaved rounds;
+- best:    at B = 1, the best exact method compiled (speculative L in 2..5, spectr K=2 L=3, block L=4)
+           against compiled autoregressive (the issue's goal: >= 1.6x);
+- forward: one forward of the draft and of the target (B = 1, one new token after a --context cache),
+           eager and compiled: the target/draft time ratio; and the target over 5 and 17 new tokens
+           (a causal chain, as a verify) relative to 1;
+- hf:      our compiled autoregressive against HF `generate` with a static cache and `torch.compile`
+           (HF's own fastest path), B = 1 and 16, same sampling (do_sample, top_k=0);
+- compile: the compile seconds paid (first compiled run minus the steady one, per arm), and the
+           break-even of `compile="auto"`: compile seconds / seconds saved per iteration (the number
+           `spectr.native.CPU_MIN_ITERATIONS` should be near).
+
+Models: --target/--draft (default the embedded pair, assets/models, float32); --quick uses tiny random
+Llama models and few tokens (a smoke run: it checks the script, its numbers mean nothing).
+Results: JSON and markdown under --out (default benchmarks/results/compile/). Nothing asserts a speed.
+
+    .venv/bin/python scripts/bench_compile.py --threads 1            # full run on a quiet machine
+    .venv/bin/python scripts/bench_compile.py --quick --out /tmp/bc  # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import transformers
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
+import spectr  # noqa: E402
+from spectr.kv_cache import tree_attention  # noqa: E402
+from spectr.native import NativeCausalLM  # noqa: E402
+from spectr.rows import prefill  # noqa: E402
+
+SECTIONS = ("engine", "best", "forward", "hf", "compile")
+BEST_CANDIDATES = [("speculative", 1, 2), ("speculative", 1, 3), ("speculative", 1, 4), ("speculative", 1, 5),
+                   ("spectr", 2, 3), ("block", 1, 4)]
+
+
+def load_pair(args):
+    if args.quick:
+        def llama(hidden, layers, seed):
+            config = transformers.LlamaConfig(vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden,
+                                              num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                              max_position_embeddings=512)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                return transformers.LlamaForCausalLM(config).eval()
+
+        return llama(64, 2, 0), llama(32, 1, 1)
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    return (load(args.target, dtype=torch.float32).eval().to(args.device),
+            load(args.draft, dtype=torch.float32).eval().to(args.device))
+
+
+def prompts_for(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (count, length), generator=generator).tolist()
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run_generate(target, draft, prompts, args, method, k, length, compiled) -> dict:
+    sync(args.device)
+    start = time.perf_counter()
+    out = spectr.generate(target, draft, prompts, method=method, num_drafts=k, draft_length=length,
+                          max_new_tokens=args.new_tokens, seed=list(range(len(prompts))), compile=compiled)
+    sync(args.device)
+    wall = time.perf_counter() - start
+    tokens = sum(len(t) for t in out.tokens)
+    return dict(wall=wall, tokens=tokens, tokens_per_s=tokens / wall, iterations=out.stats.iterations)
+
+
+def interleaved(arms: dict, repeats: int) -> dict:
+    """Run every arm once (the first run: compile paid), then `repeats` rounds round-robin; medians."""
+    first = {name: fn() for name, fn in arms.items()}
+    runs = {name: [] for name in arms}
+    for _ in range(repeats):
+        for name, fn in arms.items():
+            runs[name].append(fn())
+    result = {}
+    for name in arms:
+        steady = statistics.median(r["wall"] for r in runs[name])
+        result[name] = dict(tokens_per_s=statistics.median(r["tokens_per_s"] for r in runs[name]),
+                            steady_wall=steady, first_wall=first[name]["wall"],
+                            iterations=runs[name][0].get("iterations"))
+    return result
+
+
+def engine_section(target, draft, args) -> list[dict]:
+    rows = []
+    for batch in args.batches:
+        prompts = prompts_for(batch, args.prompt_length, target.config.vocab_size, batch)
+        for method, k, length in (("autoregressive", 1, 1), ("speculative", 1, 3)):
+            arms = {mode: (lambda mode=mode, method=method, k=k, length=length, prompts=prompts:
+                           run_generate(target, draft, prompts, args, method, k, length, mode == "compiled"))
+                    for mode in ("eager", "compiled")}
+            result = interleaved(arms, args.repeats)
+            rows.append(dict(section="engine", method=method, num_drafts=k, draft_length=length, batch=batch,
+                             eager=result["eager"], compiled=result["compiled"],
+                             speedup=result["compiled"]["tokens_per_s"] / result["eager"]["tokens_per_s"]))
+            print(f"engine B={batch} {method} L={length}: compiled / eager = {rows[-1]['speedup']:.2f}x", flush=True)
+    return rows
+
+
+def best_section(target, draft, args) -> dict:
+    prompts = prompts_for(1, args.prompt_length, target.config.vocab_size, 1)
+    arms = {"autoregressive": lambda: run_generate(target, draft, prompts, args, "autoregressive", 1, 1, True)}
+    for method, k, length in BEST_CANDIDATES:
+        arms[f"{method} K={k} L={length}"] = (lambda m=method, kk=k, ll=length:
+                                              run_generate(target, draft, prompts, args, m, kk, ll, True))
+    result = interleaved(arms, args.repeats)
+    base = result.pop("autoregressive")["tokens_per_s"]
+    best = max(result, key=lambda name: result[name]["tokens_per_s"])
+    ratios = {name: r["tokens_per_s"] / base for name, r in result.items()}
+    print(f"best at B=1 (compiled): {best} {ratios[best]:.2f}x compiled autoregressive", flush=True)
+    return dict(section="best", autoregressive_tokens_per_s=base, ratios=ratios, best=best)
+
+
+def time_forward(lm: NativeCausalLM, batch: int, new: int, context: int, calls: int, device: str) -> float:
+    """Median seconds of one forward of `new` causal tokens per row after a `context`-token cache."""
+    cache = lm.new_cache(batch, context + new + 1)
+    prefill(lm, cache, prompts_for(batch, context + 1, lm.vocab_size, 7), torch.device(device))
+    lengths = cache.rows.lengths  # [B]
+    offsets = torch.arange(new, device=device)
+    slots = lengths[:, None] + offsets  # [B, T]
+    allowed = tree_attention(lengths, offsets[:, None] >= offsets[None, :], context + new)
+    ids = torch.randint(3, lm.vocab_size, (batch, new), device=device)
+    seconds = []
+    for _ in range(calls + 2):  # two warm-up calls (the first compiles)
+        sync(device)
+        start = time.perf_counter()
+        lm.forward(ids, slots, allowed, cache, slots)
+        sync(device)
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds[2:])
+
+
+def forward_section(target, draft, args) -> dict:
+    out = {}
+    with torch.inference_mode():
+        for mode in ("eager", "compiled"):
+            lms = {"target": NativeCausalLM(target, "target"), "draft": NativeCausalLM(draft, "draft")}
+            for lm in lms.values():
+                lm.set_compiled(mode == "compiled")
+            times = {"draft_1": time_forward(lms["draft"], 1, 1, args.context, args.calls, args.device)}
+            for new in (1, 5, 17):
+                times[f"target_{new}"] = time_forward(lms["target"], 1, new, args.context, args.calls, args.device)
+            out[mode] = dict(seconds=times, target_over_draft=times["target_1"] / times["draft_1"],
+                             target_5_over_1=times["target_5"] / times["target_1"],
+                             target_17_over_1=times["target_17"] / times["target_1"])
+            print(f"forward {mode}: target/draft {out[mode]['target_over_draft']:.2f}, 5/1 "
+                  f"{out[mode]['target_5_over_1']:.2f}, 17/1 {out[mode]['target_17_over_1']:.2f}", flush=True)
+    return dict(section="forward", **out)
+
+
+@torch.inference_mode()
+def run_hf_static(target, prompts, args) -> dict:
+    ids = torch.tensor(prompts, device=args.device)
+    torch.manual_seed(0)
+    sync(args.device)
+    start = time.perf_counter()
+    out = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, top_k=0, top_p=1.0,
+                          temperature=1.0, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                          pad_token_id=0, eos_token_id=None, cache_implementation="static")
+    sync(args.device)
+    wall = time.perf_counter() - start
+    tokens = (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    return dict(wall=wall, tokens=tokens, tokens_per_s=tokens / wall)
+
+
+def hf_section(target, draft, args) -> list[dict]:
+    import copy
+
+    hf_model = copy.deepcopy(target)  # its forward is replaced by a compiled one
+    hf_model.forward = torch.compile(hf_model.forward, fullgraph=True)
+    rows = []
+    for batch in args.batches:
+        prompts = prompts_for(batch, args.prompt_length, target.config.vocab_size, 100 + batch)
+        arms = {"ours": lambda p=prompts: run_generate(target, None, p, args, "autoregressive", 1, 1, True),
+                "hf": lambda p=prompts: run_hf_static(hf_model, p, args)}
+        result = interleaved(arms, args.repeats)
+        ratio = result["ours"]["tokens_per_s"] / result["hf"]["tokens_per_s"]
+        rows.append(dict(section="hf", batch=batch, ours=result["ours"], hf=result["hf"], ratio=ratio))
+        print(f"hf B={batch}: our compiled autoregressive / HF static+compile = {ratio:.2f}x", flush=True)
+    return rows
+
+
+def compile_section(engine_rows: list[dict]) -> list[dict]:
+    """Compile seconds per arm (first compiled run minus a steady one) and auto's break-even."""
+    rows = []
+    for row in engine_rows:
+        compiled, eager = row["compiled"], row["eager"]
+        paid = compiled["first_wall"] - compiled["steady_wall"]
+        saved = (eager["steady_wall"] - compiled["steady_wall"]) / max(compiled["iterations"] or 1, 1)
+        rows.append(dict(section="compile", method=row["method"], batch=row["batch"], compile_seconds=paid,
+                         saved_per_iteration=saved, break_even_iterations=paid / saved if saved > 0 else None))
+    return rows
+
+
+def markdown(results: dict) -> str:
+    lines = [f"# Compiled engine ({results['device']}, threads {results['threads']}, torch {torch.__version__})", ""]
+    for row in results.get("engine", []):
+        lines.append(f"- engine B={row['batch']} {row['method']} L={row['draft_length']}: compiled "
+                     f"{row['compiled']['tokens_per_s']:.1f} tok/s, eager {row['eager']['tokens_per_s']:.1f}: "
+                     f"**{row['speedup']:.2f}x**")
+    if "best" in results:
+        best = results["best"]
+        lines.append(f"- best exact method at B=1 (compiled): {best['best']} **{best['ratios'][best['best']]:.2f}x** "
+                     "compiled autoregressive")
+    for mode, row in results.get("forward", {}).items():
+        if isinstance(row, dict) and "seconds" in row:
+            lines.append(f"- forward {mode}: target/draft {row['target_over_draft']:.2f}, target 5/1 tokens "
+                         f"{row['target_5_over_1']:.2f}, 17/1 {row['target_17_over_1']:.2f}")
+    for row in results.get("hf", []):
+        lines.append(f"- B={row['batch']}: our compiled autoregressive / HF generate (static cache + torch.compile) "
+                     f"**{row['ratio']:.2f}x**")
+    for row in results.get("compile", []):
+        even = row["break_even_iterations"]
+        lines.append(f"- compile paid, {row['method']} B={row['batch']}: {row['compile_seconds']:.1f} s; break-even "
+                     f"{'never' if even is None else f'{even:.0f} iterations'}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default=os.path.join(REPO_ROOT, "assets/models/target"))
+    parser.add_argument("--draft", default=os.path.join(REPO_ROOT, "assets/models/draft"))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-length", type=int, default=32)
+    parser.add_argument("--context", type=int, default=64, help="forward section: cached tokens before the forward")
+    parser.add_argument("--calls", type=int, default=30, help="forward section: timed forwards per measurement")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="tiny random models, few tokens: a smoke run")
+    parser.add_argument("--out", default=os.path.join(REPO_ROOT, "benchmarks/results/compile"))
+    args = parser.parse_args()
+    if args.quick:
+        args.new_tokens, args.prompt_length, args.repeats, args.calls, args.context = 6, 5, 1, 2, 8
+        args.batches = [1, 3]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sections = args.sections.split(",")
+    target, draft = load_pair(args)
+    results = dict(device=args.device, threads=torch.get_num_threads(), platform=platform.platform(),
+                   torch=torch.__version__, transformers=transformers.__version__, args=vars(args))
+    if "engine" in sections or "compile" in sections:
+        results["engine"] = engine_section(target, draft, args)
+    if "compile" in sections:
+        results["compile"] = compile_section(results["engine"])
+    for name, section in (("best", best_section), ("forward", forward_section), ("hf", hf_section)):
+        if name in sections:
+            try:  # a section that fails leaves the others' results
+                results[name] = section(target, draft, args)
+            except Exception as error:  # noqa: BLE001 - recorded, the run goes on
+                results[f"{name}_error"] = repr(error)
+                print(f"section {name} failed: {error!r}", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_compile.json"), "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    with open(os.path.join(args.out, "bench_compile.md"), "w") as f:
+        f.write(markdown(results))
+    print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()

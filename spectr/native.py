@@ -1,0 +1,300 @@
+"""The compiled engine's model: a native forward of the Llama / Qwen2 family over the engine's KV cache.
+
+`NativeCausalLM` is an `spectr.hf.HFCausalLM` (same vocabulary, device, cache, checks) whose
+`forward` has the same contract (explicit position ids, a boolean pattern over the cache slots,
+the new keys/values written into the `spectr.kv_cache.RowKVCache` at explicit slots, logits
+back) but runs `NativeCore`: a compact functional decoder over the HF model's own modules (its
+embedding, norms, projections, MLPs and head: the same parameters, no copy), with attention
+written out for the engine's layout. The core is a pure function of its inputs:
+
+    core(slots [3, B, T] (input ids, positions, write slots), pool [layers, 2, P, Hkv, C, D] (the
+         cache buffer; rows [0, B) and slots [0, S) are attended), allowed [B, T, S] bool)
+         -> logits [B, T, V], new_kv [layers, 2, B, Hkv, T, D]
+
+The new tokens' own keys attend through a [B, T, T] pattern read from `allowed` at their write
+slots (those slots of the view are stale this forward and masked); per layer the scores over the
+cache view and over the new tokens are joined before one float32 softmax, so nothing is copied
+or concatenated along the cache. The wrapper then scatters `new_kv` into the buffer in one op for
+every layer. Grouped-query attention folds the G query heads of a KV head into the query axis, as
+`spectr.hf.grouped_query_attention` does: each K/V head is read once.
+
+Compilation (`compiled=True`): the core goes through `torch.compile(fullgraph=True)` (no graph
+breaks, no host sync inside). On the CPU the rows B, the new tokens T and the view length S are
+marked dynamic on every call, and so are the pool's slots and capacity (batchers of other sizes over
+the same model share the graphs; nothing else is dynamic), traced with sizes of 1 treated like any other
+(`backed_size_oblivious`) and without duck sizing, so every configuration, batch size and cache
+length shares a handful of graphs per model (the planner's candidates included). Its inputs have
+one layout whatever the call: the pool's whole buffer (rows and view are sliced inside the graph,
+so a narrower iteration changes no stride) and fresh contiguous tensors (no aliasing, no expanded
+strides). On CUDA it uses `mode="reduce-overhead"` (CUDA graphs, recorded per concrete shape), marks
+the pool buffer a static address (read in place, never copied into the graph), and pads the view
+length to a multiple of `CUDA_VIEW_BUCKET` slots (masked columns; the batcher pads the rows to powers
+of 2) so that the number of recordings stays small; its outputs are cloned (a later replay
+overwrites the graph's output memory). Prefill (a forward over a `RowView`: newly admitted rows)
+always runs eager, so a new prompt length never compiles a graph. `compiled=False` runs the HF
+model itself (`HFCausalLM.forward`), bit for bit the engine's eager path.
+
+Not here: which models are native (`native_supported`, `spectr.batching.load_models` decides),
+when to compile (`spectr.batching`, `compile="auto"`), sampling and selection.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from spectr.hf import HFCausalLM
+from spectr.kv_cache import RowView
+
+NATIVE_MODEL_TYPES = ("llama", "qwen2")
+NATIVE_ROPE_TYPES = ("default", "linear", "llama3")  # a fixed inv_freq (dynamic / yarn-style ones: HF's path)
+CUDA_VIEW_BUCKET = 64  # on CUDA the attended view is padded to a multiple of this (fewer CUDA graphs)
+RECOMPILE_LIMIT = 64  # dynamo's per-code-object limit: both models' graphs share NativeCore.forward
+COMPILE_BACKEND = "inductor"  # tests set a counting backend here (spectr's tests: graphs, not kernels)
+COMPILE_CHOICES = (False, True, "auto")
+
+# compile="auto" on the CPU: compile when the queued work is at least this many iterations of the pool
+# (sum of the queued rows' budgets / batch size: autoregressive iterations, an upper bound for speculative
+# ones). The rule: compiling pays when iterations x (eager - compiled seconds per iteration) > compile
+# seconds. The issue's probe on this 2-core CPU: 2-28 s of compile per graph (a run compiles 4-8: target
+# and draft, rows 1 and >1, widths 1 and >1) and a saving of about 1/3 of a ~10-30 ms iteration of the
+# embedded pair: 4-8 graphs x ~8 s / ~5 ms saved = 6,000-13,000 iterations. 8,000 is that middle; a
+# 64-prompt job of 64 tokens at 8 slots (512 iterations) stays eager. scripts/bench_compile.py prints the
+# measured break-even (compile seconds / seconds saved per iteration): update this from it.
+CPU_MIN_ITERATIONS = 8000
+
+
+def check_compile(compile) -> bool | str:
+    """`compile` as given (False, True or "auto"), or ValueError naming it."""
+    if not any(compile is choice or (isinstance(choice, str) and compile == choice) for choice in COMPILE_CHOICES):
+        raise ValueError(f"compile must be False, True or 'auto', got {compile!r}")
+    return compile
+
+
+def auto_compile(device: torch.device, queued_tokens: int, batch_size: int) -> bool:
+    """compile="auto": always on CUDA (CUDA graphs pay within a few iterations: an iteration is hundreds
+    of kernel launches); on the CPU when the queued work (`queued_tokens` over `batch_size` slots) is at
+    least `CPU_MIN_ITERATIONS` iterations (see there)."""
+    if device.type == "cuda":
+        return True
+    return queued_tokens / max(batch_size, 1) >= CPU_MIN_ITERATIONS
+
+
+def native_supported(model) -> str | None:
+    """None when `model` can run the native forward, else why not (it then keeps HF's eager path)."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in NATIVE_MODEL_TYPES:
+        return f"model type {model_type!r} is not one of {NATIVE_MODEL_TYPES}"
+    inner = getattr(model, "model", None)
+    rotary = getattr(inner, "rotary_emb", None)
+    if rotary is None or getattr(rotary, "rope_type", "default") not in NATIVE_ROPE_TYPES:
+        return f"rotary embedding {getattr(rotary, 'rope_type', None)!r} is not one of {NATIVE_ROPE_TYPES}"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r} is not silu"
+    layer_types = getattr(config, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types):
+        return "sliding-window layers"
+    if getattr(config, "pretraining_tp", 1) not in (None, 1):
+        return "pretraining_tp > 1"
+    if len(set((getattr(model, "hf_device_map", None) or {}).values())) > 1:
+        return "a model split over several devices (device_map)"
+    return None
+
+
+class NativeCore(torch.nn.Module):
+    """The decoder as one function over the HF model's own modules; see the module docstring."""
+
+    def __init__(self, model):
+        super().__init__()
+        config = model.config
+        inner = model.model
+        self.embed = inner.embed_tokens
+        self.layers = inner.layers
+        self.norm = inner.norm
+        self.head = model.lm_head
+        self.rotary = inner.rotary_emb  # inv_freq [D/2] (already scaled for linear / llama3), attention_scaling
+        self.heads = int(config.num_attention_heads)
+        self.kv_heads = int(config.num_key_value_heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        self.scaling = self.head_dim ** -0.5
+        self.max_position = getattr(config, "max_position_embeddings", None)
+
+    def forward(self, slots, pool, allowed, last_only: bool = False):
+        """slots [3, B, T] (input ids, positions, write slots); pool [N, 2, P >= B, Hkv, C >= S, D] (the
+        cache rows [0, B) and slots [0, S) are attended); allowed [B, T, S] bool. Returns logits [B, T, V]
+        ([B, 1, V] with last_only) and the new keys/values [N, 2, B, Hkv, T, D]."""
+        _, batch, new = slots.shape
+        input_ids, positions, write_slots = slots[0], slots[1], slots[2]  # [B, T] each
+        kv = pool[:, :, :batch, :, : allowed.shape[-1]]  # [N, 2, B, Hkv, S, D] a view
+        if self.max_position is not None:
+            positions = positions.clamp(max=self.max_position - 1)
+        cache_allowed, new_allowed = split_pattern(allowed, write_slots)  # [B, T, S], [B, T, T]
+        hidden = self.embed(input_ids)  # [B, T, E]
+        cos, sin = self._rope(positions, hidden.dtype)  # [B, 1, T, D] each
+        stored = []
+        for index, layer in enumerate(self.layers):  # unrolled under compile: one graph for the decoder
+            attention = layer.self_attn
+            normed = layer.input_layernorm(hidden)
+            query = attention.q_proj(normed).view(batch, new, self.heads, self.head_dim).transpose(1, 2)
+            key = attention.k_proj(normed).view(batch, new, self.kv_heads, self.head_dim).transpose(1, 2)
+            value = attention.v_proj(normed).view(batch, new, self.kv_heads, self.head_dim).transpose(1, 2)
+            query = query * cos + _rotate_half(query) * sin  # [B, Hq, T, D]
+            key = (key * cos + _rotate_half(key) * sin).to(kv.dtype)  # [B, Hkv, T, D]
+            value = value.to(kv.dtype)
+            stored.append(torch.stack([key, value]))  # [2, B, Hkv, T, D]
+            mixed = self._attend(query, kv[index, 0], kv[index, 1], key, value, cache_allowed, new_allowed)
+            hidden = hidden + attention.o_proj(mixed)
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        if last_only:
+            hidden = hidden[:, -1:]
+        logits = self.head(self.norm(hidden))  # [B, T, V]
+        return logits, torch.stack(stored)  # [B, T, V], [N, 2, B, Hkv, T, D]
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, 1, T, D] of the rotary embedding at `positions` [B, T] (as HF computes them)."""
+        freqs = positions[..., None].float() * self.rotary.inv_freq.float()  # [B, T, D/2]
+        angles = torch.cat((freqs, freqs), dim=-1)  # [B, T, D]
+        scale = self.rotary.attention_scaling
+        return (angles.cos() * scale).to(dtype)[:, None], (angles.sin() * scale).to(dtype)[:, None]
+
+    def _attend(self, query, cache_keys, cache_values, keys, values, cache_allowed, new_allowed):
+        """Softmax attention of query [B, Hq, T, D] over the cache view (cache_keys/values [B, Hkv, S, D],
+        cache_allowed [B, T, S]) and the new tokens (keys/values [B, Hkv, T, D], new_allowed [B, T, T])
+        -> [B, T, Hq * D]. The G query heads of a KV head are folded into the query axis."""
+        batch, _, new, dim = query.shape
+        groups = self.heads // self.kv_heads
+        folded = query.reshape(batch, self.kv_heads, groups * new, dim).to(cache_keys.dtype)  # [B, Hkv, G*T, D]
+        mask = torch.cat([cache_allowed, new_allowed], -1)[:, None, None]  # [B, 1, 1, T, S+T]
+        mask = mask.expand(batch, 1, groups, new, mask.shape[-1]).reshape(batch, 1, groups * new, -1)
+        scores = torch.cat([folded @ cache_keys.transpose(2, 3), folded @ keys.transpose(2, 3)], -1)  # [B, Hkv, GT, S+T]
+        scores = (scores * self.scaling).masked_fill(~mask, float("-inf"))
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(cache_values.dtype)
+        view = cache_keys.shape[2]
+        mixed = weights[..., :view] @ cache_values + weights[..., view:] @ values  # [B, Hkv, G*T, D]
+        mixed = mixed.reshape(batch, self.heads, new, dim).transpose(1, 2)  # [B, T, Hq, D]
+        return mixed.reshape(batch, new, self.heads * dim).to(query.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def split_pattern(allowed: torch.Tensor, write_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The engine's pattern over cache slots, split for the core: allowed [B, T, S] bool, write_slots [B, T].
+
+    Returns (cache part [B, T, S]: `allowed` without the slots this forward writes, whose cache
+    entries are stale; new part [B, T, T]: token t attends new token t' iff `allowed` marks t''s
+    slot). A write slot past the view (padding the caller clamped) is never attended.
+    """
+    batch, new, view = allowed.shape
+    inside = write_slots < view  # [B, T]
+    slots = write_slots.clamp(max=view - 1)  # [B, T]
+    written = torch.zeros(batch, view, dtype=torch.int32, device=allowed.device)
+    written = written.scatter_add(1, slots, inside.to(torch.int32)) > 0  # [B, S]
+    cache_part = allowed & ~written[:, None, :]  # [B, T, S]
+    new_part = allowed.gather(2, slots[:, None, :].expand(batch, new, new)) & inside[:, None, :]  # [B, T, T]
+    return cache_part, new_part
+
+
+# Per HF model: its NativeCore and (backend, compiled core), shared by every NativeCausalLM over it, so that a
+# new batcher over the same model (a worker rebuilding its pool, a test) reuses the graphs already compiled.
+_CORES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class NativeCausalLM(HFCausalLM):
+    """An `HFCausalLM` whose forward runs `NativeCore` (compiled or not); see the module docstring."""
+
+    def __init__(self, model, role: str = "model", compiled: bool = False):
+        super().__init__(model, role)
+        reason = native_supported(model)
+        if reason is not None:
+            raise ValueError(f"{self.description} cannot run the native forward: {reason}")
+        self.core, self._compiled_core = _CORES.get(model, (NativeCore(model), None))
+        _CORES[model] = (self.core, self._compiled_core)
+        self.cuda = self.device.type == "cuda"
+        self._static_pool = None  # id of the pool buffer marked static for CUDA graphs
+        self.compiled = False
+        self.set_compiled(compiled)
+
+    def set_compiled(self, compiled: bool) -> None:
+        """Switch between the compiled core (built on first use) and HF's eager forward."""
+        self.compiled = bool(compiled)
+        if self.compiled and (self._compiled_core is None or self._compiled_core[0] is not COMPILE_BACKEND):
+            import torch._dynamo.config as dynamo_config
+
+            dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
+            options = {"mode": "reduce-overhead"} if self.cuda and COMPILE_BACKEND == "inductor" else {}
+            compiled = torch.compile(self.core, fullgraph=True, dynamic=False, backend=COMPILE_BACKEND, **options)
+            self._compiled_core = (COMPILE_BACKEND, compiled)
+            _CORES[self.model] = (self.core, self._compiled_core)
+
+    def forward(self, input_ids, position_ids, allowed, cache, write_slots, last_only: bool = False):
+        """Same contract as `HFCausalLM.forward`; compiled: the native core (eager for row subsets: prefill)."""
+        if not self.compiled:
+            return super().forward(input_ids, position_ids, allowed, cache, write_slots, last_only)
+        return self.native_forward(input_ids, position_ids, allowed, cache, write_slots, last_only)
+
+    def native_forward(self, input_ids, position_ids, allowed, cache, write_slots, last_only: bool = False):
+        """The native core over `cache` (compiled unless the cache is a row subset), then one scatter of K/V."""
+        rows = cache.rows
+        subset = isinstance(rows, RowView)
+        base = rows.cache if subset else rows
+        view = allowed.shape[-1]
+        rows.begin_forward(write_slots, view)
+        if base.buffer is None:
+            base._allocate(torch.empty(1, self.core.kv_heads, 1, self.core.head_dim, dtype=self.dtype,
+                                       device=self.device))
+        buffer = base.buffer  # [N, 2, B, Hkv, C, D]
+        slots = torch.stack([input_ids, position_ids.expand_as(write_slots), write_slots])  # [3, B, T] fresh
+        if subset or not self.compiled:  # eager: prefill of new rows (a gathered copy of their slots)
+            pool = buffer[:, :, :, :, :view].index_select(2, rows.rows) if subset else buffer
+            logits, new_kv = self.core(slots, pool, allowed, last_only)
+        else:
+            logits, new_kv = self._run_compiled(slots, base, allowed.contiguous(), last_only)
+        _store(buffer, new_kv, write_slots, rows.rows if subset else None)
+        return logits
+
+    def _run_compiled(self, slots, cache, allowed, last_only):
+        """The compiled core over the whole pool's buffer (one static input; the rows are its first B)."""
+        pool = cache.root.buffer  # [N, 2, P, Hkv, C, D]: the same tensor for the batcher's life
+        if self.cuda:
+            if id(pool) != self._static_pool:
+                torch._dynamo.mark_static_address(pool)  # CUDA graphs read it in place, never copy it
+                self._static_pool = id(pool)
+            view = allowed.shape[-1]
+            padded = min(-(-view // CUDA_VIEW_BUCKET) * CUDA_VIEW_BUCKET, cache.capacity)
+            allowed = torch.nn.functional.pad(allowed, (0, padded - view))  # [B, T, padded]: masked columns
+            torch.compiler.cudagraph_mark_step_begin()
+        for dim in (1, 2):
+            torch._dynamo.mark_dynamic(slots, dim)  # B, T
+        for dim in (0, 1, 2):
+            torch._dynamo.mark_dynamic(allowed, dim)  # B, T, S
+        for dim in (2, 4):
+            torch._dynamo.mark_dynamic(pool, dim)  # P, C: batchers of other sizes share the graphs
+        with _shape_config():
+            logits, new_kv = self._compiled_core[1](slots, pool, allowed, last_only)
+        if self.cuda:  # the graph's output memory is reused by the next replay
+            logits, new_kv = logits.clone(), new_kv.clone()
+        return logits, new_kv
+
+
+def _shape_config():
+    """Trace with sizes 1 treated like any other (no graph specialised for one row or one new token), and
+    without duck sizing (two dims equal at the first trace are not assumed equal forever)."""
+    from torch.fx.experimental import _config as fx_config
+
+    return fx_config.patch(backed_size_oblivious=True, use_duck_shape=False)
+
+
+def _store(buffer: torch.Tensor, new_kv: torch.Tensor, write_slots: torch.Tensor, rows: torch.Tensor | None) -> None:
+    """Write new_kv [N, 2, R, Hkv, T, D] into buffer [N, 2, B, Hkv, C, D] at write_slots [R, T] (of rows [R])."""
+    layers, _, count, heads, new, dim = new_kv.shape
+    if rows is None:
+        index = write_slots[None, None, :, None, :, None].expand(layers, 2, count, heads, new, dim)
+        buffer.scatter_(4, index, new_kv)
+        return
+    head_index = torch.arange(heads, device=rows.device)
+    buffer[:, :, rows[:, None, None], head_index[None, :, None], write_slots[:, None, :]] = new_kv

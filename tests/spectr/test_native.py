@@ -1,0 +1,140 @@
+"""The native Llama/Qwen2 forward (`spectr.native`) against the HF path, and the compiled engine's graphs.
+
+Equality: the same sequence of forwards (prefill of a row subset, a decode step, a tree verify, a
+catch-up with `last_only`, a draft step writing between stale slots) through `HFCausalLM.forward`
+and through `NativeCausalLM.native_forward` on two caches: logits and every cache entry agree
+within float tolerance, for Llama and Qwen2 with grouped-query attention (and without).
+
+Graphs: with `COMPILE_BACKEND` set to dynamo's counting backend (graphs are traced and counted,
+not compiled to kernels: a test of shapes and breaks, fast on any CPU), a warm-up run and then a
+second run with other ragged prompt lengths, rows admitted mid-run and EOS compile no new graph,
+with `fullgraph=True` (a graph break would raise).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_tiny import hf_greedy, noisy_copy, tiny_model
+from torch._dynamo.testing import CompileCounter
+
+import spectr
+import spectr.native as native
+from spectr.batching import ContinuousBatcher
+from spectr.hf import HFCausalLM
+from spectr.kv_cache import tree_attention
+from spectr.native import NativeCausalLM, native_supported
+from spectr.rows import prefill
+
+
+@pytest.fixture(scope="module")
+def counter():
+    """Compiled cores trace through a CompileCounter (counts graphs) instead of inductor; the module's tests
+    share it (and the graphs: the compiled core is kept per model)."""
+    with pytest.MonkeyPatch.context() as patch:
+        counting = CompileCounter()
+        patch.setattr(native, "COMPILE_BACKEND", counting)
+        torch._dynamo.reset()
+        yield counting
+    torch._dynamo.reset()
+
+
+@pytest.fixture(scope="module")
+def greedy_pair():
+    target = tiny_model("llama", vocab_size=64, num_layers=1, init_std=0.2, seed=3)
+    return target, noisy_copy(target, noise_std=0.05, seed=4)
+
+
+def _forwards(lm, forward, cache):
+    """The engine's kinds of forwards on a 3-row cache; returns their logits."""
+    out = []
+    rows = torch.tensor([0, 2])
+    prefill(lm, cache, [[3, 17, 42, 8, 1], [9, 2, 5]], torch.device("cpu"), rows=rows)  # eager: a RowView
+    prefill(lm, cache.view(torch.tensor([1])), [[7, 7, 7, 7, 7, 7, 7]], torch.device("cpu"))
+    lengths = cache.rows.lengths.clone()  # [3]
+    # decode: one token per row
+    slots = lengths[:, None]
+    allowed = tree_attention(lengths, torch.ones(1, 1, dtype=torch.bool), int(lengths.max()) + 1)
+    out.append(forward(torch.tensor([[1], [5], [9]]), slots, allowed, cache, slots))
+    cache.rows.advance(torch.ones(3, dtype=torch.int64))
+    lengths = cache.rows.lengths.clone()
+    # tree verify: root + 2 branches of 2 tokens, per-row visibility
+    visible = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 0, 0, 1, 0], [1, 0, 0, 1, 1]],
+                           dtype=torch.bool)
+    slots = lengths[:, None] + torch.arange(5)
+    depth = torch.tensor([0, 1, 2, 1, 2])
+    allowed = tree_attention(lengths, visible, int(lengths.max()) + 5)
+    tokens = torch.tensor([[4, 5, 6, 7, 8], [1, 2, 3, 4, 5], [60, 61, 62, 63, 0]])
+    out.append(forward(tokens, lengths[:, None] + depth, allowed, cache, slots))
+    # a draft step: K=2 tokens at interleaved slots after 2 stale ones, attending their own paths
+    base = lengths + 1
+    slots = base[:, None] + 2 + torch.arange(2)
+    allowed = tree_attention(base, torch.tensor([[1, 0, 1, 0], [0, 1, 0, 1]], dtype=torch.bool),
+                             int(base.max()) + 4)
+    out.append(forward(torch.tensor([[9, 8], [7, 6], [5, 4]]), base[:, None].expand(3, 2) + 1, allowed, cache, slots))
+    # catch-up: 3 causal tokens, last only
+    slots = lengths[:, None] + torch.arange(3)
+    causal = torch.ones(3, 3, dtype=torch.bool).tril()
+    allowed = tree_attention(lengths, causal, int(lengths.max()) + 3)
+    out.append(forward(torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]]), slots, allowed, cache, slots,
+                       last_only=True))
+    return out
+
+
+@pytest.mark.parametrize("arch,kv_heads", [("llama", 2), ("qwen2", 2), ("llama", 4), ("qwen2", 1)])
+@torch.inference_mode()
+def test_native_forward_equals_the_hf_path(arch, kv_heads):
+    model = tiny_model(arch, vocab_size=64, num_heads=4, num_kv_heads=kv_heads, init_std=0.2, seed=5)
+    assert native_supported(model) is None
+    hf = HFCausalLM(model)
+    lm = NativeCausalLM(model)
+    hf_cache, native_cache = hf.new_cache(3, 32), lm.new_cache(3, 32)
+    expected = _forwards(hf, hf.forward, hf_cache)
+    got = _forwards(lm, lm.native_forward, native_cache)
+    for want, have in zip(expected, got):
+        assert have.shape == want.shape
+        torch.testing.assert_close(have, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(native_cache.rows.buffer, hf_cache.rows.buffer, rtol=1e-4, atol=1e-5)
+    assert torch.equal(native_cache.rows.lengths, hf_cache.rows.lengths)
+
+
+def test_other_architectures_are_not_native():
+    assert "gpt_neox" in native_supported(tiny_model("gpt_neox"))
+    with pytest.raises(ValueError, match="native"):
+        NativeCausalLM(tiny_model("gpt_neox"))
+
+
+@pytest.mark.parametrize("method", ["autoregressive", pytest.param("speculative", marks=pytest.mark.slow),
+                                    pytest.param("spectr", marks=pytest.mark.slow)])
+def test_compiled_greedy_equals_hugging_face_greedy(counter, greedy_pair, method):
+    target, draft = greedy_pair
+    prompts = [[3, 17, 42, 8, 1], [9], [5, 6, 7, 8, 9, 10, 11]]
+    out = spectr.generate(target, draft, prompts, method=method, num_drafts=2, draft_length=3, max_new_tokens=8,
+                          temperature=0.0, compile=True)
+    assert out.stats.compiled and counter.frame_count > 0
+    assert out.tokens == [hf_greedy(target, p, 8) for p in prompts]
+
+
+def _run(batcher, prompts, budgets, seed):
+    batcher.admit(prompts[:2], max_new_tokens=budgets[:2], seed=seed)
+    rows = list(batcher.step())
+    batcher.admit(prompts[2:], max_new_tokens=budgets[2:], seed=seed + 10)  # admitted mid-run
+    rows += list(batcher.finished())
+    return rows
+
+
+@pytest.mark.parametrize("method,k", [("autoregressive", 1), pytest.param("speculative", 1, marks=pytest.mark.slow),
+                                      pytest.param("spectr", 3, marks=pytest.mark.slow)])
+def test_no_new_graph_after_warm_up(counter, greedy_pair, method, k):
+    """Ragged prompts, admissions mid-run, EOS and the tail (rows finishing one by one): after a warm-up
+    run, a second run with other prompt lengths and budgets compiles nothing new."""
+    target, draft = greedy_pair
+    batcher = ContinuousBatcher(target, draft, batch_size=4, max_length=40, method=method, num_drafts=k,
+                                draft_length=3, eos_token_id=list(range(0, 64, 3)), compile=True)
+    warm = _run(batcher, [[1, 2, 3], [4] * 9, [6, 7], [8, 9, 10, 11], [12] * 6], [12, 6, 9, 3, 14], seed=0)
+    graphs = counter.frame_count
+    assert batcher.stats.compiled and any(r.finish_reason == "eos" for r in warm)
+    again = _run(batcher, [[2] * 11, [3, 4], [9] * 5, [1], [7, 8, 9], [10] * 13, [11]], [9, 15, 4, 11, 7, 5, 10],
+                 seed=100)
+    assert len(again) == 7
+    assert counter.frame_count == graphs, f"{counter.frame_count - graphs} new graphs after warm-up"
