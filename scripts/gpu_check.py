@@ -104,6 +104,8 @@ class Plan:
     assisted_length: int  # L of ours-speculative vs HF assisted (batch 1)
     headline_spectr: tuple[int, int]  # (K, L) of SpecTr in the headline groups (eager, compiled)
     compiled_exact_methods: tuple[str, ...]  # also tested compiled, where the engine compiles
+    compiled_speed: bool  # time the compiled arms too, where the engine compiles (not in the CPU smoke run:
+    # compiling there costs minutes; tests/scripts/test_gpu_check.py covers those arms with a stand-in)
     headline_repeats: int  # interleaved repeats (median) of the ours-vs-HF comparisons
     pair_prompts: int
     pair_new_tokens: int
@@ -118,11 +120,13 @@ FULL = Plan(name="full", budget_s=420.0, exact_samples=16000, exact_tokens=3, gr
             speed_shape=LLAMA_1B, draft_layers=2, speed_batches=(1, 16, 64), prompt_lengths=(128, 512),
             speed_new_tokens=64, sync_new_tokens=12, grid_drafts=(2, 4), grid_lengths=(2, 4, 6),
             assisted_length=4, headline_spectr=(2, 4), headline_repeats=3,
-            compiled_exact_methods=(AUTOREGRESSIVE, "spectr"), pair_prompts=16, pair_new_tokens=48)
+            compiled_exact_methods=(AUTOREGRESSIVE, "spectr"), compiled_speed=True, pair_prompts=16,
+            pair_new_tokens=48)
 SMOKE = Plan(name="smoke", budget_s=300.0, exact_samples=2000, exact_tokens=3, greedy_new_tokens=8,
              speed_shape=TINY_LLAMA, draft_layers=1, speed_batches=(1, 2), prompt_lengths=(8, 24),
              speed_new_tokens=10, sync_new_tokens=6, grid_drafts=(2,), grid_lengths=(2, 4),
-             assisted_length=2, headline_spectr=(2, 2), headline_repeats=1, compiled_exact_methods=(), pair_prompts=2, pair_new_tokens=8)
+             assisted_length=2, headline_spectr=(2, 2), headline_repeats=1, compiled_exact_methods=(), compiled_speed=False, pair_prompts=2,
+             pair_new_tokens=8)
 
 
 class Budget:
@@ -841,7 +845,7 @@ def build_speed_pair(ctx: Context):
 
 def section_speed(ctx: Context) -> dict:
     pair, models = build_speed_pair(ctx)
-    compiles = engine_compiles()
+    compiles = engine_compiles() and ctx.plan.compiled_speed
     models["engine_compiles"] = compiles
     log(models["description"] + ("" if compiles else "; spectr.generate takes no `compile`: eager only"))
     rows, skipped, warmed = [], [], set()

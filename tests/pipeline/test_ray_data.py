@@ -219,6 +219,7 @@ def s3_prompts(tmp_path_factory):
         stop(server)
 
 
+@pytest.mark.slow  # the default suite's budget (8 min on 2 cores); see the README's Tests section
 def test_read_parquet_from_s3_stage_write_parquet(ray_local, s3_prompts, stage, tiny_pair, tmp_path):
     import ray
 

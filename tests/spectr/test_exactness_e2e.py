@@ -336,6 +336,7 @@ def traced_graphs():
     torch._dynamo.reset()
 
 
+@pytest.mark.slow  # the default suite's budget (8 min on 2 cores); see the README's Tests section
 def test_compiled_mode_rows_admitted_mid_run_follow_the_target(pair, exact_laws, traced_graphs):
     out = run(pair, "spectr", 3, 2, "warped", 6000, batch_size=MID_RUN_BATCH, compile=True)
     assert traced_graphs.frame_count > 0
@@ -343,6 +344,7 @@ def test_compiled_mode_rows_admitted_mid_run_follow_the_target(pair, exact_laws,
     assert chi_square_pvalue(out.tokens, exact_laws["warped"]) > ACCEPT_P
 
 
+@pytest.mark.slow  # the default suite's budget (8 min on 2 cores); see the README's Tests section
 def test_compiled_mode_negative_control_a_commit_without_path_gather_is_rejected(pair, exact_laws, traced_graphs,
                                                                                   monkeypatch):
     monkeypatch.setattr(RowKVCache, "keep_path", lambda self, source, dest, rows=None: None)

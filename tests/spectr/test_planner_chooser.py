@@ -244,7 +244,7 @@ def test_the_public_generate_keeps_its_signature():
         "target", "draft", "prompts", "method", "num_drafts", "draft_length", "max_new_tokens", "temperature",
         "top_k", "top_p", "eos_token_id", "seed", "batch_size"]
     added = list(parameters.values())[13:]  # new keyword arguments, with defaults that keep the old behaviour
-    assert [p.name for p in added] == ["logprobs"]
+    assert [p.name for p in added] == ["logprobs", "compile"]
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is False for p in added)
 
 
