@@ -92,40 +92,17 @@ def test_two_takers_of_one_stale_local_lease_exactly_one_wins(tmp_path):
 def moto_s3(tmp_path_factory):
     """moto's S3 server on 127.0.0.1 with a bucket 'leases'; yields its URL (the AWS variables are set
     while a test uses `s3_env`)."""
-    import os
-    import signal
-    import urllib.request
-    from pathlib import Path
-
     import boto3
+    from s3_support import start_moto, stop
 
-    folder = tmp_path_factory.mktemp("moto_lease")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = subprocess.Popen(
-        [str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
-        start_new_session=True, stdout=subprocess.DEVNULL, stderr=open(folder / "moto.log", "w"),
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            urllib.request.urlopen(url, timeout=2).close()
-            break
-        except OSError as err:
-            if getattr(err, "code", None):
-                break
-            assert server.poll() is None and time.monotonic() < deadline, "moto_server did not start"
-            time.sleep(0.3)
+    server, url = start_moto(tmp_path_factory.mktemp("moto_lease"), "moto")
     boto3.client(
         "s3", endpoint_url=url, aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1"
     ).create_bucket(Bucket="leases")
     try:
         yield url
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=20)
+        stop(server)
 
 
 @pytest.fixture
