@@ -16,7 +16,9 @@ Configurations: `auto` cold (the default; a fresh user cache directory per run, 
 the fixed grid autoregressive, speculative L=1..4, block L=2..4, spectr K in {2,4} x L in {2,3,4}. Round 1
 runs every configuration; later rounds run auto, auto-warm, autoregressive and the `--top` best fixed
 configurations of round 1, in a shuffled order per round (interleaved, so that the machine's drift hits
-all of them alike). The report takes each configuration's median over its rounds and gives, per
+all of them alike). Round 1 chooses the best fixed configuration; with more rounds every configuration
+is scored by its median over the later rounds only (no winner's curse), and `paired_*` ratios take the
+median over those rounds of the two configurations' ratio within one round. The report gives, per
 setting: auto / the best fixed configuration, auto / autoregressive, and auto's `planner_wasted_s` as a
 share of its generation time (goals: >= 0.95, >= 1.0 (> 1.0 for `single`), <= 3%).
 """
@@ -99,29 +101,50 @@ def run_job(setting: str, config: str, workdir: Path, warm_cache: Path, timeout_
 
 
 def report(records: list[dict[str, object]]) -> dict[str, dict[str, object]]:
-    """Per setting: each configuration's median throughput, and auto's ratios and wasted share."""
+    """Per setting: each configuration's median throughput, and auto's ratios and wasted share.
+
+    With more than one round, the best fixed configuration is chosen on round 1 and its throughput (and
+    everyone's) is the median over the later rounds only: choosing the best of 14 noisy runs and scoring it on
+    the same runs would credit it with its luck (the winner's curse). `paired` gives the median over the later
+    rounds of auto / the best fixed in the same round (the machine's drift between rounds cancels)."""
     found: dict[str, dict[str, object]] = {}
     for setting in sorted({str(r["setting"]) for r in records}):
         mine = [r for r in records if r["setting"] == setting and "throughput_tokens_per_s" in r]
-        medians = {config: statistics.median(float(r["throughput_tokens_per_s"]) for r in mine if r["config"] == config)
-                   for config in sorted({str(r["config"]) for r in mine})}
+        held_out = [r for r in mine if int(r.get("round", 1)) > 1]
+        scored = held_out or mine
+        first = {str(r["config"]): float(r["throughput_tokens_per_s"]) for r in mine if int(r.get("round", 1)) == 1}
+        medians = {config: statistics.median(float(r["throughput_tokens_per_s"]) for r in scored if r["config"] == config)
+                   for config in sorted({str(r["config"]) for r in scored})}
         fixed = {config: value for config, value in medians.items() if config not in AUTO}
-        best = max(fixed, key=fixed.get) if fixed else None
-        entry: dict[str, object] = {"median_tokens_per_s": medians, "best_fixed": best}
+        chosen = {config: value for config, value in first.items() if config in fixed} if held_out else fixed
+        best = max(chosen, key=chosen.get) if chosen else None
+        entry: dict[str, object] = {"median_tokens_per_s": medians, "best_fixed": best,
+                                    "scored_rounds": sorted({int(r.get("round", 1)) for r in scored})}
         for config in AUTO:
             runs = [r for r in mine if r["config"] == config]
-            if not runs or best is None:
+            if not runs or best is None or config not in medians:
                 continue
             wasted = sum(float(r.get("planner_wasted_s", 0.0)) for r in runs)
             generation = sum(float(r.get("generation_s", 0.0)) for r in runs)
             entry[config] = {
                 "over_best_fixed": medians[config] / fixed[best],
                 "over_autoregressive": medians[config] / fixed["autoregressive"] if "autoregressive" in fixed else None,
+                "paired_over_best_fixed": _paired(scored, config, best),
+                "paired_over_autoregressive": _paired(scored, config, "autoregressive"),
                 "wasted_share": wasted / generation if generation else 0.0,
                 "method_lines": [r.get("method_line", "") for r in runs],
             }
         found[setting] = entry
     return found
+
+
+def _paired(records: list[dict[str, object]], config: str, other: str) -> float | None:
+    """Median over rounds of config / other, both from the same round."""
+    by_round: dict[int, dict[str, float]] = {}
+    for r in records:
+        by_round.setdefault(int(r.get("round", 1)), {})[str(r["config"])] = float(r["throughput_tokens_per_s"])
+    ratios = [runs[config] / runs[other] for runs in by_round.values() if config in runs and other in runs]
+    return statistics.median(ratios) if ratios else None
 
 
 def rounds_plan(round_index: int, records: list[dict[str, object]], setting: str, top: int) -> list[str]:

@@ -202,7 +202,9 @@ class OnlineChooser:
                 if count <= 0:
                     continue
                 measured = self._measured(int(bucket), StepConfig.parse(label))
-                measured.warmed = True
+                # not warmed: this process has not run it yet, and its first iteration here (new shapes,
+                # first-touched cache pages) is as slow as a cold one's, so it is not measured either
+                measured.warmed = False
                 for _ in range(min(count, TRIAL)):  # a warm entry counts as measured, but new iterations soon dominate
                     measured.add(entry["seconds"] / count, entry["rows"] / count, entry["tokens"] / count)
 
