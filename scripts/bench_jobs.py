@@ -2,6 +2,8 @@
 
     python scripts/bench_jobs.py                                   # both settings, the full grid, 3 rounds
     python scripts/bench_jobs.py --settings single --rounds 2 --out bench_out/jobs
+    python scripts/bench_jobs.py --select-from benchmarks/results/planner_jobs/runs.json --rounds 3 --top 3
+                                   # the best fixed chosen on an earlier run's round 1; every round here scores
 
 Each run is the real job in a fresh process (`python -m jobs.generate`, a fresh output directory, MLflow
 off, progress bar off) on the embedded pair; its throughput is the job's own `throughput_tokens_per_s`
@@ -110,9 +112,11 @@ def report(records: list[dict[str, object]]) -> dict[str, dict[str, object]]:
     found: dict[str, dict[str, object]] = {}
     for setting in sorted({str(r["setting"]) for r in records}):
         mine = [r for r in records if r["setting"] == setting and "throughput_tokens_per_s" in r]
-        held_out = [r for r in mine if int(r.get("round", 1)) > 1]
+        first_round = min(int(r.get("round", 1)) for r in mine)
+        held_out = [r for r in mine if int(r.get("round", 1)) > first_round]
         scored = held_out or mine
-        first = {str(r["config"]): float(r["throughput_tokens_per_s"]) for r in mine if int(r.get("round", 1)) == 1}
+        first = {str(r["config"]): float(r["throughput_tokens_per_s"]) for r in mine
+                 if int(r.get("round", 1)) == first_round}
         medians = {config: statistics.median(float(r["throughput_tokens_per_s"]) for r in scored if r["config"] == config)
                    for config in sorted({str(r["config"]) for r in scored})}
         fixed = {config: value for config, value in medians.items() if config not in AUTO}
@@ -149,10 +153,12 @@ def _paired(records: list[dict[str, object]], config: str, other: str) -> float 
 
 def rounds_plan(round_index: int, records: list[dict[str, object]], setting: str, top: int) -> list[str]:
     """Round 1: every configuration; later rounds: auto, auto-warm, autoregressive and the best fixed ones."""
-    if round_index == 0:
+    if round_index == 0 and not any(r["setting"] == setting for r in records):
         return [*AUTO, *FIXED]
+    first_round = min((int(r.get("round", 1)) for r in records if r["setting"] == setting), default=1)
     firsts = {str(r["config"]): float(r["throughput_tokens_per_s"]) for r in records
-              if r["setting"] == setting and "throughput_tokens_per_s" in r and str(r["config"]) in FIXED}
+              if r["setting"] == setting and "throughput_tokens_per_s" in r and str(r["config"]) in FIXED
+              and int(r.get("round", 1)) == first_round}
     ranked = sorted(firsts, key=firsts.get, reverse=True)
     return list(dict.fromkeys([*AUTO, "autoregressive", *ranked[:top]]))
 
@@ -165,12 +171,19 @@ def main() -> None:
     parser.add_argument("--configs", default=None, help="comma-separated labels instead of the grid (every round)")
     parser.add_argument("--timeout-s", type=float, default=600.0)
     parser.add_argument("--out", default="benchmarks/results/planner_jobs")
+    parser.add_argument("--select-from", default=None,
+                        help="runs.json of an earlier run: its round 1 chooses the best fixed configurations, "
+                             "and every round of this run scores them (held-out selection, no full grid here)")
     args = parser.parse_args()
     out = PROJECT_ROOT / args.out
     out.mkdir(parents=True, exist_ok=True)
     settings = args.settings.split(",")
     rng = random.Random(0)
     records: list[dict[str, object]] = []
+    if args.select_from:  # the earlier run's round 1, relabelled round 0: selection only, never scored
+        earlier = json.loads(Path(args.select_from).read_text())
+        records = [{**r, "round": 0, "selection_from": args.select_from} for r in earlier
+                   if r.get("round") == 1 and r.get("setting") in settings]
     with tempfile.TemporaryDirectory(prefix="bench-jobs-") as tmp:
         workdir = Path(tmp)
         warm = {setting: Path(tempfile.mkdtemp(prefix=f"warm-{setting}-", dir=workdir)) for setting in settings}
