@@ -14,10 +14,15 @@ def run(traces, total_tokens, seed, rows=1, catch_up=True):
     done = 0; secs = 0.0; ar_run = 0
     while done < total_tokens:
         c = ch.choose(rows)
-        tok, s, _, r = rng.choice(traces[c.label]["iterations"])
-        extra = 0.0
-        if c.speculative and ar_run and catch_up:
-            extra = 0.003 + 0.0002 * min(ar_run, 80)
+        pools = traces[c.label]
+        after_ar = c.speculative and ar_run and catch_up
+        if "after_ar" in pools:  # an interleaved trace: catch-up iterations were recorded as such
+            use_after = pools["after_ar"] and (after_ar or not pools["iterations"])
+            tok, s, _, r = rng.choice(pools["after_ar"] if use_after else pools["iterations"])[:4]
+            extra = 0.0
+        else:
+            tok, s, _, r = rng.choice(pools["iterations"])[:4]
+            extra = 0.003 + 0.0002 * min(ar_run, 80) if after_ar else 0.0
         measure = not (c.speculative and ar_run)
         ar_run = 0 if c.speculative else ar_run + 1
         acc = tok - r; L = max(c.draft_length, 1)
@@ -35,9 +40,13 @@ def evaluate(path, total, seeds, rows=1, **consts):
     saved = {k: getattr(C, k) for k in consts}
     for k, v in consts.items(): setattr(C, k, v)
     traces = json.load(open(path))
-    if rows > 1:
+    if any(len(i) > 4 for v in traces.values() for i in v["iterations"]):  # interleaved: [.., after_ar]
+        traces = {k: {"iterations": [i for i in v["iterations"] if i[3] == rows and not i[4]],
+                      "after_ar": [i for i in v["iterations"] if i[3] == rows and i[4]]} for k, v in traces.items()}
+    elif rows > 1:
         traces = {k: {"iterations": [i for i in v["iterations"] if i[3] == rows]} for k, v in traces.items()}
-    true = {k: sum(i[0] for i in v["iterations"]) / sum(i[1] for i in v["iterations"]) for k, v in traces.items()}
+    true = {k: sum(i[0] for i in v["iterations"] or v["after_ar"]) / sum(i[1] for i in v["iterations"] or v["after_ar"])
+            for k, v in traces.items()}
     best = max(true.values())
     ratios = [run(traces, total, s, rows=rows)[0] / best for s in range(seeds)]
     for k, v in saved.items(): setattr(C, k, v)
