@@ -332,8 +332,8 @@ class ShardGenerator:
 
         source = self.job.source if self.job is not None else None
         if source is not None and shard.extras:
-            for name, _ in source.columns.kept:
-                row[name] = carried(shard.extras[name][i], source.format)
+            for name, arrow_type in source.columns.kept:
+                row[name] = carried(shard.extras[name][i], source.format, arrow_type)
         return row
 
     def _error_row(self, shard: Shard, i: int, message: str, sample: int = 0) -> dict[str, Any]:
