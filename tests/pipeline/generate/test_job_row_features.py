@@ -258,7 +258,10 @@ def plain_logprobs_of(target, prompt_ids, tokens, warp) -> list[float]:
     return probs.gather(1, torch.tensor(tokens)[:, None])[:, 0].log().tolist()
 
 
-@pytest.mark.parametrize("file_format", ["parquet", "csv", "jsonl"])
+# csv / jsonl under slow (the default suite's budget): their kept columns are covered by
+# test_kept_columns_keep_pyarrows_types_in_every_part_file, JSON-lines params by the first test here
+@pytest.mark.parametrize("file_format", ["parquet", pytest.param("csv", marks=pytest.mark.slow),
+                                         pytest.param("jsonl", marks=pytest.mark.slow)])
 def test_per_row_params_and_kept_columns_in_every_format(tiny_pair, tmp_path, file_format):
     """A greedy row (temperature 0 in its params) gives the same completion in all its samples, the others
     sample; the kept column keeps its Parquet type, and gets pyarrow's inferred one from CSV / JSON lines."""
