@@ -113,10 +113,12 @@ def csv_options(
     id_type: pa.DataType | None,
     budget_column: str | None = None,
     extra_columns: tuple[str, ...] = (),
+    extra_types: dict[str, pa.DataType | None] | None = None,
 ):
     """pyarrow.csv options that read header-less records with the file's column names (the budget column
     as text: `pipeline.rowcheck` parses it, and names the row of a value that is not an integer; the
-    extra columns of `pipeline.row_columns` as text too)."""
+    extra columns of `pipeline.row_columns` as `extra_types` says: a type, None for pyarrow's inference,
+    text when absent)."""
     import pyarrow.csv as pacsv
 
     types = {text: pa.string()}
@@ -125,7 +127,10 @@ def csv_options(
     if budget_column:
         types[budget_column] = pa.string()
     extra = [c for c in extra_columns if c not in types]
-    types.update(dict.fromkeys(extra, pa.string()))
+    for column in extra:
+        chosen = (extra_types or {}).get(column, pa.string())
+        if chosen is not None:
+            types[column] = chosen
     return (
         pacsv.ReadOptions(column_names=list(source_header), block_size=4 << 20),
         pacsv.ParseOptions(newlines_in_values=True),

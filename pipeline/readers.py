@@ -72,7 +72,26 @@ def _read_jsonl(source: Source, piece: Piece, cache: Any) -> PieceValues:
     values = [record.get(source.text_column) for record in records]
     ids = [record.get(source.id_column) for record in records] if source.id_column else None
     budgets = [record.get(source.budget_column) for record in records] if source.budget_column else None
-    return ids, values, budgets, {c: [record.get(c) for record in records] for c in source.columns.read}
+    extras = {c: [record.get(c) for record in records] for c in source.columns.read}
+    extras.update(_typed_jsonl_columns(source, data, len(records), uri))
+    return ids, values, budgets, extras
+
+
+def _typed_jsonl_columns(source: Source, data: bytes, rows: int, where: str) -> dict[str, list[Any]]:
+    """The kept columns the scan typed (not as strings) through pyarrow's JSON reader with those types, so
+    that a value converts as pyarrow converts it (a date string to a timestamp, an int to a double)."""
+    import pyarrow.json as pj
+
+    typed = [(c, t) for c, t in source.columns.kept if not (pa.types.is_string(t) or pa.types.is_large_string(t))]
+    if not typed:
+        return {}
+    table = pj.read_json(
+        pa.BufferReader(data), read_options=pj.ReadOptions(block_size=max(1 << 20, len(data) + 1)),
+        parse_options=pj.ParseOptions(explicit_schema=pa.schema(typed), unexpected_field_behavior="ignore"),
+    )  # fmt: skip
+    if table.num_rows != rows:
+        raise ValueError(f"{where}: pyarrow read {table.num_rows} JSON records where {rows} were found")
+    return {c: table.column(c).to_pylist() for c, _ in typed}
 
 
 def _read_csv(source: Source, piece: Piece, cache: Any) -> PieceValues:
@@ -83,7 +102,7 @@ def _read_csv(source: Source, piece: Piece, cache: Any) -> PieceValues:
     id_type = pa.int64() if source.id_kind == "int" else pa.string()
     read, parse, convert = csv_options(
         source.csv_header or (), source.text_column, source.id_column, id_type, source.budget_column,
-        source.columns.read,
+        source.columns.read, dict(source.columns.kept),
     )
     table = pacsv.read_csv(
         pa.BufferReader(data), read_options=read, parse_options=parse, convert_options=convert
@@ -200,4 +219,4 @@ def _row_columns(data: DataConfig, listing: SourceListing, result: ScanResult, r
         return RowColumns()
     uri = listing.files[0].uri
     names, schema = reader.columns(uri, result)
-    return resolve_columns(data, names, schema, listing.format, uri)
+    return resolve_columns(data, names, schema, listing.format, uri, result.kept_types)

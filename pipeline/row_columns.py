@@ -1,17 +1,23 @@
 """The input's per-row columns besides the prompt: carried columns, stop strings, per-row sampling settings.
 
 - `data.keep_columns` (a list of names, or "all": every input column but the prompt / messages and id
-  columns): carried to the output unchanged. Their output types: the input's own for Parquet and saved
-  HF datasets; strings for CSV (the text as read) and JSON lines (a string as is, any other value as its
-  JSON text), because those formats declare no types the driver could give the part files' schema.
+  columns): carried to the output unchanged, with one Arrow type per column for the whole job, so that
+  every part file has the same schema (`KeptTypes`, filled by the driver's scan): the input's own for
+  Parquet and saved HF datasets (several files: their types merged); for JSON lines and CSV, pyarrow's
+  own inference (its JSON / CSV reader on each block the scan reads), merged over every block and file.
+  Merging promotes as pyarrow's "permissive" schema unification does (null + T -> T, int64 + double ->
+  double, structs by the union of their fields, lists by their items); two JSON-lines / CSV types that do
+  not merge (a number here, a string there) make the column a string: CSV's text as read, JSON lines' a
+  string as is and any other value as its JSON text. Two Parquet / Arrow files whose declared types do not
+  merge are refused (exit 2).
 - `data.stop_column`: a row's stop strings (a list of strings or one string; null: none), added to
   `spectr.stop`.
 - `data.sampling_params_column`: a struct or a JSON object with any of `temperature`, `top_p`, `top_k`,
   `max_tokens`, `seed`, `stop`; a value out of range fails that row alone, with its error.
 
 Config shapes are checked here (`check_row_columns_config`, `check_stop_list`: exit 2 before anything is
-written); the input's column names by the scan (`resolve_columns`); a row's values on the worker
-(`row_settings`). Not here: reading files (`pipeline.prompts`), generating, writing.
+written); the input's column names and the kept columns' types by the scan (`KeptTypes`, `resolve_columns`);
+a row's values on the worker (`carried`, `row_settings`). Not here: reading files (`pipeline.prompts`), generating, writing.
 """
 
 from __future__ import annotations
@@ -91,36 +97,113 @@ class RowColumns:
     params_column: str | None = None
 
 
-def resolve_columns(d: Any, names: list[str], schema: Any, file_format: str, where: str) -> RowColumns:
-    """The configured extra columns against the input's column `names` (JobInputError for an unknown one)."""
+def kept_names(d: Any, names: list[str]) -> list[str]:
+    """The columns `data.keep_columns` names, given a file's column `names` ("all": all but prompt and id)."""
+    if d.keep_columns == "all":
+        text = d.messages_column if d.chat else d.prompt_column
+        return [n for n in names if n not in (text, d.id_column)]
+    return list(d.keep_columns or [])
+
+
+def resolve_columns(d: Any, names: list[str], schema: Any, file_format: str, where: str,
+                    kept_types: tuple[tuple[str, Any], ...] | None = None) -> RowColumns:
+    """The configured extra columns against the input's column `names` (JobInputError for an unknown one);
+    the kept columns' types: `kept_types` (the scan's `KeptTypes.result()`), else the schema's, else string."""
     import pyarrow as pa
 
-    text = d.messages_column if d.chat else d.prompt_column
+    kept = kept_names(d, names)
     if d.keep_columns == "all":
-        kept = [n for n in names if n not in (text, d.id_column)]
         clash = [c for c in kept if c in OUTPUT_COLUMNS]
         if clash:
             raise JobInputError(f"data.keep_columns: input column {clash[0]!r} of {where} is an output column; "
                                 f"list the columns to keep instead of 'all', or rename it")
-    else:
-        kept = list(d.keep_columns or [])
     for key, columns in (("data.keep_columns", kept), ("data.stop_column", [d.stop_column]),
                          ("data.sampling_params_column", [d.sampling_params_column])):
         missing = [c for c in columns if c is not None and c not in names]
         if missing:
-            raise JobInputError(f"{key}: column '{missing[0]}' not found in {where}; columns are: "
-                                f"{', '.join(sorted(names)) or '(none)'}")
+            raise JobInputError(_not_found(key, missing[0], where, names))
+    known = dict(kept_types or ())
     typed = schema is not None and file_format in ("parquet", "hf_disk")
-    types = tuple((c, schema.field(c).type if typed else pa.string()) for c in kept)
+    types = tuple((c, known[c] if c in known else schema.field(c).type if typed else pa.string()) for c in kept)
     read = tuple(dict.fromkeys([*kept, *(c for c in (d.stop_column, d.sampling_params_column) if c)]))
     return RowColumns(read, types, d.stop_column, d.sampling_params_column)
 
 
-def carried(value: Any, file_format: str) -> Any:
-    """A kept value as the output stores it (JSON lines: non-strings as their JSON text)."""
-    if file_format == "jsonl" and value is not None and not isinstance(value, str):
+def _not_found(key: str, column: str, where: str, names: list[str]) -> str:
+    return f"{key}: column '{column}' not found in {where}; columns are: {', '.join(sorted(names)) or '(none)'}"
+
+
+class KeptTypes:
+    """The kept columns' output types, merged over what the scan sees: each Parquet / Arrow file's schema
+    (`add_schema`), or pyarrow's inference on each JSON-lines / CSV block (`add_table`; `add_json_values`
+    for a JSON-lines block pyarrow's reader rejected as a whole, one column at a time)."""
+
+    def __init__(self, names: list[str]):
+        import pyarrow as pa
+
+        self.types: dict[str, Any] = dict.fromkeys(names, pa.null())
+        self.declared = False  # Parquet / Arrow: a conflict between files is an error, not a string
+
+    def result(self) -> tuple[tuple[str, Any], ...]:
+        return tuple(self.types.items())
+
+    def add(self, name: str, arrow_type: Any, where: str = "") -> None:
+        import pyarrow as pa
+
+        now = self.types[name]
+        if now == arrow_type or (pa.types.is_string(now) and not self.declared):
+            return
+        try:
+            merged = pa.unify_schemas([pa.schema([(name, now)]), pa.schema([(name, arrow_type)])],
+                                      promote_options="permissive").field(name).type
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+            if self.declared:
+                raise JobInputError(f"data.keep_columns: column '{name}' holds {arrow_type} in {where} and {now} in "
+                                    f"the files before it; its type must be one for the whole job") from None
+            merged = pa.string()
+        self.types[name] = merged
+
+    def add_schema(self, schema: Any, where: str) -> None:
+        """A typed file's schema (each kept column must be in it)."""
+        self.declared = True
+        for name in self.types:
+            if name not in schema.names:
+                raise JobInputError(_not_found("data.keep_columns", name, where, list(schema.names)))
+            self.add(name, schema.field(name).type, where)
+
+    def add_table(self, table: Any) -> None:
+        """A block as pyarrow's JSON / CSV reader typed it (a column absent from the block: null)."""
+        import pyarrow as pa
+
+        for name in self.types:
+            self.add(name, table.schema.field(name).type if name in table.column_names else pa.null())
+
+    def add_json_values(self, name: str, values: list[Any]) -> None:
+        """One column's values of a JSON-lines block, typed by pyarrow's JSON reader on that column alone
+        (a string when it rejects them: numbers and strings mixed, say)."""
+        import pyarrow as pa
+        import pyarrow.json as pj
+
+        lines = "".join(json.dumps({"v": v}) + "\n" for v in values).encode()
+        try:
+            table = pj.read_json(pa.BufferReader(lines), read_options=pj.ReadOptions(block_size=max(1 << 20, len(lines))))
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            self.add(name, pa.string())
+            return
+        self.add(name, table.schema.field("v").type)
+
+
+def carried(value: Any, file_format: str, arrow_type: Any = None) -> Any:
+    """A kept value as the output stores it (JSON lines, a string column: non-strings as their JSON text)."""
+    if file_format == "jsonl" and value is not None and not isinstance(value, str) and _is_text(arrow_type):
         return json.dumps(value)
     return value
+
+
+def _is_text(arrow_type: Any) -> bool:
+    import pyarrow as pa
+
+    return arrow_type is None or pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type)
 
 
 @dataclass

@@ -9,6 +9,9 @@
   and hands each block to pyarrow's JSON reader for the ids and prompts; a block pyarrow rejects (or
   counts differently) is read again line by line in Python, which names the exact line and row.
 - CSV: the same, quote-aware, with pyarrow's CSV reader; the header is the first record of each file.
+- With `data.keep_columns`: the kept columns' types for the whole job (`pipeline.row_columns.KeptTypes`):
+  each Parquet / Arrow file's schema; for JSON lines and CSV, what the same readers infer for them on each
+  block (the JSON reader then infers every field the explicit schema does not name), merged.
 
 Every id goes through `IdChecker` (null, type, mixed, duplicates). What the checks say is in
 `pipeline.source`'s docstring. `pipeline.readers` holds the one table of formats that picks a scan
@@ -30,6 +33,7 @@ from pipeline.config import DataConfig
 from pipeline.errors import JobInputError
 from pipeline.formats import csv_options, jsonl_record, open_text_stream, read_arrow_table
 from pipeline.linescan import Block, ScanError, scan_records
+from pipeline.row_columns import KeptTypes, kept_names
 from pipeline.rowcheck import (
     BudgetCheck,
     IdChecker,
@@ -47,6 +51,11 @@ from pipeline.source import (
     scan_error,
     text_column,
 )
+
+
+def _kept(data: DataConfig, names: list[str]) -> KeptTypes | None:
+    """With data.keep_columns: the kept columns' types, to be merged over the whole scan."""
+    return KeptTypes(kept_names(data, names)) if data.keep_columns else None
 
 
 def _remaining(data: DataConfig, total: int) -> int | None:
@@ -88,7 +97,7 @@ def scan_parquet(
 ) -> ScanResult:
     checker = IdChecker(data.id_column, listing.path)
     files: list[InputFile] = []
-    total, has_id = 0, None
+    total, has_id, kept = 0, None, None
     for f in listing.files:
         remaining = _remaining(data, total)
         if remaining == 0:
@@ -96,6 +105,9 @@ def scan_parquet(
         parquet = _open_parquet(f.uri)
         schema = parquet.schema_arrow
         has_id = _same_id_presence(has_id, check_columns(schema.names, schema, data, f.uri), f.uri, data)
+        kept = kept or _kept(data, schema.names)
+        if kept is not None:
+            kept.add_schema(schema, f.uri)
         rows = parquet.metadata.num_rows if remaining is None else min(remaining, parquet.metadata.num_rows)
         if not data.chat:
             _parquet_null_prompts(parquet, data, rows, total, f.uri, has_id)
@@ -113,7 +125,7 @@ def scan_parquet(
 
     if has_id:
         checker.finish(reread)
-    return ScanResult(files, total, bool(has_id), checker.kind or "int")
+    return ScanResult(files, total, bool(has_id), checker.kind or "int", kept_types=kept and kept.result())
 
 
 def _parquet_ids(parquet: Any, column: str, rows: int, first_row: int) -> Iterator[tuple[pa.Array, int]]:
@@ -171,7 +183,7 @@ def scan_arrow(
     checker = IdChecker(data.id_column, listing.path)
     column, key = text_column(data)
     files: list[InputFile] = []
-    total, has_id = 0, None
+    total, has_id, kept = 0, None, None
     for f in listing.files:
         remaining = _remaining(data, total)
         if remaining == 0:
@@ -180,6 +192,9 @@ def scan_arrow(
         has_id = _same_id_presence(
             has_id, check_columns(table.schema.names, table.schema, data, f.uri), f.uri, data
         )
+        kept = kept or _kept(data, table.schema.names)
+        if kept is not None:
+            kept.add_schema(table.schema, f.uri)
         rows = table.num_rows if remaining is None else min(remaining, table.num_rows)
         for start in range(0, rows, ID_BATCH_ROWS):
             batch = table.slice(start, min(ID_BATCH_ROWS, rows - start))
@@ -200,7 +215,7 @@ def scan_arrow(
 
     if has_id:
         checker.finish(reread)
-    return ScanResult(files, total, bool(has_id), checker.kind or "int")
+    return ScanResult(files, total, bool(has_id), checker.kind or "int", kept_types=kept and kept.result())
 
 
 def _arrow_table(uri: str) -> pa.Table:
@@ -272,12 +287,14 @@ def _reread_text(files: list[InputFile], quoted: bool, ids_of: Callable[[Block, 
 
 
 class JsonlChecker:
-    """Each JSONL block: ids and prompts through pyarrow's JSON reader, or line by line when it objects."""
+    """Each JSONL block: ids and prompts through pyarrow's JSON reader, or line by line when it objects; with
+    kept columns, the reader also infers the other fields, and the kept ones' types go to `kept`."""
 
     def __init__(
-        self, data: DataConfig, checker: IdChecker, has_id: bool, id_kind: str | None, budgets: BudgetCheck | None
-    ):
-        self.data, self.checker, self.has_id, self.budgets = data, checker, has_id, budgets
+        self, data: DataConfig, checker: IdChecker, has_id: bool, id_kind: str | None, budgets: BudgetCheck | None,
+        kept: KeptTypes | None = None,
+    ):  # fmt: skip
+        self.data, self.checker, self.has_id, self.budgets, self.kept = data, checker, has_id, budgets, kept
         self.column, self.key = text_column(data)
         fields = [(data.id_column, pa.int64() if id_kind == "int" else pa.string())] if has_id else []
         if not data.chat:
@@ -294,7 +311,7 @@ class JsonlChecker:
                 pa.BufferReader(block.data),
                 read_options=pj.ReadOptions(block_size=4 << 20),
                 parse_options=pj.ParseOptions(
-                    explicit_schema=self.schema, unexpected_field_behavior="ignore"
+                    explicit_schema=self.schema, unexpected_field_behavior="infer" if self.kept else "ignore"
                 ),
             )
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
@@ -307,6 +324,8 @@ class JsonlChecker:
             ids = self.python_ids(block, where)
         else:
             ids = table.column(self.data.id_column).combine_chunks() if self.has_id else None
+            if self.kept is not None:
+                self.kept.add_table(table)
             if not self.data.chat:
                 _null_prompt(
                     table.column(self.column).combine_chunks(), ids, block.first_row, self.key, where
@@ -327,11 +346,14 @@ class JsonlChecker:
     def python_ids(self, block: Block, where: str) -> pa.Array:
         """The block line by line, with the exact line and row of the first problem."""
         ids: list[Any] = []
+        kept: dict[str, list[Any]] = {name: [] for name in (self.kept.types if self.kept else ())}
         row = block.first_row
         for offset, raw in enumerate(block.data.split(b"\n")):
             if not raw.strip():
                 continue
             record = jsonl_record(raw, where, line=block.first_line + offset)
+            for name, values in kept.items():
+                values.append(record.get(name))
             row_id = record.get(self.data.id_column) if self.has_id else row
             if self.has_id:
                 self._check_id(row_id, row, where)
@@ -342,6 +364,8 @@ class JsonlChecker:
             if self.budgets is not None:
                 self.budgets.value(record.get(self.budgets.column), row, row_id, where)
             row += 1
+        for name, values in kept.items():
+            self.kept.add_json_values(name, values)
         return pa.array(ids, type=self.schema.field(0).type) if self.has_id else pa.array([], pa.int64())
 
     def _check_id(self, value: Any, row: int, where: str) -> None:
@@ -376,11 +400,12 @@ def scan_jsonl(
             record[data.id_column], first.first_row, listing.files[0].uri, data.id_column
         )
     checker = IdChecker(data.id_column, listing.path)
-    check = JsonlChecker(data, checker, has_id, id_kind, budgets)
+    kept = _kept(data, list(record))
+    check = JsonlChecker(data, checker, has_id, id_kind, budgets, kept)
     files, total = _scan_text_files(data, listing, shard_size, quoted=False, check=check)
     if has_id:
         checker.finish(lambda: _reread_text(files, False, check.ids))
-    return ScanResult(files, total, has_id, id_kind or "int")
+    return ScanResult(files, total, has_id, id_kind or "int", kept_types=kept and kept.result())
 
 
 class CsvChecker:
@@ -389,9 +414,10 @@ class CsvChecker:
 
     def __init__(
         self, data: DataConfig, checker: IdChecker, header: tuple[str, ...], has_id: bool,
-        budgets: BudgetCheck | None = None,
+        budgets: BudgetCheck | None = None, kept: KeptTypes | None = None,
     ):  # fmt: skip
         self.data, self.checker, self.header, self.has_id, self.budgets = data, checker, header, has_id, budgets
+        self.kept = kept
         self.column, self.key = text_column(data)
         self.id_type: pa.DataType | None = None
 
@@ -400,7 +426,9 @@ class CsvChecker:
 
         id_column = self.data.id_column if self.has_id else None
         budget_column = None if self.budgets is None else self.budgets.column
-        read, parse, convert = csv_options(self.header, self.column, id_column, self.id_type, budget_column)
+        inferred = tuple(self.kept.types) if self.kept else ()
+        read, parse, convert = csv_options(self.header, self.column, id_column, self.id_type, budget_column,
+                                           inferred, dict.fromkeys(inferred))
         try:
             table = pacsv.read_csv(
                 pa.BufferReader(block.data), read_options=read, parse_options=parse, convert_options=convert
@@ -420,6 +448,8 @@ class CsvChecker:
 
     def __call__(self, block: Block, where: str) -> None:
         table = self.table(block, where)
+        if self.kept is not None:
+            self.kept.add_table(table)
         ids = table.column(self.data.id_column).combine_chunks() if self.has_id else None
         if ids is not None and self.id_type is None:
             self.id_type = ids.type if id_kind_of_type(ids.type) else None
@@ -458,8 +488,10 @@ def scan_csv(
             raise JobInputError(f"data.path: {f.uri} has other CSV columns than {listing.files[0].uri}")
     has_id = check_columns(list(header), None, data, listing.files[0].uri)
     checker = IdChecker(data.id_column, listing.path)
-    check = CsvChecker(data, checker, header, has_id, budgets)
+    kept = _kept(data, list(header))
+    check = CsvChecker(data, checker, header, has_id, budgets, kept)
     files, total = _scan_text_files(data, listing, shard_size, quoted=True, check=check)
     if has_id:
         checker.finish(lambda: _reread_text(files, True, check.ids))
-    return ScanResult(files, total, has_id, checker.kind or "int", csv_header=header)
+    return ScanResult(files, total, has_id, checker.kind or "int", csv_header=header,
+                      kept_types=kept and kept.result())

@@ -245,6 +245,7 @@ class ScanResult:
     has_id: bool
     id_kind: str
     csv_header: tuple[str, ...] | None = None
+    kept_types: tuple[tuple[str, pa.DataType], ...] | None = None  # data.keep_columns' types for the whole job
 
 
 def check_columns(names: list[str], schema: pa.Schema | None, data: DataConfig, where: str) -> bool:

@@ -120,6 +120,10 @@ class ShardGenerator:
             "model.target",
             model.trust_remote_code,
         )
+        if model.device_map == "auto" and device.startswith("cuda") and torch.cuda.device_count() > 1:
+            log.warning("model.device_map=auto: the engine cannot run a target split over GPUs yet (its KV cache "
+                        "is one buffer on one device); the target stays on %s, the actor's other %d GPU(s) idle",
+                        device, torch.cuda.device_count() - 1)
         self.target = models.load_model(model.target, model, device)
         self.draft = models.load_model(model.draft, model, device)
         self.eos_token_id = models.eos_token_ids_of(self.target, self.tokenizer)  # every EOS id
@@ -332,8 +336,8 @@ class ShardGenerator:
 
         source = self.job.source if self.job is not None else None
         if source is not None and shard.extras:
-            for name, _ in source.columns.kept:
-                row[name] = carried(shard.extras[name][i], source.format)
+            for name, arrow_type in source.columns.kept:
+                row[name] = carried(shard.extras[name][i], source.format, arrow_type)
         return row
 
     def _error_row(self, shard: Shard, i: int, message: str, sample: int = 0) -> dict[str, Any]:

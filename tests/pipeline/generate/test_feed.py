@@ -341,3 +341,56 @@ def test_a_stop_string_ends_its_row_early_not_only_cuts_it(tiny_pair):
     for other in (1, 2):  # rows without the stop in their text: as in the run without stop strings
         if stop not in full[other]["completion"]:
             assert rows[other]["completion_token_ids"] == full[other]["completion_token_ids"]
+
+
+def test_a_stop_string_ends_its_row_early_under_auto(tiny_pair):
+    """method=auto: the stop path ends the row through the AutoBatcher's own batcher (`finish_rows`), and the
+    row comes back finished by the stop, cut before it. Greedy, so that the tokens do not depend on the
+    configurations the chooser picks. Control: the same run without the feed's decode never calls
+    finish_rows, and its row runs to its budget (more tokens generated before the cut)."""
+    from pipeline.stops import cut_at_stop
+
+    model = ModelConfig(target=str(tiny_pair["target"]), draft=str(tiny_pair["draft"]))
+
+    def generator(stop):
+        config = SpectrConfig(**{**SETTINGS, "method": "auto", "temperature": 0.0}, max_num_drafts=2,
+                              max_draft_length=3, max_new_tokens=20, batch_size=2, seed=0, stop=stop)
+        return ShardGenerator(model, config, num_threads=1)
+
+    shard = shards_of(tiny_pair, prompts_of(2, seed=5), 2)[0]
+    plain = generator(None)
+    full = plain(shard).rows
+    tokens = full[0]["completion_token_ids"]
+    stop = plain._decode(tokens[3:5])
+    expected = cut_at_stop(plain._decode, tokens, [stop])
+    assert stop.strip() and expected is not None and expected.num_tokens < 12
+
+    def run(decode: bool):
+        gen = generator([stop])
+        if not decode:
+            gen.feed.decode = None
+        ended: list = []
+        original = gen.feed._build
+
+        def build(config):  # spy on the inner batcher's finish_rows, whichever batcher the feed builds
+            original(config)
+            engine = gen.feed.batcher.batcher  # the AutoBatcher's ContinuousBatcher
+            finish = engine.finish_rows
+
+            def finish_rows(requests):
+                finished = finish(requests)
+                ended.extend(finished)
+                return finished
+
+            engine.finish_rows = finish_rows
+
+        gen.feed._build = build
+        return gen(shard).rows, ended
+
+    rows, ended = run(decode=True)
+    control, none = run(decode=False)
+    assert [r.finish_reason for r in ended] == ["stop"] and not none
+    assert len(ended[0].tokens) < full[0]["completion_tokens"]  # it ended before its budget
+    for got in (rows[0], control[0]):
+        assert got["finish_reason"] == "stop" and got["completion"] == expected.text
+        assert got["completion_token_ids"] == tokens[: expected.num_tokens]
