@@ -12,10 +12,10 @@ shard's dispatch -> commit is its own time), run three times on one Ray instance
   vs 300 s, would have the heartbeat fire first): the log line that re-queued the shard says which fired;
 - `blocked`: the case the watchdog exists for: one actor's target forward blocks (installed with Ray's
   `__ray_call__`, as tests/jobs/test_generate_faults.py does), its pings still answer.
-For each fault: the time from the fault to the re-queue, from the re-queue to the stuck shard's commit
-(on the other actor), and the check `fault -> stuck shard committed <= stall_timeout_s + heartbeat_s +
-one shard (the baseline's max)`; the job's generation time against the baseline's; the output read back
-(every id once, `_SUCCESS`).
+For each fault: the time from the fault to the re-queue (and which timeout fired), from the re-queue to the
+stuck shard's commit (on the other actor); the goal `generation time - the baseline's <= stall_timeout_s +
+one shard (the baseline's slowest)`, and `fault -> stuck shard committed <= stall_timeout_s + heartbeat_s +
+one shard`; the output read back (every id once, `_SUCCESS`).
 
 `--part nodes` ("a two-node job that loses a node and gets one back ends with both nodes working"): a real
 two-node cluster on this machine (`ray start --head` and `ray start --address`, one CPU each, from
@@ -227,13 +227,18 @@ def part_stuck(args: argparse.Namespace, folder: Path) -> dict:
     finally:
         ray.shutdown()
     shard_max = arms[0]["shard_s_max"]
-    bound = args.stall_timeout_s + 1.0 + shard_max  # + heartbeat_s: progress is seen at pings
-    for arm in arms[1:]:
-        arm["bound_s"] = round(bound, 2)
-        arm["within_bound"] = arm["fault_to_stuck_shard_committed_s"] <= bound
+    for arm in arms[1:]:  # the goal: the job takes at most stall_timeout_s + one shard longer
         arm["extra_generation_s_vs_baseline"] = round(arm["generation_s"] - arms[0]["generation_s"], 2)
+        arm["goal_s"] = round(args.stall_timeout_s + shard_max, 2)
+        arm["extra_within_goal"] = arm["extra_generation_s_vs_baseline"] <= arm["goal_s"]
+        # the stuck shard itself: seen stalled at a ping (+ heartbeat_s), then one shard elsewhere
+        arm["stuck_shard_bound_s"] = round(args.stall_timeout_s + 1.0 + shard_max, 2)
+        arm["stuck_shard_within_bound"] = arm["fault_to_stuck_shard_committed_s"] <= arm["stuck_shard_bound_s"]
     return {"stall_timeout_s": args.stall_timeout_s, "heartbeat_timeout_s": args.heartbeat_timeout_s,
             "heartbeat_s": 1.0, "arms": arms}  # fmt: skip
+
+
+EVENTS = r"re-queued|restarting|giving up|joined|answers again|new actor|unavailable|handing it|not loaded"
 
 
 class DriverLog:
@@ -354,7 +359,8 @@ def part_nodes(args: argparse.Namespace, folder: Path) -> dict:
         "return_to_first_commit_of_the_returned_node_s": round(min(returned) - times["back_at"], 2) if returned else None,
         "both_nodes_working_after_return": len(windows["after_return"]) == 2,
         "every_id_once": read_output(out).column("id").to_pylist() == ids, "success": (out / "_SUCCESS").exists(),
-        "driver_warnings": [line[:160] for _, line in driver_log.lines if "WARNING" in line][-20:],
+        "driver_events": [f"{t - times['lost_at']:+.1f} s after the loss: {line[:150]}" for t, line in driver_log.lines
+                          if re.search(EVENTS, line)][-30:],
     }  # fmt: skip
 
 
@@ -363,7 +369,7 @@ def main() -> None:
     parser.add_argument("--part", choices=("stuck", "nodes", "both"), default="both")
     parser.add_argument("--pair", choices=("embedded", "tiny"), default="embedded")
     parser.add_argument("--prompts", type=int, default=96, help="prompts of the stuck-actor jobs")
-    parser.add_argument("--node-prompts", type=int, default=320, help="prompts of the two-node job")
+    parser.add_argument("--node-prompts", type=int, default=1000, help="prompts of the two-node job")
     parser.add_argument("--shard-size", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=4)
