@@ -416,6 +416,7 @@ def test_actors_killed_mid_shard_lose_and_duplicate_nothing(tiny_pair, prompts_j
     table = read_output(tmp_path / "out")
     assert table.column("id").to_pylist() == prompt_ids(prompts_jsonl)
     assert report.exit_code == 0 and report.summary.prompts_completed == 40
+    assert (tmp_path / "out" / "_SUCCESS").exists()
 
 
 def test_an_actor_that_stops_answering_is_given_up_and_its_shards_redone(tiny_pair, prompts_jsonl, tmp_path, ray_local):
@@ -452,6 +453,7 @@ def test_an_actor_that_stops_answering_is_given_up_and_its_shards_redone(tiny_pa
     assert report.exit_code == 0 and stopped and time.monotonic() - started < 240
     assert written[1] != stopped[0] and stopped[0] not in written.values()
     assert read_output(tmp_path / "out").column("id").to_pylist() == prompt_ids(prompts_jsonl)
+    assert (tmp_path / "out" / "_SUCCESS").exists()
 
 
 @pytest.mark.slow  # the default suite's budget (8 min on 2 cores); see the README's Tests section

@@ -317,3 +317,28 @@ def test_an_actor_waiting_for_room_joins_however_late_while_another_works(
     assert report.exit_code == 0 and joined, "the waiting actor never joined"
     assert joined[0] in written.values() and len(set(written.values())) == 2  # both actors generated
     assert_complete(tmp_path / "out", prompts_jsonl)
+
+
+@pytest.mark.slow
+def test_a_job_whose_every_actor_is_sick_fails_without_success_and_a_rerun_completes(
+    tiny_pair, prompts_jsonl, tmp_path, ray_local
+):
+    """Both actors raise the CUDA-like error on every shard and cannot be restarted (`ray.max_restarts=0`):
+    a shard fails on both (`ray.shard_attempts=2`) and the job fails, with no `_SUCCESS`; a re-run on
+    healthy actors generates what is missing and ends complete."""
+    out = tmp_path / "out"
+    raw = job_config(
+        tiny_pair, prompts_jsonl, out, shard_size=5,
+        **{"spectr.max_new_tokens": 8, "spectr.batch_size": 2, "ray.max_restarts": 0, "ray.shard_attempts": 2,
+           "ray.heartbeat_s": 0.5},
+    )  # fmt: skip
+
+    def all_sick(actors, workers):
+        ray_local.get([actor.__ray_call__.remote(_sick_batch) for actor in actors])
+
+    with pytest.raises(RuntimeError, match=r"failed 2 time\(s\); last error: .*CUDA error"):
+        run_generate(from_dict(raw), RunHooks(on_actors_ready=all_sick))
+    assert (out / "_manifest.json").exists() and not (out / "_SUCCESS").exists()
+    report = run_generate(from_dict(raw))
+    assert report.exit_code == 0
+    assert_complete(out, prompts_jsonl)
