@@ -187,21 +187,34 @@ def _generate(
         count, cpus_each, gpus_each = actor_resources(config.ray, ray.cluster_resources(), plan.shards_to_do)
         log.info("ray ready (%.1f s); starting %d actor(s)", time.perf_counter() - started, count)
         pool = ShardActorPool(config, count, cpus_each, gpus_each, _worker_job(plan, schema))
-        workers = pool.wait_ready()
-        log.info("actors loaded the pair (%.1f s)", time.perf_counter() - started)
-        tracker = tracker_started.result()  # MLflow's start overlapped Ray's and the actors'
-        if tracker.run_id:
-            log.info("mlflow run %s (%.1f s)", tracker.run_id, time.perf_counter() - started)
-        _open_output(plan)
-        _best_effort("mlflow: job start", tracker.job_started, count, workers)  # tags; the run file
-        if hooks and hooks.on_actors_ready:
-            hooks.on_actors_ready(pool.actors, workers)
-        device = (
-            f"{workers[0]['device']} ({cpus_each:g} CPU, {gpus_each:g} GPU, "
-            f"{workers[0]['torch_threads']} torch threads each)"
-        )
-        run = GenerationRun(num_actors=len(workers), device=device)
-        _run_shards(plan, pool, schema, hooks, run, tracker)
+        try:
+            return _generate_on(pool, plan, schema, tracker_started, hooks, started, (count, cpus_each, gpus_each))
+        finally:
+            pool.shutdown()
+
+
+def _generate_on(
+    pool: ShardActorPool, plan: JobPlan, schema: Any, tracker_started: Future, hooks: RunHooks | None,
+    started: float, resources: tuple[int, float, float],
+) -> GenerationRun:
+    """Wait for the pool's actors (`resources`: their count, CPUs and GPUs each), then generate every shard
+    still to do on them."""
+    count, cpus_each, gpus_each = resources
+    workers = pool.wait_ready()
+    log.info("actors loaded the pair (%.1f s)", time.perf_counter() - started)
+    tracker = tracker_started.result()  # MLflow's start overlapped Ray's and the actors'
+    if tracker.run_id:
+        log.info("mlflow run %s (%.1f s)", tracker.run_id, time.perf_counter() - started)
+    _open_output(plan)
+    _best_effort("mlflow: job start", tracker.job_started, count, workers)  # tags; the run file
+    if hooks and hooks.on_actors_ready:
+        hooks.on_actors_ready(pool.actors, workers)
+    device = (
+        f"{workers[0]['device']} ({cpus_each:g} CPU, {gpus_each:g} GPU, "
+        f"{workers[0]['torch_threads']} torch threads each)"
+    )
+    run = GenerationRun(num_actors=len(workers), device=device)
+    _run_shards(plan, pool, schema, hooks, run, tracker)
     return run
 
 

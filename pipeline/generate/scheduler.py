@@ -477,6 +477,15 @@ class ShardActorPool:
         except Exception:  # noqa: BLE001 - either way we no longer use it
             pass
 
+    def shutdown(self) -> None:
+        """Kill every actor of the pool and the progress actor: a job that ends (or fails) in a session that
+        goes on (a notebook, a test run) leaves no actor holding the cluster's CPUs and GPUs."""
+        for actor in [*self.actors, *(slot.actor for slot in self._slots), self.progress]:
+            try:
+                self._ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - gone already
+                pass
+
     def _report_partial(self, on_partial: Callable[[int], None]) -> None:
         from ray.exceptions import GetTimeoutError, RayError
 
