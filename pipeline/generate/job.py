@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.errors import JobFailedError
+from pipeline.errors import JobFailedError, JobInputError
 from pipeline.generate import plan_cache
 from pipeline.generate.cluster import actor_resources, ray_session
 from pipeline.generate.commit_log import compact_commit_log, open_commit_log, read_commit_records
@@ -35,7 +35,7 @@ from pipeline.generate.progress import ProgressBar
 from pipeline.generate.scheduler import RunHooks, ShardActorPool, ShardQueue
 from pipeline.generate.stats import empty_stats, merge_stats
 from pipeline.generate.summary import JobSummary, format_report
-from pipeline.generate.tracking import make_tracker
+from pipeline.generate.tracking import NullTracker, make_tracker
 from pipeline.generate.worker import ShardResult, WorkerJob
 from pipeline.tracking import check_reachable
 
@@ -88,17 +88,31 @@ def run_generate(config: GenerateConfig, hooks: RunHooks | None = None) -> JobRe
     # MLflow's start-up (import, database, run) overlaps Ray's start and the actors' model loading.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlflow") as background:
         tracker_started = background.submit(
-            tracker.start,
-            params=_params(plan),
-            tags={"output_dir": str(plan.output_dir), "config_hash": plan.config_hash},
+            _start_tracking, tracker, _params(plan), {"output_dir": str(plan.output_dir), "config_hash": plan.config_hash}
         )
         try:
-            report = _execute(plan, tracker, tracker_started, hooks, started)
+            report = _execute(plan, tracker_started, hooks, started)
         except BaseException:
             if tracker_started.done() and tracker_started.exception() is None:
-                tracker.fail()
+                tracker_started.result().fail()
             raise
     return report
+
+
+def _start_tracking(tracker: Any, params: dict[str, Any], tags: dict[str, str]) -> Any:
+    """Start (or continue) the job's MLflow run; the tracker the job then logs to. A run MLflow refuses
+    to create (`JobInputError`: exit 2 before anything is generated) stops the job; any other failure
+    (MLflow's client has already retried its requests) is a warning, and the job goes on without MLflow:
+    bookkeeping never fails a job."""
+    try:
+        tracker.start(params=params, tags=tags)
+        return tracker
+    except JobInputError:
+        raise
+    except Exception as err:  # noqa: BLE001 - the output directory is the result; MLflow reports on it
+        log.warning("mlflow: job start failed (%s: %s); the job goes on without MLflow", type(err).__name__, err)
+        _best_effort("mlflow: ending the run that failed to start", tracker.fail, attempts=1)
+        return NullTracker()
 
 
 def _versions() -> dict[str, str]:
@@ -134,20 +148,18 @@ def _open_output(plan: JobPlan) -> None:
         remove_success(plan.output)  # shards are regenerated: not a success until this run says so
 
 
-def _execute(
-    plan: JobPlan, tracker: Any, tracker_started: Future, hooks: RunHooks | None, started: float
-) -> JobReport:
+def _execute(plan: JobPlan, tracker_started: Future, hooks: RunHooks | None, started: float) -> JobReport:
     schema = output_schema(plan.id_kind, _schema_settings(plan), logprobs=plan.config.spectr.logprobs,
                            kept=plan.source.columns.kept)
     with Lease.acquire(plan.output, plan.config.lease_timeout_s) as lease:
         plan.lease = lease
         plan.refresh()  # the directory as it is now that this job holds it
         if plan.shards_to_do:
-            run = _generate(plan, schema, tracker, tracker_started, hooks, started)
+            run = _generate(plan, schema, tracker_started, hooks, started)
         else:
             _open_output(plan)
             run = GenerationRun()
-        tracker_started.result()
+        tracker = tracker_started.result()
         startup_s = run.generation_started - started if run.generation_started else 0.0
         return _finish(plan, tracker, run, started, startup_s)
 
@@ -165,7 +177,7 @@ def _worker_job(plan: JobPlan, schema: Any) -> WorkerJob:
 
 
 def _generate(
-    plan: JobPlan, schema: Any, tracker: Any, tracker_started: Future, hooks: RunHooks | None, started: float
+    plan: JobPlan, schema: Any, tracker_started: Future, hooks: RunHooks | None, started: float
 ) -> GenerationRun:
     """Start the actors, then generate every shard still to do."""
     import ray
@@ -175,21 +187,34 @@ def _generate(
         count, cpus_each, gpus_each = actor_resources(config.ray, ray.cluster_resources(), plan.shards_to_do)
         log.info("ray ready (%.1f s); starting %d actor(s)", time.perf_counter() - started, count)
         pool = ShardActorPool(config, count, cpus_each, gpus_each, _worker_job(plan, schema))
-        workers = pool.wait_ready()
-        log.info("actors loaded the pair (%.1f s)", time.perf_counter() - started)
-        tracker_started.result()  # re-raises an MLflow failure before any generation
-        if tracker.run_id:
-            log.info("mlflow run %s (%.1f s)", tracker.run_id, time.perf_counter() - started)
-        _open_output(plan)
-        _best_effort("mlflow: job start", tracker.job_started, count, workers)  # tags; the run file
-        if hooks and hooks.on_actors_ready:
-            hooks.on_actors_ready(pool.actors, workers)
-        device = (
-            f"{workers[0]['device']} ({cpus_each:g} CPU, {gpus_each:g} GPU, "
-            f"{workers[0]['torch_threads']} torch threads each)"
-        )
-        run = GenerationRun(num_actors=len(workers), device=device)
-        _run_shards(plan, pool, schema, hooks, run, tracker)
+        try:
+            return _generate_on(pool, plan, schema, tracker_started, hooks, started, (count, cpus_each, gpus_each))
+        finally:
+            pool.shutdown()
+
+
+def _generate_on(
+    pool: ShardActorPool, plan: JobPlan, schema: Any, tracker_started: Future, hooks: RunHooks | None,
+    started: float, resources: tuple[int, float, float],
+) -> GenerationRun:
+    """Wait for the pool's actors (`resources`: their count, CPUs and GPUs each), then generate every shard
+    still to do on them."""
+    count, cpus_each, gpus_each = resources
+    workers = pool.wait_ready()
+    log.info("actors loaded the pair (%.1f s)", time.perf_counter() - started)
+    tracker = tracker_started.result()  # MLflow's start overlapped Ray's and the actors'
+    if tracker.run_id:
+        log.info("mlflow run %s (%.1f s)", tracker.run_id, time.perf_counter() - started)
+    _open_output(plan)
+    _best_effort("mlflow: job start", tracker.job_started, count, workers)  # tags; the run file
+    if hooks and hooks.on_actors_ready:
+        hooks.on_actors_ready(pool.actors, workers)
+    device = (
+        f"{workers[0]['device']} ({cpus_each:g} CPU, {gpus_each:g} GPU, "
+        f"{workers[0]['torch_threads']} torch threads each)"
+    )
+    run = GenerationRun(num_actors=len(workers), device=device)
+    _run_shards(plan, pool, schema, hooks, run, tracker)
     return run
 
 
@@ -294,14 +319,14 @@ def _finish(plan: JobPlan, tracker: Any, run: GenerationRun, started: float, sta
     )
 
 
-def _best_effort(what: str, function: Any, *args: Any) -> None:
-    """Bookkeeping (MLflow, run records) never fails a job: retried twice, then a warning."""
-    for attempt in range(3):
+def _best_effort(what: str, function: Any, *args: Any, attempts: int = 3) -> None:
+    """Bookkeeping (MLflow, run records) never fails a job: retried (`attempts` tries), then a warning."""
+    for attempt in range(attempts):
         try:
             function(*args)
             return
         except Exception as err:  # noqa: BLE001 - the output directory is the result; MLflow reports on it
-            if attempt == 2:
+            if attempt == attempts - 1:
                 log.warning("%s failed (%s: %s); the job goes on", what, type(err).__name__, err)
                 return
             time.sleep(1.0 + attempt)

@@ -25,8 +25,10 @@ queue, as its next attempt (a new part name: `ShardTask.fence`), when:
 
 Restarting is Ray's (`ray.kill` without `no_restart`: a new process reloads the pair), up to
 `ray.max_restarts` per actor; an actor dead for good is replaced by a new one while that budget lasts,
-which starts when the cluster has room for it again (a returning node). The job goes on with the actors
-it has; with none left (none alive, starting or restarting) it fails. Every wait has a timeout. Ray does
+which starts when the cluster has room for it again (a returning node): while other actors work, an actor
+waits for room as long as it takes. The job goes on with the actors it has; with none left (none alive,
+starting or restarting) it fails, and with none working it waits at most `ray.actor_start_timeout_s` for
+one. Every wait has a timeout. Ray does
 not re-run tasks itself (`ray.max_task_retries=0`): the driver does, on any actor.
 
 Not here: committing results (`pipeline.generate.job`), sizing the pool (`pipeline.generate.cluster`).
@@ -189,6 +191,7 @@ class ShardActorPool:
         self._failures: dict[int, int] = {}
         self._hooks: RunHooks | None = None
         self._queue: ShardQueue | None = None
+        self._working_at = 0.0  # when an actor last worked (ok): how long the job has waited for one
 
     def wait_ready(self) -> list[dict[str, Any]]:
         """Wait (at most ray.actor_start_timeout_s) for a first actor to load the pair, then as long again for
@@ -443,8 +446,12 @@ class ShardActorPool:
     def _heartbeat(self, queue: ShardQueue) -> None:
         now = time.monotonic()
         r = self.config.ray
+        # an actor waiting for room (a lost node) costs nothing while others work: it joins when a node
+        # returns, however late; a job with no working actor waits at most actor_start_timeout_s
+        if any(slot.state == "ok" for slot in self._slots):
+            self._working_at = now
         for slot in self._slots:
-            if slot.state == "starting" and now - slot.started > r.actor_start_timeout_s:
+            if slot.state == "starting" and now - max(slot.started, self._working_at) > r.actor_start_timeout_s:
                 self._give_up_start(slot)
             if slot.state in ("dead", "starting") or (slot.state == "ok" and not slot.in_flight):
                 continue
@@ -452,7 +459,7 @@ class ShardActorPool:
                 slot.ping = slot.actor.ping.options(concurrency_group=HEALTH_GROUP).remote()
                 slot.ping_sent = now
             if slot.state == "suspect":
-                if now - slot.suspect_since > r.actor_start_timeout_s:
+                if now - max(slot.suspect_since, self._working_at) > r.actor_start_timeout_s:
                     self._dead(slot, f"unavailable for {now - slot.suspect_since:.0f} s")
             elif now - slot.last_answer > r.heartbeat_timeout_s:
                 self._restart(slot, queue, f"no answer for {now - slot.last_answer:.0f} s")
@@ -469,6 +476,15 @@ class ShardActorPool:
             self._ray.kill(slot.actor, no_restart=True)
         except Exception:  # noqa: BLE001 - either way we no longer use it
             pass
+
+    def shutdown(self) -> None:
+        """Kill every actor of the pool and the progress actor: a job that ends (or fails) in a session that
+        goes on (a notebook, a test run) leaves no actor holding the cluster's CPUs and GPUs."""
+        for actor in [*self.actors, *(slot.actor for slot in self._slots), self.progress]:
+            try:
+                self._ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - gone already
+                pass
 
     def _report_partial(self, on_partial: Callable[[int], None]) -> None:
         from ray.exceptions import GetTimeoutError, RayError

@@ -372,8 +372,15 @@ def test_a_changed_input_or_model_is_refused_on_resume(tiny_pair, tmp_path):
 
 
 def test_actors_killed_mid_shard_lose_and_duplicate_nothing(tiny_pair, prompts_jsonl, tmp_path, ray_local):
-    """Kill one actor so that Ray restarts it, and another for good: every shard still comes out once."""
+    """kill -9 of one actor's process from outside (Ray restarts it: ray.max_restarts), and `ray.kill` of
+    another for good: every shard still comes out once, each lost one redone by another process."""
     import ray
+
+    def kill_9(pid: int) -> None:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
     raw = job_config(
         tiny_pair, prompts_jsonl, tmp_path / "out", shard_size=10,
@@ -387,12 +394,15 @@ def test_actors_killed_mid_shard_lose_and_duplicate_nothing(tiny_pair, prompts_j
     def on_ready(actors, workers):
         pids.update({actor: worker["pid"] for actor, worker in zip(actors, workers)})
 
-    def on_dispatch(actor, shard):
-        if len(killed) < 2 and shard.index not in killed and shard.index in (0, 1):
-            killed[shard.index] = pids[actor]
-            permanently = shard.index == 1
-            timers.append(threading.Timer(0.15, ray.kill, (actor,), {"no_restart": permanently}))
-            timers[-1].start()
+    def on_dispatch(actor, shard):  # each actor's first shard: one actor killed -9, the other for good
+        if len(killed) == 2 or pids.get(actor) in killed.values() or actor not in pids:
+            return
+        killed[shard.index] = pids[actor]
+        if len(killed) == 1:  # from outside, as the OOM killer or an operator would
+            timers.append(threading.Timer(0.15, kill_9, (pids[actor],)))
+        else:
+            timers.append(threading.Timer(0.15, ray.kill, (actor,), {"no_restart": True}))
+        timers[-1].start()
 
     def on_written(result):
         shard_pids[result.index] = result.worker["pid"]
@@ -400,12 +410,13 @@ def test_actors_killed_mid_shard_lose_and_duplicate_nothing(tiny_pair, prompts_j
     report = run_generate(from_dict(raw), RunHooks(on_ready, on_dispatch, on_written))
     for timer in timers:
         timer.join()
-    assert set(killed) == {0, 1}
+    assert len(killed) == 2 and len(set(killed.values())) == 2  # two actors, each while it held a shard
     for index, pid in killed.items():
         assert shard_pids[index] != pid, f"shard {index} was not redone after its actor was killed"
     table = read_output(tmp_path / "out")
     assert table.column("id").to_pylist() == prompt_ids(prompts_jsonl)
     assert report.exit_code == 0 and report.summary.prompts_completed == 40
+    assert (tmp_path / "out" / "_SUCCESS").exists()
 
 
 def test_an_actor_that_stops_answering_is_given_up_and_its_shards_redone(tiny_pair, prompts_jsonl, tmp_path, ray_local):
@@ -442,6 +453,7 @@ def test_an_actor_that_stops_answering_is_given_up_and_its_shards_redone(tiny_pa
     assert report.exit_code == 0 and stopped and time.monotonic() - started < 240
     assert written[1] != stopped[0] and stopped[0] not in written.values()
     assert read_output(tmp_path / "out").column("id").to_pylist() == prompt_ids(prompts_jsonl)
+    assert (tmp_path / "out" / "_SUCCESS").exists()
 
 
 @pytest.mark.slow  # the default suite's budget (8 min on 2 cores); see the README's Tests section

@@ -271,3 +271,89 @@ def test_the_job_starts_with_the_actors_that_loaded_and_replaces_a_failed_one(
     assert report.exit_code == 0 and started == [1]
     assert "starting a new actor in its place" in caplog.text
     assert_complete(tmp_path / "out", prompts_jsonl)
+
+
+def _slow_forward(generator) -> None:
+    """On the actor: every target forward takes 0.2 s longer (a slow device), so the job outlasts a join."""
+    import functools
+    import time
+
+    original = generator.target.forward
+
+    @functools.wraps(original)
+    def slow(*args, **kwargs):
+        time.sleep(0.2)
+        return original(*args, **kwargs)
+
+    generator.target.forward = slow
+
+
+@pytest.mark.slow
+def test_an_actor_waiting_for_room_joins_however_late_while_another_works(
+    tiny_pair, prompts_jsonl, tmp_path, ray_local
+):
+    """A lost node, in one process: another actor holds one of the session's 2 CPUs, so the job's second
+    actor cannot be placed; the job starts with one (slowed down, so that the job outlasts the join). The
+    CPU comes back only after `ray.actor_start_timeout_s`, once the first shard is written: the waiting
+    actor was not given up (the old pool gave it up at its first heartbeat and ended with one actor), it
+    joins and generates shards; every id once, `_SUCCESS`."""
+
+    @ray_local.remote(num_cpus=1)
+    class Holder:
+        def ready(self) -> bool:
+            return True
+
+    holder = Holder.remote()
+    ray_local.get(holder.ready.remote())
+    raw = job_config(
+        tiny_pair, prompts_jsonl, tmp_path / "out", shard_size=2,
+        **{"spectr.max_new_tokens": 16, "spectr.batch_size": 1, "ray.heartbeat_s": 0.5,
+           "ray.actor_start_timeout_s": 15},
+    )  # fmt: skip
+    joined: list[int] = []
+    written: dict[int, int] = {}
+
+    def slow_first(actors, workers):  # the job started with the actor that had room
+        ray_local.get(actors[0].__ray_call__.remote(_slow_forward))
+
+    def on_written(result):
+        if not written:
+            ray_local.kill(holder)  # the room returns (after actor_start_timeout_s: wait_ready waited 15 s)
+        written[result.index] = result.worker["pid"]
+
+    hooks = RunHooks(
+        on_actors_ready=slow_first, on_shard_written=on_written,
+        on_actor_joined=lambda actor, worker: joined.append(worker["pid"]),
+    )  # fmt: skip
+    try:
+        report = run_generate(from_dict(raw), hooks)
+    finally:
+        ray_local.kill(holder)
+    assert report.exit_code == 0 and joined, "the waiting actor never joined"
+    assert joined[0] in written.values() and len(set(written.values())) == 2  # both actors generated
+    assert_complete(tmp_path / "out", prompts_jsonl)
+
+
+@pytest.mark.slow
+def test_a_job_whose_every_actor_is_sick_fails_without_success_and_a_rerun_completes(
+    tiny_pair, prompts_jsonl, tmp_path, ray_local
+):
+    """Both actors raise the CUDA-like error on every shard and cannot be restarted (`ray.max_restarts=0`):
+    a shard fails on both (`ray.shard_attempts=2`) and the job fails, with no `_SUCCESS`; a re-run on
+    healthy actors generates what is missing and ends complete."""
+    out = tmp_path / "out"
+    raw = job_config(
+        tiny_pair, prompts_jsonl, out, shard_size=5,
+        **{"spectr.max_new_tokens": 8, "spectr.batch_size": 2, "ray.max_restarts": 0, "ray.shard_attempts": 2,
+           "ray.heartbeat_s": 0.5},
+    )  # fmt: skip
+
+    def all_sick(actors, workers):
+        ray_local.get([actor.__ray_call__.remote(_sick_batch) for actor in actors])
+
+    with pytest.raises(RuntimeError, match=r"failed 2 time\(s\); last error: .*CUDA error"):
+        run_generate(from_dict(raw), RunHooks(on_actors_ready=all_sick))
+    assert (out / "_manifest.json").exists() and not (out / "_SUCCESS").exists()
+    report = run_generate(from_dict(raw))
+    assert report.exit_code == 0
+    assert_complete(out, prompts_jsonl)

@@ -13,7 +13,7 @@ from pipeline.config import DataConfig
 from pipeline.generate.commit_log import AppendLog, compact_commit_log, read_commit_records
 from pipeline.generate.scheduler import ShardQueue
 from pipeline.generate.shards import MAX_PARTS, SHARD_GRANULE, auto_shard_size, num_shards, shard_task
-from pipeline.prompts import read_rows
+from pipeline.prompts import ReadCache, read_rows
 from pipeline.readers import scan_source
 from pipeline.source import list_source, with_shard_size
 
@@ -93,3 +93,42 @@ def test_resume_reads_a_compacted_commit_log(tmp_path):
     assert len(after) == 50 and {r["shard"]: r for r in after} == before
     assert (tmp_path / "_commits.jsonl").stat().st_size * 3 == pytest.approx(size, rel=0.01)
     assert compact_commit_log(out) == 0  # nothing to drop: not rewritten
+
+
+class CountingCache(ReadCache):
+    """A worker's real read cache that counts the Parquet row groups it reads from the file."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.groups_read = 0
+
+    def row_group(self, uri, parquet, group, columns):
+        self.groups_read += ("group", uri, group, tuple(columns)) not in self._items
+        return super().row_group(uri, parquet, group, columns)
+
+
+def test_actors_dealt_contiguous_lanes_read_each_row_group_about_once(tmp_path):
+    """A Parquet input of 8 row groups, 32 shards of 5 rows, 2 actors each with its own read cache (as a
+    worker keeps one): dealt in lanes, the two actors read 8 row groups in all (N actors x the input
+    before: the round-robin negative control reads every group on both actors)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"id": f"r{i}", "prompt": "x " * (i % 5 + 1)} for i in range(160)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "p.parquet", row_group_size=20)
+    config = DataConfig(path=str(tmp_path / "p.parquet"), id_column="id")
+    source = scan_source(config, list_source(config), 5)
+    reads = {}
+    for dealt in (True, False):
+        queue = ShardQueue(np.arange(32), lambda index: shard_task(index, source.num_rows, 5))
+        if dealt:
+            queue.deal(2)
+        caches = [CountingCache(), CountingCache()]
+        ids = []
+        for lane, shards in enumerate(drain(queue, 2)):
+            for index in shards:
+                task = shard_task(index, source.num_rows, 5)
+                ids += read_rows(source, task.start, task.stop, caches[lane]).ids
+        assert sorted(ids) == sorted(r["id"] for r in rows)
+        reads[dealt] = sum(cache.groups_read for cache in caches)
+    assert reads == {True: 8, False: 16}

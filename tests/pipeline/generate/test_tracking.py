@@ -287,3 +287,32 @@ def test_planner_choice_is_passed_on_when_it_changes():
     assert plans == [(label, choices[label]) for label in ("speculative L=4", "spectr K=2 L=3")]
     total = merge_stats(merge_stats(empty_stats(), {"plan": "a"}), {"plan": ""})
     assert total["plan"] == "a"
+
+
+class FailingStart:
+    """A tracker whose MLflow start fails after creating its run (a server error while logging params)."""
+
+    def __init__(self, error: Exception):
+        self.error, self.failed = error, 0
+
+    def start(self, params, tags):
+        raise self.error
+
+    def fail(self):
+        self.failed += 1
+
+
+def test_an_mlflow_start_that_fails_is_a_warning_and_the_job_logs_nothing(caplog):
+    """Bookkeeping never fails a job: the run that failed to start is ended, and the job goes on with a
+    tracker that logs nothing; a run MLflow refuses to create stays a refusal (exit 2, negative control)."""
+    from pipeline.errors import JobInputError
+    from pipeline.generate.job import _start_tracking
+    from pipeline.generate.tracking import NullTracker
+
+    broken = FailingStart(RuntimeError("503 Service Unavailable"))
+    with caplog.at_level("WARNING", logger="pipeline"):
+        tracker = _start_tracking(broken, {}, {})
+    assert isinstance(tracker, NullTracker) and broken.failed == 1
+    assert "mlflow: job start failed (RuntimeError: 503 Service Unavailable); the job goes on" in caplog.text
+    with pytest.raises(JobInputError, match="cannot start a run"):
+        _start_tracking(FailingStart(JobInputError("mlflow: cannot start a run at x")), {}, {})
