@@ -209,6 +209,7 @@ def test_a_bad_device_map_is_refused(tiny_pair, tmp_path):
         from_dict(raw)
 
 
+@pytest.mark.slow  # ~20-40 s (the embedded pair); its tiny-pair sibling: test_the_job_runs_every_feature_through_ray
 def test_one_job_on_the_embedded_pair_with_every_feature(tmp_path, ray_local):
     """The issue's goal: 3 samples per prompt, distinct completions, stop strings honoured, logprobs within
     2e-3 of a plain target forward, carried columns intact; one real job through Ray on the embedded pair."""
@@ -258,10 +259,7 @@ def plain_logprobs_of(target, prompt_ids, tokens, warp) -> list[float]:
     return probs.gather(1, torch.tensor(tokens)[:, None])[:, 0].log().tolist()
 
 
-# csv / jsonl under slow (the default suite's budget): their kept columns are covered by
-# test_kept_columns_keep_pyarrows_types_in_every_part_file, JSON-lines params by the first test here
-@pytest.mark.parametrize("file_format", ["parquet", pytest.param("csv", marks=pytest.mark.slow),
-                                         pytest.param("jsonl", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("file_format", ["parquet", "csv", "jsonl"])
 def test_per_row_params_and_kept_columns_in_every_format(tiny_pair, tmp_path, file_format):
     """A greedy row (temperature 0 in its params) gives the same completion in all its samples, the others
     sample; the kept column keeps its Parquet type, and gets pyarrow's inferred one from CSV / JSON lines."""
