@@ -5,21 +5,31 @@
 
 Each round runs, in a shuffled order, each side in a fresh process:
 - `job`: `python -m jobs.generate` on the embedded pair (MLflow off, progress off), `ray.num_actors=N`,
-  `ray.cpus_per_actor=C`; its throughput is the job's own (the summary's `throughput` line: generated tokens
-  over its generation time, Ray's start and model loading excluded);
-- `stage`: this script's `stage` command: a local Ray, `ray.data.read_parquet` -> `pipeline.ray_data`'s stage
-  (`concurrency=N`, `num_cpus=C`, `batch_size` = the job's shard size, the input cut into blocks of that
-  many rows so that every actor gets work) -> `write_parquet`; its generation time runs from the first
-  row admitted to the engine to the last row out of the stage (each row's `time_taken_llm` and the moment
-  a postprocess saw it). The job's runs from its actors being ready to its last part committed, so it also
-  holds the first shard's read and tokenizing and the part files' writes, which the stage's leaves out (a
-  few milliseconds a batch; they matter only on tiny runs, where the fixed costs dominate both).
-Both read the same Parquet file (the first `--prompts` rows of assets/prompts.jsonl, repeated if needed,
-with unique ids); a row's seed is the job's (`row_seed(spectr.seed, id)`), so a fixed method gives both
-the same tokens (the report says whether they did). Also the wall-clock throughput of each whole process
-(start, Ray, model loading, generation, writing), measured here the same way for both.
+  `ray.cpus_per_actor=C`, `shard_size` rows per shard;
+- `stage`: this script's `stage` command: a local Ray (the actors' CPUs and one more, for Ray Data's own
+  tasks), `ray.data.read_parquet` of the file as a user would (no block settings) -> `pipeline.ray_data`'s
+  stage with its defaults (`concurrency=N`, `num_cpus=C`, `batch_size` = the job's shard size) ->
+  `write_parquet`. Its actor is `SpecTrStage` with a timeline (`TimedStage`: when it was ready, and each
+  batch's end with the engine's iteration count), written to a folder and read back here.
 
-The report: each side's median tokens/s over the rounds (generation and wall clock) and the ratio
+Both sides' figures are measured the same way:
+- wall clock: generated tokens over the whole process (start, Ray, model loading, generation, writing);
+- generation: generated tokens over the seconds from the last actor ready (loaded the pair) to the last row
+  written: the job's own `throughput` line (actors ready -> last part committed); the stage's from its
+  actors' ready times to `write_parquet` returning (Ray Data hands the first actor work before the second is
+  ready, so this slightly favours the stage; the wall clock does not);
+- slots: the engine's mean rows in flight per iteration (the rows' target calls over the actors' engine
+  iterations; `--batch-size` means every slot full), whether the slots stay full across shard or batch
+  boundaries.
+Both read the same Parquet file (the first `--prompts` rows of assets/prompts.jsonl, repeated if needed,
+with unique ids); a row's seed is the job's (`row_seed(spectr.seed, id)`) on both sides. The report counts
+the rows whose tokens differ between the stage and the job, and, as the control, between two runs of the
+job itself: a row's logits depend on its batch at the level of float rounding (a CPU matmul's result for
+one row changes with the number of rows in the call), so a sampled token at a near-tie can flip with the
+batch's composition, in either side and between two runs of the same side (about 1 token in 16,000 on
+the embedded pair); equal settings show as differences no more frequent than the job's own.
+
+The report: each side's median over the rounds (wall clock and generation tokens/s, slots) and the ratio
 stage / job (goal >= 0.9). Run it on a quiet machine; nothing else should share the CPUs.
 """
 
@@ -36,9 +46,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 PAIR = PROJECT_ROOT / "assets" / "models"
+sys.path.insert(0, str(PROJECT_ROOT))  # this checkout's code (TimedStage subclasses its stage)
+
+from pipeline.ray_data.stage import SpecTrStage  # noqa: E402
 
 
 def child_env() -> dict[str, str]:
@@ -63,7 +77,7 @@ def engine_overrides(args: argparse.Namespace) -> dict[str, object]:
             "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens}
 
 
-def run_job(args: argparse.Namespace, data: Path, out: Path) -> dict[str, float]:
+def run_job(args: argparse.Namespace, data: Path, out: Path) -> dict[str, Any]:
     overrides = [f"spectr.{k}={v}" for k, v in engine_overrides(args).items()] + [
         f"model.target={PAIR / 'target'}", f"model.draft={PAIR / 'draft'}", f"data.path={data}",
         f"output_dir={out}", "data.limit=null", "mlflow=disabled", "progress=false", f"ray.num_actors={args.actors}",
@@ -75,12 +89,15 @@ def run_job(args: argparse.Namespace, data: Path, out: Path) -> dict[str, float]
     if done.returncode != 0:
         raise SystemExit(f"the job failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     found = re.search(r"throughput\s+([\d.]+) tokens/s", done.stdout)
+    commits = [json.loads(line)["stats"] for line in (out / "_commits.jsonl").read_text().splitlines()]
+    calls, iterations = sum(c["target_calls"] for c in commits), sum(c["iterations"] for c in commits)
     tokens = output_tokens(out, "completion_token_ids", "id")
     return {"tokens_per_s": float(found.group(1)) if found else float("nan"), "wall_s": wall,
-            "generated_tokens": sum(len(t) for t in tokens.values()), "tokens": tokens}
+            "generated_tokens": sum(len(t) for t in tokens.values()), "slots": calls / max(iterations, 1),
+            "tokens": tokens}
 
 
-def run_stage(args: argparse.Namespace, data: Path, out: Path) -> dict[str, float]:
+def run_stage(args: argparse.Namespace, data: Path, out: Path) -> dict[str, Any]:
     command = [sys.executable, str(Path(__file__).resolve()), "stage", "--data", str(data), "--out", str(out),
                "--actors", str(args.actors), "--cpus-per-actor", str(args.cpus_per_actor),
                "--batch-rows", str(args.shard_size),
@@ -102,8 +119,28 @@ def output_tokens(out: Path, column: str, key: str) -> dict[str, list[int]]:
     return dict(zip(table.column(key).to_pylist(), table.column(column).to_pylist()))
 
 
+class TimedStage(SpecTrStage):
+    """`SpecTrStage` with a timeline: one JSON line per event in `events_dir/<pid>.jsonl` (the actor ready;
+    each batch's end, with the engine's iterations so far). Pickled by value with the class attribute set."""
+
+    events_dir = ""
+
+    def __init__(self, config: Any):
+        super().__init__(config)
+        self._events = open(Path(self.events_dir) / f"{os.getpid()}.jsonl", "a", buffering=1)  # noqa: SIM115
+        self._event("ready")
+
+    def _event(self, name: str, **values: Any) -> None:
+        self._events.write(json.dumps({"event": name, "time": time.time(), **values}) + "\n")
+
+    def generate(self, batch: Any) -> Any:
+        out = super().generate(batch)
+        self._event("batch", rows=len(out), iterations=self.generator.feed.steps)
+        return out
+
+
 def stage_command(argv: list[str]) -> None:
-    """In a fresh process: the Ray Data pipeline; prints one JSON line (tokens, generation seconds)."""
+    """In a fresh process: the Ray Data pipeline; prints one JSON line (tokens, generation seconds, slots)."""
     parser = argparse.ArgumentParser()
     for name in ("--data", "--out", "--engine"):
         parser.add_argument(name, required=True)
@@ -111,43 +148,58 @@ def stage_command(argv: list[str]) -> None:
     parser.add_argument("--cpus-per-actor", type=float, required=True)
     parser.add_argument("--batch-rows", type=int, required=True)
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(PROJECT_ROOT))
     import pyarrow.parquet as pq
     import ray
 
     from pipeline.ray_data import SpecTrProcessorConfig, build_processor
 
-    # the actors' CPUs, and one more for Ray Data's read and write tasks
+    events = Path(f"{args.out}-events")
+    events.mkdir(parents=True)
+    TimedStage.events_dir = str(events)
+    # the actors' CPUs, and one more for Ray Data's read, repartition and write tasks
     ray.init(num_cpus=int(args.actors * args.cpus_per_actor) + 1, include_dashboard=False, log_to_driver=False)
     config = SpecTrProcessorConfig(model_source=str(PAIR / "target"), draft_model_source=str(PAIR / "draft"),
                                    batch_size=args.batch_rows, concurrency=args.actors, num_cpus=args.cpus_per_actor,
                                    engine_kwargs=json.loads(args.engine))
-    processor = build_processor(config, postprocess=lambda row: {**row, "finished_at": time.time()})
-    rows = pq.ParquetFile(args.data).metadata.num_rows
-    # one small file is one block, i.e. one task for one actor: cut it into Ray Data batches for every actor
-    dataset = ray.data.read_parquet(args.data, override_num_blocks=max(1, -(-rows // config.batch_size)))
-    processor(dataset).write_parquet(args.out)
-    table = pq.read_table(args.out, columns=["num_generated_tokens", "time_taken_llm", "finished_at"])
-    finished, taken = table.column("finished_at").to_pylist(), table.column("time_taken_llm").to_pylist()
-    span = max(finished) - min(f - t for f, t in zip(finished, taken))
-    tokens = sum(table.column("num_generated_tokens").to_pylist())
-    print(json.dumps({"tokens_per_s": tokens / span, "generation_s": span, "generated_tokens": tokens}))
+    processor = build_processor(config)
+    processor.stage_class = TimedStage
+    processor(ray.data.read_parquet(args.data)).write_parquet(args.out)
+    finished = time.time()
     ray.shutdown()
+    timeline = [[json.loads(line) for line in path.read_text().splitlines()] for path in sorted(events.iterdir())]
+    ready = max(e["time"] for actor in timeline for e in actor if e["event"] == "ready")
+    iterations = sum(max([e["iterations"] for e in actor if e["event"] == "batch"], default=0) for actor in timeline)
+    table = pq.read_table(args.out, columns=["num_generated_tokens", "target_calls"])
+    tokens = sum(table.column("num_generated_tokens").to_pylist())
+    calls = sum(table.column("target_calls").to_pylist())
+    print(json.dumps({"tokens_per_s": tokens / (finished - ready), "generation_s": finished - ready,
+                      "generated_tokens": tokens, "slots": calls / max(iterations, 1),
+                      "batches_per_actor": [sum(e["event"] == "batch" for e in actor) for actor in timeline]}))
 
 
-def report(results: dict[str, list[dict]], same_tokens: bool) -> None:
+def differing(a: dict[str, list[int]], b: dict[str, list[int]]) -> int:
+    """Rows (by id) whose tokens differ between two runs (a row missing from either counts)."""
+    return sum(a.get(key) != b.get(key) for key in set(a) | set(b))
+
+
+def report(results: dict[str, list[dict]]) -> None:
     rows = []
     for side in ("job", "stage"):
         runs = results[side]
-        rows.append((side, statistics.median(r["tokens_per_s"] for r in runs),
-                     statistics.median(r["generated_tokens"] / r["wall_s"] for r in runs),
-                     statistics.median(r["wall_s"] for r in runs)))
-    print(f"{'side':<6} {'generation tok/s':>17} {'wall tok/s':>11} {'wall s':>8}")
-    for side, generation, wall, seconds in rows:
-        print(f"{side:<6} {generation:>17.1f} {wall:>11.1f} {seconds:>8.1f}")
-    (_, job_gen, job_wall, _), (_, stage_gen, stage_wall, _) = rows
-    print(f"stage / job: generation {stage_gen / job_gen:.3f}x, wall clock {stage_wall / job_wall:.3f}x "
-          f"(goal >= 0.9x); same tokens for every row: {'yes' if same_tokens else 'no'}")
+        rows.append((side, statistics.median(r["generated_tokens"] / r["wall_s"] for r in runs),
+                     statistics.median(r["wall_s"] for r in runs), statistics.median(r["tokens_per_s"] for r in runs),
+                     statistics.median(r["slots"] for r in runs)))
+    print(f"{'side':<6} {'wall tok/s':>11} {'wall s':>8} {'generation tok/s':>17} {'slots':>6}")
+    for side, wall, seconds, generation, slots in rows:
+        print(f"{side:<6} {wall:>11.1f} {seconds:>8.1f} {generation:>17.1f} {slots:>6.2f}")
+    (_, job_wall, _, job_gen, _), (_, stage_wall, _, stage_gen, _) = rows
+    print(f"stage / job: wall clock {stage_wall / job_wall:.3f}x (goal >= 0.9x), generation {stage_gen / job_gen:.3f}x")
+    jobs, stages = results["job"], results["stage"]
+    print("rows whose tokens differ, stage vs job in each round:",
+          ", ".join(str(differing(j["tokens"], s["tokens"])) for j, s in zip(jobs, stages)),
+          f"of {len(jobs[0]['tokens'])}; the control, job vs job (round 1 vs each later round):",
+          ", ".join(str(differing(jobs[0]["tokens"], j["tokens"])) for j in jobs[1:]) or "none (one round)")
+    print("stage batches per actor:", "; ".join(str(s["batches_per_actor"]) for s in stages))
 
 
 def main() -> None:
@@ -172,7 +224,6 @@ def main() -> None:
     write_prompts(data, args.prompts)
     results: dict[str, list[dict]] = {"job": [], "stage": []}
     order = random.Random(args.seed)
-    same = True
     for round_index in range(args.rounds):
         sides = ["job", "stage"]
         order.shuffle(sides)
@@ -180,9 +231,11 @@ def main() -> None:
             out = folder / f"{side}-{round_index}"
             run = run_job if side == "job" else run_stage
             results[side].append(run(args, data, out))
-            print(f"round {round_index + 1} {side}: {results[side][-1]['tokens_per_s']:.1f} tokens/s", flush=True)
-        same = same and results["job"][-1]["tokens"] == results["stage"][-1]["tokens"]
-    report(results, same)
+            last = results[side][-1]
+            print(f"round {round_index + 1} {side}: {last['generated_tokens'] / last['wall_s']:.1f} wall-clock tokens/s "
+                  f"({last['wall_s']:.1f} s), generation {last['tokens_per_s']:.1f} tokens/s, slots {last['slots']:.2f}",
+                  flush=True)
+    report(results)
 
 
 if __name__ == "__main__":

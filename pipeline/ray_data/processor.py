@@ -5,10 +5,11 @@
     ray.data.read_parquet(...).pipe(processor).write_parquet(...)   # or processor(ds)
 
 What `ray.data.llm`'s processors do, with the same conventions: `preprocess` is a `Dataset.map` whose
-output is merged over the row (every input column goes on to the stage and to `postprocess`); the stage is
-one `map_batches` of `pipeline.ray_data.stage.SpecTrStage` on an actor pool
-(`ActorPoolStrategy(size=concurrency)`, or `(min, max)`: autoscaling), `batch_size` rows per Ray Data
-batch, `max_concurrency=max_concurrent_batches` calls per actor (all feeding the actor's one continuous
+output is merged over the row (every input column goes on to the stage and to `postprocess`); a streaming
+`repartition` into blocks of at most `batch_size` rows (so that a big block does not go to one actor);
+the stage is one `map_batches` of `pipeline.ray_data.stage.SpecTrStage` on an actor pool
+(`ActorPoolStrategy(size=concurrency)`, or `(min, max)`: autoscaling; `max_tasks_in_flight_per_actor =
+max_concurrent_batches`), `batch_size` rows per Ray Data batch, `max_concurrency=max_concurrent_batches` calls per actor (all feeding the actor's one continuous
 batch), one GPU per actor when `accelerator_type` is set or the cluster has GPUs (else `num_cpus`);
 `postprocess` is a `Dataset.map`, and a row carrying `__inference_error__` bypasses it (with
 `should_continue_on_error`; the others get `__inference_error__ = ""`).
@@ -64,10 +65,15 @@ class SpecTrProcessor:
         self.preprocess_map_kwargs = dict(preprocess_map_kwargs or {})
         self.postprocess_map_kwargs = dict(postprocess_map_kwargs or {})
 
+    stage_class: type = SpecTrStage  # the actor (a subclass may add instrumentation: scripts/bench_ray_data.py)
+
     def __call__(self, dataset: Any) -> Any:
         if self.preprocess is not None:
             dataset = dataset.map(MergedPreprocess(self.preprocess), **self.preprocess_map_kwargs)
-        dataset = dataset.map_batches(SpecTrStage, **self.stage_map_kwargs())
+        # blocks of at most `batch_size` rows (streaming: small blocks are combined, big ones split): Ray Data
+        # gives an actor whole blocks, so one big block (a small file is one) would go to one actor alone
+        dataset = dataset.repartition(target_num_rows_per_block=self.config.batch_size)
+        dataset = dataset.map_batches(self.stage_class, **self.stage_map_kwargs())
         if self.postprocess is not None:
             guarded = GuardedPostprocess(self.postprocess, self.config.should_continue_on_error)
             dataset = dataset.map(guarded, **self.postprocess_map_kwargs)
@@ -82,7 +88,10 @@ class SpecTrProcessor:
             gpus = ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
         kwargs: dict[str, Any] = dict(
             fn_constructor_kwargs={"config": config},
-            compute=ray.data.ActorPoolStrategy(**pool_size(config.concurrency)),
+            # no batches queued on an actor beyond those it runs (Ray's default queues as many again): a
+            # queued batch waits for its actor while another may have free slots, e.g. when one actor loads first
+            compute=ray.data.ActorPoolStrategy(**pool_size(config.concurrency),
+                                               max_tasks_in_flight_per_actor=config.max_concurrent_batches),
             batch_size=config.batch_size,
             batch_format="pyarrow",
             zero_copy_batch=True,

@@ -496,6 +496,27 @@ def test_parquet_rows_read_back_with_pyarrow_dataset(finished_run):
     assert pq.read_metadata(finished_run["out"] / "part-000000.parquet").num_rows == 8
 
 
+def test_the_ray_data_stage_gives_the_jobs_tokens_for_the_same_rows(finished_run, prompts_jsonl):
+    """The job's input rows (string ids) through the Ray Data stage's actor, with the job's engine settings
+    as `engine_kwargs`: every row gets the job's tokens (the same seed from the same id, the same prompt ids).
+    Negative control: the rows without their ids (each seeded by its prompt text instead) get other tokens."""
+    from pipeline.ray_data import SpecTrProcessorConfig, SpecTrStage
+    from pipeline.ray_data.config import MODEL_KEYS, engine_keys
+
+    raw = finished_run["raw"]
+    engine = {k: v for k, v in raw["spectr"].items() if k in engine_keys()}
+    engine.update({k: v for k, v in raw["model"].items() if k in MODEL_KEYS})
+    stage = SpecTrStage(SpecTrProcessorConfig(model_source=raw["model"]["target"],
+                                              draft_model_source=raw["model"]["draft"], engine_kwargs=engine))
+    rows = [json.loads(line) for line in prompts_jsonl.read_text().splitlines()][:16]  # two of the job's shards
+    job = read_output(finished_run["out"])
+    expected = dict(zip(job.column("id").to_pylist(), job.column("completion_token_ids").to_pylist()))
+    out = stage.generate(pa.Table.from_pylist(rows)).to_pylist()
+    assert {r["id"]: r["generated_tokens"] for r in out} == {r["id"]: expected[r["id"]] for r in rows}
+    unnamed = stage.generate(pa.Table.from_pylist([{"prompt": r["prompt"]} for r in rows[:4]])).to_pylist()
+    assert [r["generated_tokens"] for r in unnamed] != [expected[r["id"]] for r in rows[:4]]
+
+
 def test_chat_mode_renders_messages_with_the_target_template(tiny_pair, tmp_path):
     rows = [{"id": 7, "messages": [{"role": "user", "content": "def x"}]}]
     data = _write(tmp_path / "chat.jsonl", rows)

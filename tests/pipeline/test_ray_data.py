@@ -198,6 +198,7 @@ def test_config_checks(tiny_pair):
     kwargs = processor.stage_map_kwargs(gpus=False)
     assert kwargs["num_gpus"] == 1 and kwargs["accelerator_type"] == "H100" and kwargs["max_concurrency"] == 4
     assert (kwargs["compute"].min_size, kwargs["compute"].max_size) == (1, 3)
+    assert kwargs["compute"].max_tasks_in_flight_per_actor == 4  # none queued beyond those it runs
     assert build_processor(config_for(tiny_pair, num_cpus=2)).stage_map_kwargs(gpus=False)["num_cpus"] == 2
 
 
@@ -270,7 +271,8 @@ def test_ray_data_llm_build_processor_takes_the_config(tiny_pair):
 @pytest.mark.slow
 def test_chat_example_on_two_actors(ray_local, tiny_pair, tmp_path):
     """The README's chat example: messages + chat_template_kwargs, two actors, local Parquet in and out (the
-    actors take half a CPU each: Ray Data's read and write tasks need the local Ray's other CPU)."""
+    actors take half a CPU each: Ray Data's read and write tasks need the local Ray's other CPU). The file is
+    one block as read; the processor cuts it into batches of `batch_size` rows for the actors."""
     import ray
 
     rng = random.Random(4)
@@ -285,8 +287,11 @@ def test_chat_example_on_two_actors(ray_local, tiny_pair, tmp_path):
         postprocess=lambda row: {"id": row["id"], "answer": row["generated_text"],
                                  "tokens": row["generated_tokens"], "prompt_ids": row["prompt_token_ids"]},
     )
-    dataset = ray.data.read_parquet(str(tmp_path / "in.parquet"), override_num_blocks=4)  # work for both actors
-    processor(dataset).write_parquet(str(tmp_path / "out"))
+    dataset = ray.data.read_parquet(str(tmp_path / "in.parquet"))
+    assert dataset.materialize().num_blocks() == 1
+    done = processor(dataset).materialize()
+    assert done.num_blocks() == 4  # four Ray Data tasks of batch_size rows, not one task holding the block
+    done.write_parquet(str(tmp_path / "out"))
     out = sorted(pq.read_table(tmp_path / "out").to_pylist(), key=lambda r: r["id"])
     assert [r["id"] for r in out] == list(range(16)) and set(out[0]) == {"id", "answer", "tokens", "prompt_ids"}
     stage = SpecTrStage(config)
