@@ -15,7 +15,8 @@ Sections (all by default; `--sections` picks some), every ratio from runs interl
            `spectr.native.CPU_MIN_ITERATIONS` should be near).
 
 Models: --target/--draft (default the embedded pair, assets/models, float32); --quick uses tiny random
-Llama models and few tokens (a smoke run: it checks the script, its numbers mean nothing).
+Llama models, few tokens and dynamo's "eager" backend (a smoke run: it checks the script, its numbers mean
+nothing; `--backend inductor` compiles for real).
 Results: JSON and markdown under --out (default benchmarks/results/compile/). Nothing asserts a speed.
 
     .venv/bin/python scripts/bench_compile.py --threads 1            # full run on a quiet machine
@@ -155,7 +156,8 @@ def time_forward(lm: NativeCausalLM, batch: int, new: int, context: int, calls: 
 
 def forward_modes(args) -> list[str]:
     """eager, then every CPU compile variant (`spectr.native.CPU_VARIANTS`), or `compiled` on CUDA."""
-    return ["eager"] + (["compiled"] if args.device.startswith("cuda") else list(native.CPU_VARIANTS))
+    variants = args.variants.split(",") if args.variants else list(native.CPU_VARIANTS)
+    return ["eager"] + (["compiled"] if args.device.startswith("cuda") else variants)
 
 
 def forward_section(target, draft, args) -> dict:
@@ -215,7 +217,7 @@ def hf_section(target, draft, args) -> list[dict]:
     import copy
 
     hf_model = copy.deepcopy(target)  # its forward is replaced by a compiled one
-    hf_model.forward = torch.compile(hf_model.forward, fullgraph=True)
+    hf_model.forward = torch.compile(hf_model.forward, fullgraph=True, backend=native.COMPILE_BACKEND)
     rows = []
     for batch in args.batches:
         prompts = prompts_for(batch, args.prompt_length, target.config.vocab_size, 100 + batch)
@@ -321,6 +323,10 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=64, help="forward section: cached tokens before the forward")
     parser.add_argument("--calls", type=int, default=30, help="forward section: timed forwards per measurement")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--variants", default=None,
+                        help="forward section: comma-separated CPU compile variants (default: all CPU_VARIANTS)")
+    parser.add_argument("--backend", default=None, help="torch.compile backend of the engine (default inductor; "
+                        "--quick: dynamo's 'eager', which traces without compiling kernels)")
     parser.add_argument("--keep-cache", action="store_true", help="use inductor's usual on-disk cache (warm)")
     parser.add_argument("--quick", action="store_true", help="tiny random models, few tokens: a smoke run")
     parser.add_argument("--out", default=os.path.join(REPO_ROOT, "benchmarks/results/compile"))
@@ -328,6 +334,7 @@ def main() -> None:
     if args.quick:
         args.new_tokens, args.prompt_length, args.repeats, args.calls, args.context = 6, 5, 1, 2, 8
         args.batches = [1, 3]
+    native.COMPILE_BACKEND = args.backend or ("eager" if args.quick else "inductor")
     if args.threads:
         torch.set_num_threads(args.threads)
     if not args.keep_cache:  # a cold inductor cache: the compile seconds a fresh machine pays
