@@ -282,7 +282,8 @@ def goals(results: dict) -> list[tuple[str, str, str, bool | None]]:
 
 
 def markdown(results: dict) -> str:
-    lines = [f"# Compiled engine ({results['device']}, threads {results['threads']}, torch {torch.__version__})", ""]
+    lines = [f"# Compiled engine ({results['device']}, threads {results['threads']}, torch {torch.__version__}, "
+             f"CPU variant {results.get('cpu_variant')})", ""]
     for row in results.get("engine", []):
         lines.append(f"- engine B={row['batch']} {row['method']} L={row['draft_length']}: compiled "
                      f"{row['compiled']['tokens_per_s']:.1f} tok/s, eager {row['eager']['tokens_per_s']:.1f}: "
@@ -327,6 +328,9 @@ def main() -> None:
                         help="forward section: comma-separated CPU compile variants (default: all CPU_VARIANTS)")
     parser.add_argument("--backend", default=None, help="torch.compile backend of the engine (default inductor; "
                         "--quick: dynamo's 'eager', which traces without compiling kernels)")
+    parser.add_argument("--engine-variant", default=None, choices=sorted(native.CPU_VARIANTS),
+                        help="CPU compile variant of compile=True in the engine, best, hf and compile sections "
+                        "(default spectr.native.CPU_VARIANT)")
     parser.add_argument("--keep-cache", action="store_true", help="use inductor's usual on-disk cache (warm)")
     parser.add_argument("--quick", action="store_true", help="tiny random models, few tokens: a smoke run")
     parser.add_argument("--out", default=os.path.join(REPO_ROOT, "benchmarks/results/compile"))
@@ -335,13 +339,14 @@ def main() -> None:
         args.new_tokens, args.prompt_length, args.repeats, args.calls, args.context = 6, 5, 1, 2, 8
         args.batches = [1, 3]
     native.COMPILE_BACKEND = args.backend or ("eager" if args.quick else "inductor")
+    native.CPU_VARIANT = args.engine_variant or native.CPU_VARIANT
     if args.threads:
         torch.set_num_threads(args.threads)
     if not args.keep_cache:  # a cold inductor cache: the compile seconds a fresh machine pays
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench_compile_inductor_")
     sections = args.sections.split(",")
     target, draft = load_pair(args)
-    results = dict(device=args.device, threads=torch.get_num_threads(), platform=platform.platform(),
+    results = dict(device=args.device, threads=torch.get_num_threads(), cpu_variant=native.CPU_VARIANT, platform=platform.platform(),
                    torch=torch.__version__, transformers=transformers.__version__, args=vars(args))
     if "engine" in sections or "compile" in sections:
         results["engine"] = engine_section(target, draft, args)
