@@ -60,12 +60,15 @@ COMPILE_CHOICES = (False, True, "auto")
 # compile="auto" on the CPU: compile when the queued work is at least this many iterations of the pool
 # (sum of the queued rows' budgets / batch size: autoregressive iterations, an upper bound for speculative
 # ones). The rule: compiling pays when iterations x (eager - compiled seconds per iteration) > compile
-# seconds. The issue's probe on this 2-core CPU: 2-28 s of compile per graph (a run compiles 4-8: target
-# and draft, rows 1 and >1, widths 1 and >1) and a saving of about 1/3 of a ~10-30 ms iteration of the
-# embedded pair: 4-8 graphs x ~8 s / ~5 ms saved = 6,000-13,000 iterations. 8,000 is that middle; a
-# 64-prompt job of 64 tokens at 8 slots (512 iterations) stays eager. scripts/bench_compile.py prints the
-# measured break-even (compile seconds / seconds saved per iteration): update this from it.
-CPU_MIN_ITERATIONS = 8000
+# seconds. Measured on this 2-core CPU (scripts/bench_compile.py --sections forward, 1 thread, embedded
+# pair, CPU_VARIANT frozen_cpp, cold inductor cache; benchmarks/results/compile/forward_frozen_cpp): the
+# B=1 graphs (draft, target over 1 token, target over more) cost 218 s of compile (36 + 90 + 92 s); a
+# forward saves 8.4 ms (target, 1 token: 33.5 -> 25.0 ms), 18 ms (5 tokens) and 1.9 ms (draft), so a
+# speculative L=3 iteration saves ~24 ms and an autoregressive one ~8 ms: break-even 218 s / 24 ms = 9,200
+# iterations (speculative), 90 s / 8.4 ms = 10,700 (autoregressive), before the B>1 graphs a batched job
+# also compiles (about as many again). 20,000 covers both: a 64-prompt job of 64 tokens at 8 slots (512
+# iterations) stays eager; compiling pays from ~2,500 such prompts per worker.
+CPU_MIN_ITERATIONS = 20000
 
 # How inductor compiles on the CPU (issue 22, item 4: a verify that reads the weights once). Eager, the
 # target's linears over 2-17 tokens of a row run MKL's small-M GEMM, which costs several times one token's
