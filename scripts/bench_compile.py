@@ -15,7 +15,8 @@ Sections (all by default; `--sections` picks some), every ratio from runs interl
            `spectr.native.CPU_MIN_ITERATIONS` should be near).
 
 Models: --target/--draft (default the embedded pair, assets/models, float32); --quick uses tiny random
-Llama models and few tokens (a smoke run: it checks the script, its numbers mean nothing).
+Llama models, few tokens and dynamo's "eager" backend (a smoke run: it checks the script, its numbers mean
+nothing; `--backend inductor` compiles for real).
 Results: JSON and markdown under --out (default benchmarks/results/compile/). Nothing asserts a speed.
 
     .venv/bin/python scripts/bench_compile.py --threads 1            # full run on a quiet machine
@@ -30,6 +31,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -38,6 +40,7 @@ import transformers
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 import spectr  # noqa: E402
+import spectr.native as native  # noqa: E402
 from spectr.kv_cache import tree_attention  # noqa: E402
 from spectr.native import NativeCausalLM  # noqa: E402
 from spectr.rows import prefill  # noqa: E402
@@ -130,40 +133,68 @@ def best_section(target, draft, args) -> dict:
     return dict(section="best", autoregressive_tokens_per_s=base, ratios=ratios, best=best)
 
 
-def time_forward(lm: NativeCausalLM, batch: int, new: int, context: int, calls: int, device: str) -> float:
-    """Median seconds of one forward of `new` causal tokens per row after a `context`-token cache."""
+def time_forward(lm: NativeCausalLM, batch: int, new: int, context: int, calls: int, device: str) -> tuple:
+    """(median seconds of one forward of `new` causal tokens per row after a `context`-token cache, seconds
+    of the first call: the compile, if any), and the logits of the last call."""
     cache = lm.new_cache(batch, context + new + 1)
     prefill(lm, cache, prompts_for(batch, context + 1, lm.vocab_size, 7), torch.device(device))
     lengths = cache.rows.lengths  # [B]
     offsets = torch.arange(new, device=device)
     slots = lengths[:, None] + offsets  # [B, T]
     allowed = tree_attention(lengths, offsets[:, None] >= offsets[None, :], context + new)
-    ids = torch.randint(3, lm.vocab_size, (batch, new), device=device)
+    ids = torch.randint(3, lm.vocab_size, (batch, new), device=device,
+                        generator=torch.Generator(device).manual_seed(new))
     seconds = []
     for _ in range(calls + 2):  # two warm-up calls (the first compiles)
         sync(device)
         start = time.perf_counter()
-        lm.forward(ids, slots, allowed, cache, slots)
+        logits = lm.forward(ids, slots, allowed, cache, slots)
         sync(device)
         seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds[2:])
+    return statistics.median(seconds[2:]), seconds[0], logits
+
+
+def forward_modes(args) -> list[str]:
+    """eager, then every CPU compile variant (`spectr.native.CPU_VARIANTS`), or `compiled` on CUDA."""
+    variants = args.variants.split(",") if args.variants else list(native.CPU_VARIANTS)
+    return ["eager"] + (["compiled"] if args.device.startswith("cuda") else variants)
 
 
 def forward_section(target, draft, args) -> dict:
-    out = {}
+    """Per mode: target over 1, 5 and 17 causal tokens of one row and the draft over 1 (medians of
+    --calls, modes interleaved --repeats times after a warm-up round that pays the compiles), the ratios,
+    the first-call (compile) seconds, and the largest logit difference to eager (same model: ~1e-5)."""
+    out, first, reference, diff = {}, {}, {}, {}
+    shapes = [("draft", 1)] + [("target", new) for new in (1, 5, 17)]
+    lms = {"target": NativeCausalLM(target, "target"), "draft": NativeCausalLM(draft, "draft")}
+    runs = {mode: {f"{name}_{new}": [] for name, new in shapes} for mode in forward_modes(args)}
     with torch.inference_mode():
-        for mode in ("eager", "compiled"):
-            lms = {"target": NativeCausalLM(target, "target"), "draft": NativeCausalLM(draft, "draft")}
-            for lm in lms.values():
-                lm.set_compiled(mode == "compiled")
-            times = {"draft_1": time_forward(lms["draft"], 1, 1, args.context, args.calls, args.device)}
-            for new in (1, 5, 17):
-                times[f"target_{new}"] = time_forward(lms["target"], 1, new, args.context, args.calls, args.device)
-            out[mode] = dict(seconds=times, target_over_draft=times["target_1"] / times["draft_1"],
-                             target_5_over_1=times["target_5"] / times["target_1"],
-                             target_17_over_1=times["target_17"] / times["target_1"])
-            print(f"forward {mode}: target/draft {out[mode]['target_over_draft']:.2f}, 5/1 "
-                  f"{out[mode]['target_5_over_1']:.2f}, 17/1 {out[mode]['target_17_over_1']:.2f}", flush=True)
+        for round_ in range(args.repeats + 1):  # round 0: warm-up (compiles), not in the medians
+            for mode in runs:
+                for lm in lms.values():
+                    lm.set_compiled(mode != "eager", None if mode in ("eager", "compiled") else mode)
+                for name, new in shapes:
+                    key = f"{name}_{new}"
+                    median, first_call, logits = time_forward(lms[name], 1, new, args.context, args.calls,
+                                                              args.device)
+                    if round_ == 0:
+                        first[mode] = first.get(mode, 0.0) + first_call - median
+                        print(f"  warm-up {mode} {key}: first call {first_call:.1f} s, then {median * 1e3:.2f} ms",
+                              flush=True)
+                        reference.setdefault(key, logits)
+                        diff[mode] = max(diff.get(mode, 0.0), float((logits - reference[key]).abs().max()))
+                    else:
+                        runs[mode][key].append(median)
+    for mode, times in runs.items():
+        t = {key: statistics.median(values) for key, values in times.items()}
+        out[mode] = dict(seconds=t, target_over_draft=t["target_1"] / t["draft_1"],
+                         target_5_over_1=t["target_5"] / t["target_1"], target_17_over_1=t["target_17"] / t["target_1"],
+                         eager_over_this_target_1=statistics.median(runs["eager"]["target_1"]) / t["target_1"],
+                         compile_seconds=first[mode], max_logit_diff=diff[mode])
+        print(f"forward {mode}: target 1 token {t['target_1'] * 1e3:.2f} ms, target/draft "
+              f"{out[mode]['target_over_draft']:.2f}, 5/1 {out[mode]['target_5_over_1']:.2f}, 17/1 "
+              f"{out[mode]['target_17_over_1']:.2f}, compile {first[mode]:.1f} s, max |logit diff| {diff[mode]:.1e}",
+              flush=True)
     return dict(section="forward", **out)
 
 
@@ -186,7 +217,7 @@ def hf_section(target, draft, args) -> list[dict]:
     import copy
 
     hf_model = copy.deepcopy(target)  # its forward is replaced by a compiled one
-    hf_model.forward = torch.compile(hf_model.forward, fullgraph=True)
+    hf_model.forward = torch.compile(hf_model.forward, fullgraph=True, backend=native.COMPILE_BACKEND)
     rows = []
     for batch in args.batches:
         prompts = prompts_for(batch, args.prompt_length, target.config.vocab_size, 100 + batch)
@@ -199,20 +230,60 @@ def hf_section(target, draft, args) -> list[dict]:
     return rows
 
 
-def compile_section(engine_rows: list[dict]) -> list[dict]:
-    """Compile seconds per arm (first compiled run minus a steady one) and auto's break-even."""
+def compile_section(engine_rows: list[dict]) -> dict:
+    """Compile seconds per arm (its first compiled run minus a steady one, less the eager arm's own first-run
+    overhead), the seconds saved per iteration, and auto's break-even (compile seconds / seconds saved per
+    iteration); `job`: every graph a run of these arms compiles (their sum) over the median saving."""
     rows = []
     for row in engine_rows:
         compiled, eager = row["compiled"], row["eager"]
-        paid = compiled["first_wall"] - compiled["steady_wall"]
+        paid = max((compiled["first_wall"] - compiled["steady_wall"]) - (eager["first_wall"] - eager["steady_wall"]), 0.0)
         saved = (eager["steady_wall"] - compiled["steady_wall"]) / max(compiled["iterations"] or 1, 1)
-        rows.append(dict(section="compile", method=row["method"], batch=row["batch"], compile_seconds=paid,
-                         saved_per_iteration=saved, break_even_iterations=paid / saved if saved > 0 else None))
-    return rows
+        rows.append(dict(method=row["method"], batch=row["batch"], compile_seconds=paid, saved_per_iteration=saved,
+                         break_even_iterations=paid / saved if saved > 0 else None))
+    total = sum(r["compile_seconds"] for r in rows)
+    saved = statistics.median(r["saved_per_iteration"] for r in rows) if rows else 0.0
+    job = dict(compile_seconds=total, saved_per_iteration=saved, break_even_iterations=total / saved if saved > 0 else None)
+    return dict(section="compile", arms=rows, job=job)
+
+
+def goals(results: dict) -> list[tuple[str, str, str, bool | None]]:
+    """The issue's goals table: (goal, target, measured, met); None where not measured in this run."""
+    out = []
+    for row in results.get("engine", []):
+        need = 1.3 if row["batch"] == 1 else 1.1
+        out.append((f"compiled / eager tokens/s, B={row['batch']} {row['method']} L={row['draft_length']}",
+                    f">= {need}x", f"{row['speedup']:.2f}x", row["speedup"] >= need))
+    forward = results.get("forward", {})
+    modes = [m for m in forward if isinstance(forward[m], dict) and "seconds" in forward[m] and m != "eager"]
+    if modes:
+        best = min(modes, key=lambda m: forward[m]["seconds"]["target_17"])
+        row = forward[best]
+        out.append((f"target / draft forward time ({best}; eager {forward['eager']['target_over_draft']:.2f})",
+                    ">= 8x", f"{row['target_over_draft']:.2f}x", row["target_over_draft"] >= 8))
+        for new, need in ((5, 1.5), (17, 3.0)):
+            ratio = row[f"target_{new}_over_1"]
+            out.append((f"target forward {new} tokens / 1 ({best}; eager {forward['eager'][f'target_{new}_over_1']:.2f})",
+                        f"<= {need}x", f"{ratio:.2f}x", ratio <= need))
+    if "best" in results:
+        best = results["best"]
+        ratio = best["ratios"][best["best"]]
+        out.append((f"best exact method at B=1 ({best['best']}) / compiled autoregressive", ">= 1.6x",
+                    f"{ratio:.2f}x", ratio >= 1.6))
+    for row in results.get("hf", []):
+        out.append((f"compiled autoregressive / HF generate static+compile, B={row['batch']}", ">= 1.0x",
+                    f"{row['ratio']:.2f}x", row["ratio"] >= 1.0))
+    if "compile" in results:
+        job = results["compile"]["job"]
+        even = job["break_even_iterations"]
+        out.append(("compile seconds of the engine arms / break-even iterations", "(reported)",
+                    f"{job['compile_seconds']:.0f} s / {'never' if even is None else f'{even:.0f}'}", None))
+    return out
 
 
 def markdown(results: dict) -> str:
-    lines = [f"# Compiled engine ({results['device']}, threads {results['threads']}, torch {torch.__version__})", ""]
+    lines = [f"# Compiled engine ({results['device']}, threads {results['threads']}, torch {torch.__version__}, "
+             f"CPU variant {results.get('cpu_variant')})", ""]
     for row in results.get("engine", []):
         lines.append(f"- engine B={row['batch']} {row['method']} L={row['draft_length']}: compiled "
                      f"{row['compiled']['tokens_per_s']:.1f} tok/s, eager {row['eager']['tokens_per_s']:.1f}: "
@@ -223,15 +294,20 @@ def markdown(results: dict) -> str:
                      "compiled autoregressive")
     for mode, row in results.get("forward", {}).items():
         if isinstance(row, dict) and "seconds" in row:
-            lines.append(f"- forward {mode}: target/draft {row['target_over_draft']:.2f}, target 5/1 tokens "
-                         f"{row['target_5_over_1']:.2f}, 17/1 {row['target_17_over_1']:.2f}")
+            lines.append(f"- forward {mode}: target 1 token {row['seconds']['target_1'] * 1e3:.2f} ms, target/draft "
+                         f"{row['target_over_draft']:.2f}, target 5/1 tokens {row['target_5_over_1']:.2f}, 17/1 "
+                         f"{row['target_17_over_1']:.2f}; compile {row['compile_seconds']:.1f} s")
     for row in results.get("hf", []):
         lines.append(f"- B={row['batch']}: our compiled autoregressive / HF generate (static cache + torch.compile) "
                      f"**{row['ratio']:.2f}x**")
-    for row in results.get("compile", []):
+    for row in results.get("compile", {}).get("arms", []):
         even = row["break_even_iterations"]
-        lines.append(f"- compile paid, {row['method']} B={row['batch']}: {row['compile_seconds']:.1f} s; break-even "
+        lines.append(f"- compile paid, {row['method']} B={row['batch']}: {row['compile_seconds']:.1f} s, saved "
+                     f"{row['saved_per_iteration'] * 1e3:.2f} ms/iteration; break-even "
                      f"{'never' if even is None else f'{even:.0f} iterations'}")
+    lines += ["", "| goal | target | measured | met |", "|---|---|---|---|"]
+    for goal, need, measured, met in goals(results):
+        lines.append(f"| {goal} | {need} | {measured} | {'-' if met is None else 'yes' if met else 'no'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -248,17 +324,29 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=64, help="forward section: cached tokens before the forward")
     parser.add_argument("--calls", type=int, default=30, help="forward section: timed forwards per measurement")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--variants", default=None,
+                        help="forward section: comma-separated CPU compile variants (default: all CPU_VARIANTS)")
+    parser.add_argument("--backend", default=None, help="torch.compile backend of the engine (default inductor; "
+                        "--quick: dynamo's 'eager', which traces without compiling kernels)")
+    parser.add_argument("--engine-variant", default=None, choices=sorted(native.CPU_VARIANTS),
+                        help="CPU compile variant of compile=True in the engine, best, hf and compile sections "
+                        "(default spectr.native.CPU_VARIANT)")
+    parser.add_argument("--keep-cache", action="store_true", help="use inductor's usual on-disk cache (warm)")
     parser.add_argument("--quick", action="store_true", help="tiny random models, few tokens: a smoke run")
     parser.add_argument("--out", default=os.path.join(REPO_ROOT, "benchmarks/results/compile"))
     args = parser.parse_args()
     if args.quick:
         args.new_tokens, args.prompt_length, args.repeats, args.calls, args.context = 6, 5, 1, 2, 8
         args.batches = [1, 3]
+    native.COMPILE_BACKEND = args.backend or ("eager" if args.quick else "inductor")
+    native.CPU_VARIANT = args.engine_variant or native.CPU_VARIANT
     if args.threads:
         torch.set_num_threads(args.threads)
+    if not args.keep_cache:  # a cold inductor cache: the compile seconds a fresh machine pays
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench_compile_inductor_")
     sections = args.sections.split(",")
     target, draft = load_pair(args)
-    results = dict(device=args.device, threads=torch.get_num_threads(), platform=platform.platform(),
+    results = dict(device=args.device, threads=torch.get_num_threads(), cpu_variant=native.CPU_VARIANT, platform=platform.platform(),
                    torch=torch.__version__, transformers=transformers.__version__, args=vars(args))
     if "engine" in sections or "compile" in sections:
         results["engine"] = engine_section(target, draft, args)

@@ -30,7 +30,10 @@ strides). On CUDA it uses `mode="reduce-overhead"` (CUDA graphs, recorded per co
 the pool buffer a static address (read in place, never copied into the graph), and pads the view
 length to a multiple of `CUDA_VIEW_BUCKET` slots (masked columns; the batcher pads the rows to powers
 of 2) so that the number of recordings stays small; its outputs are cloned (a later replay
-overwrites the graph's output memory). Prefill (a forward over a `RowView`: newly admitted rows)
+overwrites the graph's output memory). On the CPU, inductor's options are `CPU_VARIANTS[CPU_VARIANT]`:
+frozen weights (constants of the graph, prepacked; the engine runs in inference mode, where freezing
+applies) and, per the measurements, inductor's own GEMM template for the linears over a few tokens (a
+verify that reads the weights about once). Prefill (a forward over a `RowView`: newly admitted rows)
 always runs eager, so a new prompt length never compiles a graph. `compiled=False` runs the HF
 model itself (`HFCausalLM.forward`), bit for bit the engine's eager path.
 
@@ -57,12 +60,32 @@ COMPILE_CHOICES = (False, True, "auto")
 # compile="auto" on the CPU: compile when the queued work is at least this many iterations of the pool
 # (sum of the queued rows' budgets / batch size: autoregressive iterations, an upper bound for speculative
 # ones). The rule: compiling pays when iterations x (eager - compiled seconds per iteration) > compile
-# seconds. The issue's probe on this 2-core CPU: 2-28 s of compile per graph (a run compiles 4-8: target
-# and draft, rows 1 and >1, widths 1 and >1) and a saving of about 1/3 of a ~10-30 ms iteration of the
-# embedded pair: 4-8 graphs x ~8 s / ~5 ms saved = 6,000-13,000 iterations. 8,000 is that middle; a
-# 64-prompt job of 64 tokens at 8 slots (512 iterations) stays eager. scripts/bench_compile.py prints the
-# measured break-even (compile seconds / seconds saved per iteration): update this from it.
-CPU_MIN_ITERATIONS = 8000
+# seconds. Measured on this 2-core CPU (scripts/bench_compile.py --sections forward, 1 thread, embedded
+# pair, CPU_VARIANT frozen_cpp, cold inductor cache; benchmarks/results/compile/forward_frozen_cpp): the
+# B=1 graphs (draft, target over 1 token, target over more) cost 218 s of compile (36 + 90 + 92 s); a
+# forward saves 8.4 ms (target, 1 token: 33.5 -> 25.0 ms), 18 ms (5 tokens) and 1.9 ms (draft), so a
+# speculative L=3 iteration saves ~24 ms and an autoregressive one ~8 ms: break-even 218 s / 24 ms = 9,200
+# iterations (speculative), 90 s / 8.4 ms = 10,700 (autoregressive), before the B>1 graphs a batched job
+# also compiles (about as many again). 20,000 covers both: a 64-prompt job of 64 tokens at 8 slots (512
+# iterations) stays eager; compiling pays from ~2,500 such prompts per worker.
+CPU_MIN_ITERATIONS = 20000
+
+# How inductor compiles on the CPU (issue 22, item 4: a verify that reads the weights once). Eager, the
+# target's linears over 2-17 tokens of a row run MKL's small-M GEMM, which costs more than one token's
+# memory-bound read of the weights (embedded target, 1 thread: 5 tokens 1.78x one token, 17 2.18x). With `freezing` (inference mode only: parameters become constants of the
+# graph; a frozen graph does not see later in-place changes to the weights) inductor prepacks the weights
+# (oneDNN / MKL packed linears), and with `max_autotune` over the "CPP" GEMM backend it may instead emit its
+# own GEMM template, register-blocked over the tokens, that reads each weight once. Same model, same
+# arithmetic up to float summation order. `CPU_VARIANT` is the variant `compile=True` uses on the CPU;
+# scripts/bench_compile.py (section forward) measures every variant in one run (see the README): frozen_cpp
+# 1.34x / 1.43x / 1.29x faster than eager over 1 / 5 / 17 tokens (5/1 1.66x, 17/1 2.27x); frozen alone was
+# slower than plain, plain about eager over 1 token.
+CPU_VARIANTS = {
+    "plain": {},
+    "frozen": {"freezing": True},
+    "frozen_cpp": {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"},
+}
+CPU_VARIANT = "frozen_cpp"
 
 
 def check_compile(compile) -> bool | str:
@@ -219,16 +242,21 @@ class NativeCausalLM(HFCausalLM):
         self.compiled = False
         self.set_compiled(compiled)
 
-    def set_compiled(self, compiled: bool) -> None:
-        """Switch between the compiled core (built on first use) and HF's eager forward."""
+    def set_compiled(self, compiled: bool, variant: str | None = None) -> None:
+        """Switch between the compiled core (built on first use) and HF's eager forward. `variant`: on the
+        CPU, a key of `CPU_VARIANTS` (default `CPU_VARIANT`); ignored on CUDA and by non-inductor backends."""
         self.compiled = bool(compiled)
-        if self.compiled and (self._compiled_core is None or self._compiled_core[0] is not COMPILE_BACKEND):
+        variant = CPU_VARIANT if variant is None else variant
+        if variant not in CPU_VARIANTS:
+            raise ValueError(f"variant must be one of {sorted(CPU_VARIANTS)}, got {variant!r}")
+        key = (COMPILE_BACKEND, "cuda" if self.cuda else variant)
+        if self.compiled and (self._compiled_core is None or self._compiled_core[:2] != key):
             import torch._dynamo.config as dynamo_config
 
             dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
-            options = {"mode": "reduce-overhead"} if self.cuda and COMPILE_BACKEND == "inductor" else {}
-            compiled = torch.compile(self.core, fullgraph=True, dynamic=False, backend=COMPILE_BACKEND, **options)
-            self._compiled_core = (COMPILE_BACKEND, compiled)
+            compiled = torch.compile(self.core, fullgraph=True, dynamic=False, backend=COMPILE_BACKEND,
+                                     **compile_options(self.cuda, variant))
+            self._compiled_core = (*key, compiled)
             _CORES[self.model] = (self.core, self._compiled_core)
 
     def forward(self, input_ids, position_ids, allowed, cache, write_slots, last_only: bool = False):
@@ -275,10 +303,20 @@ class NativeCausalLM(HFCausalLM):
         for dim in (2, 4):
             torch._dynamo.mark_dynamic(pool, dim)  # P, C: batchers of other sizes share the graphs
         with _shape_config():
-            logits, new_kv = self._compiled_core[1](slots, pool, allowed, last_only)
+            logits, new_kv = self._compiled_core[-1](slots, pool, allowed, last_only)
         if self.cuda:  # the graph's output memory is reused by the next replay
             logits, new_kv = logits.clone(), new_kv.clone()
         return logits, new_kv
+
+
+def compile_options(cuda: bool, variant: str) -> dict:
+    """torch.compile's keyword options: CUDA graphs on CUDA, `CPU_VARIANTS[variant]` on the CPU (inductor only)."""
+    if COMPILE_BACKEND != "inductor":
+        return {}
+    if cuda:
+        return {"mode": "reduce-overhead"}
+    options = CPU_VARIANTS[variant]
+    return {"options": dict(options)} if options else {}
 
 
 def _shape_config():

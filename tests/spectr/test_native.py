@@ -138,3 +138,36 @@ def test_no_new_graph_after_warm_up(counter, greedy_pair, method, k):
                  seed=100)
     assert len(again) == 7
     assert counter.frame_count == graphs, f"{counter.frame_count - graphs} new graphs after warm-up"
+
+
+def test_compile_options_per_device_and_variant(monkeypatch):
+    """CUDA: CUDA graphs; the CPU: inductor's options of the variant (CPU_VARIANT by default: frozen weights);
+    a counting backend takes none; an unknown variant is refused by name."""
+    monkeypatch.setattr(native, "COMPILE_BACKEND", "inductor")
+    assert native.compile_options(True, native.CPU_VARIANT) == {"mode": "reduce-overhead"}
+    assert native.compile_options(False, "plain") == {}
+    assert native.compile_options(False, "frozen_cpp")["options"]["max_autotune_gemm_backends"] == "CPP,ATEN"
+    assert native.CPU_VARIANTS[native.CPU_VARIANT].get("freezing") is True
+    monkeypatch.setattr(native, "COMPILE_BACKEND", CompileCounter())
+    assert native.compile_options(False, "frozen") == {}
+    with pytest.raises(ValueError, match="variant"):
+        NativeCausalLM(tiny_model("llama", vocab_size=64), compiled=True).set_compiled(True, "thawed")
+
+
+@pytest.mark.slow  # inductor compiles (tens of seconds on 2 busy cores)
+@pytest.mark.parametrize("variant", sorted(native.CPU_VARIANTS))
+@torch.inference_mode()
+def test_inductor_variant_equals_the_hf_path(monkeypatch, variant):
+    """Every CPU variant (frozen weights, CPP GEMM template) computes the same forwards and cache writes
+    as the HF path: decode, tree verify, interleaved draft step, last-only catch-up over dynamic shapes."""
+    monkeypatch.setattr(native, "COMPILE_BACKEND", "inductor")
+    model = tiny_model("llama", vocab_size=64, num_heads=4, num_kv_heads=2, init_std=0.2, seed=6)
+    hf = HFCausalLM(model)
+    lm = NativeCausalLM(model)
+    lm.set_compiled(True, variant)
+    hf_cache, native_cache = hf.new_cache(3, 32), lm.new_cache(3, 32)
+    expected = _forwards(hf, hf.forward, hf_cache)
+    got = _forwards(lm, lm.forward, native_cache)
+    for want, have in zip(expected, got):
+        torch.testing.assert_close(have, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(native_cache.rows.buffer, hf_cache.rows.buffer, rtol=1e-4, atol=1e-5)
