@@ -351,7 +351,7 @@ def test_a_job_whose_every_actor_is_sick_fails_without_success_and_a_rerun_compl
     def all_sick(actors, workers):
         ray_local.get([actor.__ray_call__.remote(_sick_batch) for actor in actors])
 
-    with pytest.raises(RuntimeError, match=r"failed 2 time\(s\); last error: .*CUDA error"):
+    with pytest.raises(RuntimeError, match=r"(?s)failed 2 time\(s\); last error: .*CUDA error"):
         run_generate(from_dict(raw), RunHooks(on_actors_ready=all_sick))
     assert (out / "_manifest.json").exists() and not (out / "_SUCCESS").exists()
     report = run_generate(from_dict(raw))
