@@ -259,20 +259,6 @@ class DriverLog:
         return next((t for t, line in self.lines if t >= after and re.search(pattern, line)), None)
 
 
-def commit_records(out: Path) -> list[dict]:
-    try:
-        lines = (out / "_commits.jsonl").read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    records = []
-    for line in lines:
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # being written
-    return records
-
-
 def start_driver(args: argparse.Namespace, cluster: Any, pair: dict, prompts: Path, out: Path) -> subprocess.Popen:
     command = [
         sys.executable, "-m", "jobs.generate", f"ray.address=127.0.0.1:{cluster.gcs_port}",
@@ -289,6 +275,8 @@ def start_driver(args: argparse.Namespace, cluster: Any, pair: dict, prompts: Pa
 
 def lose_and_return(args: argparse.Namespace, cluster: Any, driver: subprocess.Popen, out: Path) -> dict:
     """Wait until both nodes committed a shard; kill the worker node; `--away-s` later, a new one."""
+    from cluster_support import commit_records
+
     nodes = json.loads(cluster.ray("list", "nodes", "--format=json", f"--address={cluster.dashboard}").stdout)
     head = next(node["node_id"] for node in nodes if node["is_head_node"])
     deadline = time.monotonic() + 300
@@ -326,7 +314,7 @@ def node_windows(records: list[dict], head: str, lost_at: float, back_at: float)
 def part_nodes(args: argparse.Namespace, folder: Path) -> dict:
     import shutil
 
-    from cluster_support import LocalCluster
+    from cluster_support import LocalCluster, commit_records
 
     from pipeline.generate.reader import read_output
 

@@ -9,6 +9,7 @@ tiny pair.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -18,6 +19,21 @@ import time
 from pathlib import Path
 
 BIN = Path(sys.executable).parent
+
+
+def commit_records(out: Path) -> list[dict]:
+    """The commit log's records so far (a line being written is skipped)."""
+    try:
+        lines = (out / "_commits.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    records = []
+    for line in lines:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass  # being written
+    return records
 
 
 def free_ports(count: int) -> list[int]:

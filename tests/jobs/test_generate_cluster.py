@@ -19,25 +19,11 @@ import time
 from pathlib import Path
 
 import pytest
-from cluster_support import LocalCluster
+from cluster_support import LocalCluster, commit_records
 
 from pipeline.generate.reader import read_output
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
-
-
-def commit_records(out: Path) -> list[dict]:
-    try:
-        lines = (out / "_commits.jsonl").read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    records = []
-    for line in lines:
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # being written
-    return records
 
 
 @pytest.fixture
