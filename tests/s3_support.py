@@ -13,6 +13,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 MOTO = str(Path(sys.executable).with_name("moto_server"))
@@ -51,3 +53,27 @@ def stop(server: subprocess.Popen) -> None:
         server.wait(timeout=20)
     except (ProcessLookupError, subprocess.TimeoutExpired):
         os.killpg(server.pid, signal.SIGKILL)
+
+
+@contextmanager
+def moto_s3(folder: Path, buckets: tuple[str, ...]) -> Iterator[tuple[str, object]]:
+    """moto's S3 server with `buckets`, the AWS variables pointing at it meanwhile: (url, boto3 client)."""
+    import boto3
+
+    from pipeline import fs
+
+    server, url = start_moto(folder, "moto")
+    saved = {name: os.environ.get(name) for name in fs.AWS_ENV_VARS}
+    os.environ.update(CREDENTIALS, AWS_ENDPOINT_URL=url)
+    try:
+        client = boto3.client("s3", endpoint_url=url, region_name="us-east-1")
+        for bucket in buckets:
+            client.create_bucket(Bucket=bucket)
+        yield url, client
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        stop(server)

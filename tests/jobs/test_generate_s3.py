@@ -20,10 +20,9 @@ import time
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from s3_support import CREDENTIALS, free_port, start_moto, stop
+from s3_support import CREDENTIALS, free_port, moto_s3, start_moto, stop
 from tiny_pair_support import job_config
 
-from pipeline import fs
 from pipeline.errors import JobInputError
 from pipeline.generate.config import from_dict
 from pipeline.generate.job import run_generate
@@ -34,24 +33,8 @@ from pipeline.generate.scheduler import RunHooks
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
     """A moto S3 server with buckets 'prompts' and 'results'; the AWS variables point at it meanwhile."""
-    import boto3
-
-    folder = tmp_path_factory.mktemp("moto")
-    server, url = start_moto(folder, "moto")
-    saved = {name: os.environ.get(name) for name in fs.AWS_ENV_VARS}
-    os.environ.update(CREDENTIALS, AWS_ENDPOINT_URL=url)
-    try:
-        client = boto3.client("s3", endpoint_url=url, region_name="us-east-1")
-        for bucket in ("prompts", "results"):
-            client.create_bucket(Bucket=bucket)
+    with moto_s3(tmp_path_factory.mktemp("moto"), ("prompts", "results")) as (url, client):
         yield {"url": url, "client": client}
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        stop(server)
 
 
 def keys(client, bucket: str, prefix: str) -> list[str]:

@@ -16,14 +16,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import os
 import random
 import shutil
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from s3_support import CREDENTIALS, start_moto, stop
+from s3_support import moto_s3
 from tiny_pair_support import WORDS
 
 from pipeline import fs
@@ -205,19 +204,8 @@ def test_config_checks(tiny_pair):
 @pytest.fixture(scope="module")
 def s3_prompts(tmp_path_factory):
     """moto's S3 server with a bucket 'prompts'; the AWS variables point at it meanwhile."""
-    import boto3
-
-    folder = tmp_path_factory.mktemp("moto_ray_data")
-    server, url = start_moto(folder, "moto")
-    saved = {name: os.environ.get(name) for name in fs.AWS_ENV_VARS}
-    os.environ.update(CREDENTIALS, AWS_ENDPOINT_URL=url)
-    try:
-        boto3.client("s3", endpoint_url=url, region_name="us-east-1").create_bucket(Bucket="prompts")
+    with moto_s3(tmp_path_factory.mktemp("moto_ray_data"), ("prompts",)) as (url, _):
         yield url
-    finally:
-        for name, value in saved.items():
-            os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
-        stop(server)
 
 
 @pytest.mark.slow  # the default suite's budget (8 min on 2 cores); see the README's Tests section
