@@ -126,8 +126,12 @@ class TimedStage(SpecTrStage):
     events_dir = ""
 
     def __init__(self, config: Any):
-        super().__init__(config)
+        import psutil
+
         self._events = open(Path(self.events_dir) / f"{os.getpid()}.jsonl", "a", buffering=1)  # noqa: SIM115
+        self._events.write(json.dumps({"event": "process", "time": psutil.Process().create_time()}) + "\n")
+        self._event("init")  # Ray Data calls the constructor: the stage's own loading starts
+        super().__init__(config)
         self._event("ready")
 
     def _event(self, name: str, **values: Any) -> None:
@@ -148,6 +152,7 @@ def stage_command(argv: list[str]) -> None:
     parser.add_argument("--cpus-per-actor", type=float, required=True)
     parser.add_argument("--batch-rows", type=int, required=True)
     args = parser.parse_args(argv)
+    import psutil
     import pyarrow.parquet as pq
     import ray
 
@@ -157,7 +162,9 @@ def stage_command(argv: list[str]) -> None:
     events.mkdir(parents=True)
     TimedStage.events_dir = str(events)
     # the actors' CPUs, and one more for Ray Data's read, repartition and write tasks
+    started = psutil.Process().create_time()
     ray.init(num_cpus=int(args.actors * args.cpus_per_actor) + 1, include_dashboard=False, log_to_driver=False)
+    ray_ready = time.time()
     config = SpecTrProcessorConfig(model_source=str(PAIR / "target"), draft_model_source=str(PAIR / "draft"),
                                    batch_size=args.batch_rows, concurrency=args.actors, num_cpus=args.cpus_per_actor,
                                    engine_kwargs=json.loads(args.engine))
@@ -167,6 +174,7 @@ def stage_command(argv: list[str]) -> None:
     finished = time.time()
     ray.shutdown()
     timeline = [[json.loads(line) for line in path.read_text().splitlines()] for path in sorted(events.iterdir())]
+    print_timeline(timeline, started, ray_ready, finished)
     ready = max(e["time"] for actor in timeline for e in actor if e["event"] == "ready")
     iterations = sum(max([e["iterations"] for e in actor if e["event"] == "batch"], default=0) for actor in timeline)
     table = pq.read_table(args.out, columns=["num_generated_tokens", "target_calls"])
@@ -175,6 +183,17 @@ def stage_command(argv: list[str]) -> None:
     print(json.dumps({"tokens_per_s": tokens / (finished - ready), "generation_s": finished - ready,
                       "generated_tokens": tokens, "slots": calls / max(iterations, 1),
                       "batches_per_actor": [sum(e["event"] == "batch" for e in actor) for actor in timeline]}))
+
+
+def print_timeline(timeline: list[list[dict]], started: float, ray_ready: float, finished: float) -> None:
+    """Seconds from the stage process's start (on stderr): Ray up, each actor's process start, constructor
+    start, ready and batch ends, and the pipeline's end."""
+    lines = [f"ray up {ray_ready - started:.1f}"]
+    for actor in timeline:
+        marks = [f"{e['event']} {e['time'] - started:.1f}" for e in actor]
+        lines.append("actor: " + ", ".join(marks))
+    lines.append(f"finished {finished - started:.1f}")
+    print("timeline (s from the start): " + "; ".join(lines), file=sys.stderr)
 
 
 def differing(a: dict[str, list[int]], b: dict[str, list[int]]) -> int:

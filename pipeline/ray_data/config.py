@@ -50,7 +50,7 @@ class SpecTrProcessorConfig:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     apply_chat_template: bool = False  # rows hold `messages`, rendered with the target tokenizer's template
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": False}
-    max_concurrent_batches: int = 4  # Ray Data batches one actor holds at once, all feeding its one batch
+    max_concurrent_batches: int = 4  # at most this many Ray Data batches per actor at once (`batches_in_flight`)
     should_continue_on_error: bool = False  # True: a failed row carries `__inference_error__`, the rest go on
     num_cpus: float | None = None  # CPUs per actor without a GPU (its torch threads); None: 1
 
@@ -84,6 +84,15 @@ class SpecTrProcessorConfig:
         if spectr.method in ("speculative", "block"):
             spectr = dataclasses.replace(spectr, num_drafts=1)  # K = 1 methods, as the job's config says
         return spectr
+
+    def batches_in_flight(self) -> int:
+        """Ray Data batches an actor holds at once: enough rows to fill its engine's slots (rows in flight,
+        engine_kwargs `batch_size`) plus one batch to refill them as rows finish, at most
+        `max_concurrent_batches`. More would only sit in the actor: the first actor to load would hold the
+        batches that another, ready a moment later, could run (4 batches of 32 rows on 2 actors of 8 slots
+        went 4 and 0 with the bound at 4)."""
+        slots = self.spectr_config().batch_size
+        return min(self.max_concurrent_batches, -(-slots // self.batch_size) + 1)
 
     def data_config(self) -> DataConfig:
         """The job's `data.*` rules for a row: chat mode, the template's options, the sampling_params column."""

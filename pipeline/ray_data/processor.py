@@ -8,9 +8,10 @@ What `ray.data.llm`'s processors do, with the same conventions: `preprocess` is 
 output is merged over the row (every input column goes on to the stage and to `postprocess`); a streaming
 `repartition` into blocks of at most `batch_size` rows (so that a big block does not go to one actor);
 the stage is one `map_batches` of `pipeline.ray_data.stage.SpecTrStage` on an actor pool
-(`ActorPoolStrategy(size=concurrency)`, or `(min, max)`: autoscaling; `max_tasks_in_flight_per_actor =
-max_concurrent_batches`), `batch_size` rows per Ray Data batch, `max_concurrency=max_concurrent_batches` calls per actor (all feeding the actor's one continuous
-batch), one GPU per actor when `accelerator_type` is set or the cluster has GPUs (else `num_cpus`);
+(`ActorPoolStrategy(size=concurrency)`, or `(min, max)`: autoscaling), `batch_size` rows per Ray Data
+batch, and per actor as many batches at once as fill its engine's slots plus one, at most
+`max_concurrent_batches` (`SpecTrProcessorConfig.batches_in_flight`: `max_tasks_in_flight_per_actor` and
+`max_concurrency`; all of them feed the actor's one continuous batch), one GPU per actor when `accelerator_type` is set or the cluster has GPUs (else `num_cpus`);
 `postprocess` is a `Dataset.map`, and a row carrying `__inference_error__` bypasses it (with
 `should_continue_on_error`; the others get `__inference_error__ = ""`).
 
@@ -91,11 +92,11 @@ class SpecTrProcessor:
             # no batches queued on an actor beyond those it runs (Ray's default queues as many again): a
             # queued batch waits for its actor while another may have free slots, e.g. when one actor loads first
             compute=ray.data.ActorPoolStrategy(**pool_size(config.concurrency),
-                                               max_tasks_in_flight_per_actor=config.max_concurrent_batches),
+                                               max_tasks_in_flight_per_actor=config.batches_in_flight()),
             batch_size=config.batch_size,
             batch_format="pyarrow",
             zero_copy_batch=True,
-            max_concurrency=config.max_concurrent_batches,  # Ray Core: concurrent calls per (async) actor
+            max_concurrency=config.batches_in_flight(),  # Ray Core: concurrent calls per (async) actor
         )
         if config.accelerator_type or gpus:
             kwargs["num_gpus"] = 1

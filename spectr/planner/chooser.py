@@ -37,7 +37,13 @@ kept (`wasted_seconds` is 0).
   (longer contexts, another acceptance) are corrected while clearly slower rivals cost nothing.
 - Warm start: `state()` is a JSON-able summary (seconds and rows per configuration per bucket,
   tokens per configuration, acceptance); `OnlineChooser(..., warm_state=state)` starts from it and
-  explores only what it did not measure.
+  explores only what it did not measure. Warm seconds are kept apart from this process's windows and
+  read as *relative* costs: each is scaled by this process's speed, the median over the
+  configurations measured here of (seconds here / warm seconds), same bucket first (1 until one is
+  measured). Whole processes on a shared machine run 15-25% apart, so warm seconds taken as they
+  are make every configuration run here look slower than the ones still carried from the faster
+  earlier process, and the chooser wandered through all of them; scaled, the earlier job's ranking
+  stands until this process measures otherwise (warm rivals are rechecked like measured ones).
 
 Per iteration it costs a few dict lookups and sums over at most a few dozen entries (priors are
 cached): no device read, nothing on the engine's hot path. Not here: running iterations
@@ -155,6 +161,9 @@ class OnlineChooser:
         self._since_recheck = 0
         self.current: StepConfig = StepConfig.of(AUTOREGRESSIVE)
         self.predicted_tokens_per_s = 0.0
+        # bucket -> config -> (seconds, rows, tokens per iteration, iterations) from a warm state (not measured here)
+        self._warm: dict[int, dict[StepConfig, tuple[float, float, float, int]]] = {}
+        self._warm_cache: dict[int, dict[StepConfig, float]] = {}  # bucket -> `_warm_rates`, until the next observation
         if warm_state:
             self._load(warm_state)
         self.candidates = self._trimmed(list(candidates))
@@ -180,11 +189,16 @@ class OnlineChooser:
     def state(self) -> dict:
         """JSON-able summary for a warm start: per bucket and configuration, seconds, rows and iterations;
         per configuration, tokens per row-iteration; the acceptance."""
-        buckets = {}
+        buckets: dict[str, dict[str, dict]] = {}
+        for bucket, configs in self._warm.items():  # what this process did not re-measure, in its time units
+            speed = self._speed(bucket)
+            buckets[str(bucket)] = {c.label: {"seconds": seconds * speed * count, "rows": rows * count,
+                                              "tokens": tokens * count, "iterations": count}
+                                    for c, (seconds, rows, tokens, count) in configs.items()}
         for bucket, configs in self.buckets.items():
-            buckets[str(bucket)] = {c.label: {"seconds": m.seconds, "rows": m.rows, "tokens": m.tokens,
-                                              "iterations": len(m.samples)}
-                                    for c, m in configs.items() if m.samples}
+            buckets.setdefault(str(bucket), {}).update(
+                {c.label: {"seconds": m.seconds, "rows": m.rows, "tokens": m.tokens, "iterations": len(m.samples)}
+                 for c, m in configs.items() if m.samples})
         tokens = {c.label: {"tokens": t, "rows": r} for c, (t, r) in self._row_tokens.items()}
         return {"version": STATE_VERSION, "acceptance": {"accepted": self.acceptance[0], "tested": self.acceptance[1]},
                 "buckets": buckets, "tokens": tokens}
@@ -201,19 +215,15 @@ class OnlineChooser:
                 count = int(entry["iterations"])
                 if count <= 0:
                     continue
-                measured = self._measured(int(bucket), StepConfig.parse(label))
-                # not warmed: this process has not run it yet, and its first iteration here (new shapes,
-                # first-touched cache pages) is as slow as a cold one's, so it is not measured either
-                measured.warmed = False
-                for _ in range(min(count, TRIAL)):  # a warm entry counts as measured, but new iterations soon dominate
-                    measured.add(entry["seconds"] / count, entry["rows"] / count, entry["tokens"] / count)
+                self._warm.setdefault(int(bucket), {})[StepConfig.parse(label)] = (
+                    entry["seconds"] / count, entry["rows"] / count, entry["tokens"] / count, min(count, WINDOW))
 
     def _trimmed(self, candidates: list[StepConfig]) -> list[StepConfig]:
         """Autoregressive and the best of the others by the prior at a full batch (and what warm state measured)."""
-        rows = max([b for b in self.buckets] or [1])
+        rows = max([*self.buckets, *self._warm] or [1])
         speculative = [c for c in candidates if c.speculative]
         speculative.sort(key=lambda c: -self.prior(c, rows, self.acceptance_rate))
-        known = {c for configs in self.buckets.values() for c in configs}
+        known = {c for configs in [*self.buckets.values(), *self._warm.values()] for c in configs}
         kept = speculative[: MAX_CANDIDATES - 1] + [c for c in speculative[MAX_CANDIDATES - 1:] if c in known]
         return [c for c in candidates if not c.speculative] + kept
 
@@ -262,6 +272,32 @@ class OnlineChooser:
             return measured.tokens / measured.seconds
         return measured.rows * self.tokens_per_row(config) / measured.seconds
 
+    def _speed(self, bucket: int) -> float:
+        """This process's seconds over the warm state's, for the same configurations: the median ratio over
+        those measured here in `bucket`, else in any bucket; 1 when none is."""
+        ratios: dict[bool, list[float]] = {True: [], False: []}
+        for number, warm in self._warm.items():
+            here = self.buckets.get(number, {})
+            for config, (seconds, _, _, _) in warm.items():
+                if config in here and here[config].measured and seconds > 0:
+                    measured = here[config]
+                    ratios[number == bucket].append(measured.seconds / len(measured.samples) / seconds)
+        found = ratios[True] or ratios[False]
+        return statistics.median(found) if found else 1.0
+
+    def _warm_rates(self, bucket: int) -> dict[StepConfig, float]:
+        """Tokens/s of the candidates known only from the warm state in `bucket`, at this process's speed."""
+        if bucket in self._warm_cache:
+            return self._warm_cache[bucket]
+        here = self.buckets.get(bucket, {})
+        warm = {c: v for c, v in self._warm.get(bucket, {}).items()
+                if c in self._candidate_set and v[3] >= TRIAL and not (c in here and here[c].measured)}
+        speed = self._speed(bucket) if warm else 1.0
+        rates = {c: (rows * self.tokens_per_row(c) if c.speculative else tokens) / (seconds * speed)
+                 for c, (seconds, rows, tokens, _) in warm.items() if seconds > 0}
+        self._warm_cache[bucket] = rates
+        return rates
+
     def estimate(self, config: StepConfig, rows: int) -> float:
         """Measured tokens/s in this bucket, else tokens per row over the prior's seconds scaled by what was
         measured elsewhere (see the module docstring)."""
@@ -269,6 +305,9 @@ class OnlineChooser:
         here = self.buckets.get(bucket, {})
         if config in here and here[config].measured:
             return self.rate(config, here[config])
+        warm = self._warm_rates(bucket)
+        if config in warm:
+            return warm[config]
         others = sorted((abs(math.log2(b / bucket)), b) for b, configs in self.buckets.items()
                         if b != bucket and config in configs and configs[config].measured)
         if others:
@@ -336,13 +375,15 @@ class OnlineChooser:
             self._explored[number] = self.iterations
         # what is left unmeasured was estimated below the best by EXPLORE_SLACK: the best is a measured one
         rates = {c: self.rate(c, m) for c, m in bucket.items() if m.measured and c in self._candidate_set}
+        warm = self._warm_rates(number)
+        rates.update(warm)
         if not rates:
             return self._set(max(self.candidates, key=lambda c: self.estimate(c, rows)), rows)
         best = max(rates, key=rates.get)
         if self.current in rates and rates[self.current] * (1 + SWITCH_MARGIN) >= rates[best]:
             best = self.current  # not measured faster by the margin: no switch
         self._since_recheck += 1
-        recheck = self._recheck(bucket, best) if self._since_recheck * RECHECK_SHARE >= RECHECK_LENGTH else None
+        recheck = self._recheck(number, rates, best) if self._since_recheck * RECHECK_SHARE >= RECHECK_LENGTH else None
         if recheck is not None:
             self._since_recheck = 0
             self._trial = (recheck, RECHECK_LENGTH - 1) if RECHECK_LENGTH > 1 else None
@@ -350,21 +391,24 @@ class OnlineChooser:
         self.current, self.predicted_tokens_per_s = best, rates[best]
         return best
 
-    def _recheck(self, bucket: dict[StepConfig, _Seconds], best: StepConfig) -> StepConfig | None:
+    def _recheck(self, number: int, rates: dict[StepConfig, float], best: StepConfig) -> StepConfig | None:
         """The measured rival most likely to be better than it looked: the highest rate x (1 + 1/sqrt(n)),
-        if that optimistic rate reaches the best's (a rival measured clearly slower, often enough, is left)."""
-        floor = self.rate(best, bucket[best]) if best in bucket else 0.0
-        rivals = [(self.rate(c, m) * (1 + 1 / math.sqrt(len(m.samples))), c) for c, m in bucket.items()
-                  if c != best and c in self._candidate_set and m.measured]
-        rivals = [(ucb, c) for ucb, c in rivals if ucb >= floor]
+        if that optimistic rate reaches the best's (a rival measured clearly slower, often enough, is left).
+        A rival known from the warm state only counts its warm iterations: it is rechecked here in turn."""
+        bucket, warm = self.buckets.get(number, {}), self._warm.get(number, {})
+        counts = {c: len(bucket[c].samples) if c in bucket and bucket[c].measured else warm[c][3] for c in rates}
+        rivals = [(rate * (1 + 1 / math.sqrt(counts[c])), c) for c, rate in rates.items() if c != best]
+        rivals = [(ucb, c) for ucb, c in rivals if ucb >= rates[best]]
         return max(rivals, key=lambda rc: rc[0])[1] if rivals else None
 
     def _to_explore(self, bucket: dict[StepConfig, _Seconds], rows: int) -> StepConfig | None:
         """The next candidate to try in this bucket, or None (see the module docstring)."""
-        unmeasured = [c for c in self.candidates if not (c in bucket and bucket[c].measured)]
+        warm = self._warm_rates(bucket_of(rows))
+        unmeasured = [c for c in self.candidates if not (c in bucket and bucket[c].measured) and c not in warm]
         if not unmeasured:
             return None
         tried = {c for configs in self.buckets.values() for c, m in configs.items() if m.measured and c.speculative}
+        tried |= {c for configs in self._warm.values() for c, v in configs.items() if v[3] >= TRIAL and c.speculative}
         if len(tried) < COLD_EXPLORE:
             # cold start: autoregressive, then speculative candidates by estimate whatever it says, so that
             # a pessimistic prior cannot hide speculation (later estimates rest on measured kin)
@@ -373,6 +417,7 @@ class OnlineChooser:
             if baseline or ranked:
                 return (baseline or ranked)[0]
         measured_here = [self.rate(c, m) for c, m in bucket.items() if m.measured and c in self._candidate_set]
+        measured_here += list(warm.values())
         best = max(measured_here or [self.estimate(c, rows) for c in self.candidates])
         open_ = [(self.estimate(c, rows), c) for c in unmeasured]
         open_ = [(e, c) for e, c in open_ if e >= (1 - EXPLORE_SLACK) * best]
@@ -408,6 +453,7 @@ class OnlineChooser:
             if pooled[1] > TOKEN_MEMORY:
                 pooled[0], pooled[1] = pooled[0] / 2, pooled[1] / 2
             self._per_row.clear()
+        self._warm_cache.clear()
         self._tokens[config] = self._tokens.get(config, 0) + report.tokens
         self._seconds[config] = self._seconds.get(config, 0.0) + report.seconds
         self.iterations += 1

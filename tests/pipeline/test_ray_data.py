@@ -195,9 +195,12 @@ def test_config_checks(tiny_pair):
     assert config_for(tiny_pair, engine_kwargs={"method": "block", "num_drafts": 4}).spectr_config().num_drafts == 1
     processor = build_processor(config_for(tiny_pair, concurrency=(1, 3), accelerator_type="H100"))
     kwargs = processor.stage_map_kwargs(gpus=False)
-    assert kwargs["num_gpus"] == 1 and kwargs["accelerator_type"] == "H100" and kwargs["max_concurrency"] == 4
+    assert kwargs["num_gpus"] == 1 and kwargs["accelerator_type"] == "H100"
     assert (kwargs["compute"].min_size, kwargs["compute"].max_size) == (1, 3)
-    assert kwargs["compute"].max_tasks_in_flight_per_actor == 4  # none queued beyond those it runs
+    # batches of 4 rows, 4 engine slots: one batch fills them, one more refills them; none queued beyond
+    assert kwargs["compute"].max_tasks_in_flight_per_actor == kwargs["max_concurrency"] == 2
+    small = config_for(tiny_pair, batch_size=3, engine_kwargs={"batch_size": 8})  # 3 batches fill 8 slots, + 1
+    assert small.batches_in_flight() == 4 and dataclasses.replace(small, max_concurrent_batches=3).batches_in_flight() == 3
     assert build_processor(config_for(tiny_pair, num_cpus=2)).stage_map_kwargs(gpus=False)["num_cpus"] == 2
 
 
@@ -287,3 +290,23 @@ def test_chat_example_on_two_actors(ray_local, tiny_pair, tmp_path):
         text = f"user : {source['question']} assistant :"
         assert row["prompt_ids"] == stage.generator.tokenizer(text, add_special_tokens=False)["input_ids"]
         assert row["tokens"] == reference(stage, row["prompt_ids"], row_seed(0, row["id"]), 4, temperature=0.7)
+
+
+def test_actors_do_not_import_the_ray_data_llm_registry(ray_local):
+    """The registration is the driver's: a Ray worker that imports the package (as the stage's actors do
+    when they unpickle it) skips `ray.llm`'s batch stages, which only add to each actor's start.
+    Control: this driver did register (the previous test's `ray.data.llm.build_processor` relies on it)."""
+    import ray
+
+    import pipeline.ray_data
+
+    @ray.remote(num_cpus=0)
+    def in_a_worker():
+        import sys
+
+        import pipeline.ray_data as package
+
+        return package.RAY_DATA_LLM_REGISTERED, "ray.llm._internal.batch.processor" in sys.modules
+
+    assert ray.get(in_a_worker.remote()) == (False, False)
+    assert pipeline.ray_data.RAY_DATA_LLM_REGISTERED
