@@ -5,7 +5,7 @@
 
 `__init__` builds the job's own `ShardGenerator` (`pipeline.generate.worker`: loads the pair and owns the
 actor's one `ShardFeed`, i.e. one `spectr.ContinuousBatcher`, or a `spectr.planner.AutoBatcher` for
-method auto). Ray Data calls `__call__` for up to `max_concurrent_batches` batches at once (an async actor,
+method auto). Ray Data calls `__call__` for up to `config.batches_in_flight()` batches at once (an async actor,
 `max_concurrency`); each call runs on a thread of the stage's own pool, turns its batch into a `Shard`
 (the job's rendering and tokenizing, `pipeline.generate.shards.shard_of_rows`) and waits in the feed while
 its rows share the batch with the other calls' rows: a freed slot takes a row of any batch, so the engine's
