@@ -21,9 +21,10 @@ every layer. Grouped-query attention folds the G query heads of a KV head into t
 Compilation (`compiled=True`): the core goes through `torch.compile(fullgraph=True)` (no graph
 breaks, no host sync inside). On the CPU the rows B, the new tokens T and the view length S are
 marked dynamic on every call, and so are the pool's slots and capacity (batchers of other sizes over
-the same model share the graphs; nothing else is dynamic), traced with sizes of 1 treated like any other
-(`backed_size_oblivious`) and without duck sizing, so every configuration, batch size and cache
-length shares a handful of graphs per model (the planner's candidates included). Its inputs have
+the same model share the graphs; nothing else is dynamic), traced without duck sizing, so every
+configuration, batch size and cache length shares a handful of graphs per model (the planner's
+candidates included; a size of 1, one row or one new token, gets graphs of its own: see `_shape_config`
+for why sizes of 1 are not traced like the others). Its inputs have
 one layout whatever the call: the pool's whole buffer (rows and view are sliced inside the graph,
 so a narrower iteration changes no stride) and fresh contiguous tensors (no aliasing, no expanded
 strides). On CUDA it uses `mode="reduce-overhead"` (CUDA graphs, recorded per concrete shape), marks
@@ -323,11 +324,16 @@ def compile_options(cuda: bool, variant: str) -> dict:
 
 
 def _shape_config():
-    """Trace with sizes 1 treated like any other (no graph specialised for one row or one new token), and
-    without duck sizing (two dims equal at the first trace are not assumed equal forever)."""
+    """Trace without duck sizing (two dims equal at the first trace are not assumed equal forever).
+
+    Not `backed_size_oblivious` (sizes of 1 traced like any other, which saved the graphs specialised for
+    one row or one new token): with it, inductor (torch 2.13, CPU) compiled the core into wrong code for
+    two rows or more: the embedded pair's autoregressive tokens differed from eager at the first
+    position of every row at B = 2, 4 and 16, and most rows sampled EOS within a few tokens (the eager
+    and aot_eager backends were right; `tests/spectr/test_native_inductor.py`)."""
     from torch.fx.experimental import _config as fx_config
 
-    return fx_config.patch(backed_size_oblivious=True, use_duck_shape=False)
+    return fx_config.patch(use_duck_shape=False)
 
 
 def _store(buffer: torch.Tensor, new_kv: torch.Tensor, write_slots: torch.Tensor, rows: torch.Tensor | None) -> None:
