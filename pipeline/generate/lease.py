@@ -449,8 +449,9 @@ class GcsObjects:
             blob = self.bucket.get_blob(key)
             if blob is None:
                 return None
+            generation = blob.generation  # before the download, which sets it from the answer's headers
             try:
-                return blob.download_as_bytes(if_generation_match=blob.generation), str(blob.generation)
+                return blob.download_as_bytes(if_generation_match=generation), str(generation)
             except NotFound:
                 return None
             except PreconditionFailed:
