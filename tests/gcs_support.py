@@ -11,7 +11,8 @@ request's `ifGenerationMatch` with the object's stored generation (0: absent) an
 `conditionNotMet` when they differ, as GCS does. The server handles one request at a time, so the check
 and the write are atomic.
 
-Run as a script (`python tests/gcs_support.py PORT BUCKET [--preconditions]`) it is the server; the
+Run as a script (`python tests/gcs_support.py PORT BUCKET [--preconditions]`) it is the server (its
+requests logged to `<folder>/gcs-preconditions.log` or `gcs-plain.log` when started from here); the
 emulator runs in its own process because pyarrow's GCS client can hold the GIL while it waits for an
 answer (an in-process server thread would never answer it).
 """
@@ -88,7 +89,7 @@ def serve(port: int, bucket: str, preconditions: bool) -> None:
 
 def start_emulator(folder: Path, bucket: str, preconditions: bool) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    name = f"gcs-{'preconditions' if preconditions else 'plain'}-{port}"
+    name = f"gcs-{'preconditions' if preconditions else 'plain'}"  # its log: every request it answered
     command = [sys.executable, __file__, str(port), bucket] + (["--preconditions"] if preconditions else [])
     server = subprocess.Popen(
         command, start_new_session=True, stdout=subprocess.DEVNULL, stderr=open(folder / f"{name}.log", "w")
@@ -131,4 +132,7 @@ def gcs_emulator(folder: Path, bucket: str, preconditions: bool) -> Iterator[str
 
 
 if __name__ == "__main__":
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     serve(int(sys.argv[1]), sys.argv[2], "--preconditions" in sys.argv[3:])
