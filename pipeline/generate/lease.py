@@ -434,7 +434,7 @@ class GcsObjects:
                 "pip install google-cloud-storage"
             ) from None
         try:
-            client = storage.Client()
+            client = storage.Client(project=None)  # objects need no project; credentials: ADC
         except Exception as err:  # noqa: BLE001 - DefaultCredentialsError and the like
             raise JobInputError(f"output_dir: {uri}: cannot open a GCS client: {_first_line(err)}") from None
         return cls(client.bucket(bucket))

@@ -238,3 +238,13 @@ def test_a_gcs_store_that_ignores_generation_preconditions_is_refused(tmp_path):
                                        out.uri) for _ in range(2)]  # fmt: skip
         assert [store.take(leases.this_holder(name, time.time()), None) for store, name in zip(unprobed, "ab")] == [
             True, True]  # fmt: skip
+
+
+def test_gcs_without_credentials_is_refused_in_one_line(monkeypatch, tmp_path):
+    """No emulator and no usable Application Default Credentials: exit 2 material, not a traceback."""
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "missing.json"))
+    with pytest.raises(JobInputError, match=r"^output_dir: gs://bucket/out: cannot open a GCS client: .*missing\.json"
+                       ) as caught:  # fmt: skip
+        leases.GcsObjects.open("gs://bucket/out", "bucket")
+    assert "\n" not in str(caught.value)
