@@ -330,6 +330,7 @@ class ObjectLease:
             if found is None or (now != stale and not unreadable):
                 return False
             version = self.objects.replace(self.key, body, found[1])
+        version = version or self._ours(holder)
         if version is None:
             return False
         self.version = version
@@ -337,11 +338,17 @@ class ObjectLease:
 
     def replace(self, holder: Holder) -> bool:
         """Our heartbeat: False when the object is no longer our last write."""
-        version = self.objects.replace(self.key, holder.encode(), self.version)
+        version = self.objects.replace(self.key, holder.encode(), self.version) or self._ours(holder)
         if version is None:
             return False
         self.version = version
         return True
+
+    def _ours(self, holder: Holder) -> str | None:
+        """After a failed condition: the object's version if it is `holder` after all (a write the client
+        retried after losing the first answer fails its own condition), else None."""
+        found = self.objects.read(self.key)
+        return found[1] if found is not None and _decode(found[0]) == holder else None
 
     def delete(self) -> None:
         """Delete our lease (only if it is still our last write, where the store has conditional deletes)."""

@@ -191,7 +191,8 @@ def take_together(out, names, stale=None):
 
 def test_two_takers_one_winner_and_a_takeover_stops_the_old_holder(gcs_first):
     """On the GCS stand-in (ifGenerationMatch) and S3 (If-Match): two takers of a fresh directory, then two of a
-    stale lease: exactly one wins each time. A holder whose lease was taken over: its conditional heartbeat
+    stale lease: exactly one wins each time (and a taker whose retried write failed its condition because the
+    first attempt had landed still wins). A holder whose lease was taken over: its conditional heartbeat
     write fails (412) and its check raises LeaseLostError; the new holder's lease is untouched."""
     out = fs.resolve(f"{gcs_first}://leases/job-d", "output_dir")
     winners = take_together(out, ["a", "b"])
@@ -200,6 +201,10 @@ def test_two_takers_one_winner_and_a_takeover_stops_the_old_holder(gcs_first):
     fs.write_bytes(out.child("_lease.json"), leases.this_holder("old", time.time() - 600).encode())
     winners = take_together(out, ["c", "d"], stale=read_holder(out))
     assert len(winners) == 1 and read_holder(out).token == winners[0]
+    mine = leases.this_holder("mine", time.time())  # a create retried after its first answer was lost
+    first_try, retried = leases.ObjectLease.open(out.child("retry")), leases.ObjectLease.open(out.child("retry"))
+    assert first_try.take(mine, None) is True and retried.take(mine, None) is True  # its own write: won
+    assert retried.take(leases.this_holder("other", time.time()), None) is False
 
     other = fs.resolve(f"{gcs_first}://leases/job-e", "output_dir")
     old = Lease.acquire(other, timeout_s=0.3)
