@@ -8,9 +8,9 @@ and `file://` on `pyarrow.fs.LocalFileSystem`; `s3://` on `S3FileSystem` configu
 environment (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`,
 `AWS_REGION`); `gs://` with `STORAGE_EMULATOR_HOST` set (the GCS client libraries' variable) on an
 anonymous `GcsFileSystem` at that endpoint; other schemes pyarrow knows (`gs://`, `hdfs://`, `abfs://`)
-through `FileSystem.from_uri`; anything else fsspec knows through pyarrow's fsspec handler. An unknown scheme, an
-unreachable endpoint, wrong credentials or a missing bucket raise `JobInputError` with one line naming the
-key and the problem.
+through `FileSystem.from_uri`; anything else fsspec knows through pyarrow's fsspec handler. An unknown
+scheme, an unreachable endpoint, wrong credentials or a missing bucket raise `JobInputError` with one line
+naming the key and the problem.
 
 Writes are all-or-nothing: on a local disk (or NFS) a temporary name, fsync, rename; on HDFS a temporary
 name and a rename; on object stores one upload of the finished object, which becomes visible whole.
@@ -47,6 +47,7 @@ _PYARROW_SCHEMES = ("gs", "gcs", "hdfs", "viewfs", "abfs", "abfss")
 _RENAMING = ("local", "hdfs")  # filesystems whose rename is atomic: write a temporary name, then rename
 S3_CONNECT_TIMEOUT_S = 5.0
 S3_REQUEST_TIMEOUT_S = 60.0
+GCS_RETRY_LIMIT_S = 60.0  # on a GCS emulator: how long pyarrow's client retries a request
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,7 @@ def gcs_emulator_filesystem(host: str) -> pafs.GcsFileSystem:
     parsed = urlparse(host if "://" in host else f"http://{host}")
     return pafs.GcsFileSystem(
         anonymous=True, scheme=parsed.scheme, endpoint_override=parsed.netloc,
-        retry_time_limit=timedelta(seconds=S3_REQUEST_TIMEOUT_S),
+        retry_time_limit=timedelta(seconds=GCS_RETRY_LIMIT_S),
     )  # fmt: skip
 
 
