@@ -1,4 +1,7 @@
-"""One writer per output directory: a live lease refuses, a stale one is taken over, a lost one stops the job."""
+"""One writer per output directory: a live lease refuses, a stale one is taken over, a lost one stops the job.
+
+Local disks, moto's S3 server and gcp-storage-emulator (as shipped: refused; with the test-only generation
+check of `tests/gcs_support.py`: a stand-in for GCS), all on 127.0.0.1."""
 
 from __future__ import annotations
 
