@@ -6,10 +6,11 @@
 `resolve` turns `data.path` / `output_dir` into a `Location` (a filesystem and a path in it): local paths
 and `file://` on `pyarrow.fs.LocalFileSystem`; `s3://` on `S3FileSystem` configured from the standard AWS
 environment (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`,
-`AWS_REGION`); other schemes pyarrow knows (`gs://`, `hdfs://`, `abfs://`) through
-`FileSystem.from_uri`; anything else fsspec knows through pyarrow's fsspec handler. An unknown scheme, an
-unreachable endpoint, wrong credentials or a missing bucket raise `JobInputError` with one line naming the
-key and the problem.
+`AWS_REGION`); `gs://` with `STORAGE_EMULATOR_HOST` set (the GCS client libraries' variable) on an
+anonymous `GcsFileSystem` at that endpoint; other schemes pyarrow knows (`gs://`, `hdfs://`, `abfs://`)
+through `FileSystem.from_uri`; anything else fsspec knows through pyarrow's fsspec handler. An unknown
+scheme, an unreachable endpoint, wrong credentials or a missing bucket raise `JobInputError` with one line
+naming the key and the problem.
 
 Writes are all-or-nothing: on a local disk (or NFS) a temporary name, fsync, rename; on HDFS a temporary
 name and a rename; on object stores one upload of the finished object, which becomes visible whole.
@@ -23,6 +24,7 @@ import functools
 import os
 import uuid
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -40,10 +42,12 @@ AWS_ENV_VARS = (
     "AWS_REGION",
     "AWS_DEFAULT_REGION",
 )
+GCS_EMULATOR_VAR = "STORAGE_EMULATOR_HOST"  # a GCS emulator's address (http://host:port): anonymous, no TLS
 _PYARROW_SCHEMES = ("gs", "gcs", "hdfs", "viewfs", "abfs", "abfss")
 _RENAMING = ("local", "hdfs")  # filesystems whose rename is atomic: write a temporary name, then rename
 S3_CONNECT_TIMEOUT_S = 5.0
 S3_REQUEST_TIMEOUT_S = 60.0
+GCS_RETRY_LIMIT_S = 60.0  # on a GCS emulator: how long pyarrow's client retries a request
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,10 @@ def resolve(uri: str, key: str) -> Location:
             raise JobInputError(f"{key}: {uri} names no bucket; expected s3://bucket/path")
         path = f"{parsed.netloc}{parsed.path}".rstrip("/") or parsed.netloc
         return Location(s3_filesystem(*_s3_settings()), path, f"s3://{path}")
+    if scheme in ("gs", "gcs") and os.environ.get(GCS_EMULATOR_VAR):
+        parsed = urlparse(uri)
+        path = f"{parsed.netloc}{parsed.path}".rstrip("/") or parsed.netloc
+        return Location(gcs_emulator_filesystem(os.environ[GCS_EMULATOR_VAR]), path, uri.rstrip("/"))
     if scheme in _PYARROW_SCHEMES:
         try:
             filesystem, path = pafs.FileSystem.from_uri(uri)
@@ -147,6 +155,16 @@ def s3_filesystem(endpoint: str | None, region: str | None, _credentials: str) -
         options["endpoint_override"] = parsed.netloc + parsed.path.rstrip("/")
         options["scheme"] = parsed.scheme
     return pafs.S3FileSystem(**options)
+
+
+@functools.lru_cache(maxsize=2)
+def gcs_emulator_filesystem(host: str) -> pafs.GcsFileSystem:
+    """`GcsFileSystem` on a GCS emulator (`STORAGE_EMULATOR_HOST`): anonymous, http unless https is named."""
+    parsed = urlparse(host if "://" in host else f"http://{host}")
+    return pafs.GcsFileSystem(
+        anonymous=True, scheme=parsed.scheme, endpoint_override=parsed.netloc,
+        retry_time_limit=timedelta(seconds=GCS_RETRY_LIMIT_S),
+    )  # fmt: skip
 
 
 def _first_line(err: BaseException) -> str:
@@ -287,5 +305,6 @@ def exists(location: Location) -> bool:
 
 
 def forwarded_env() -> dict[str, str]:
-    """The AWS variables set in this process, for the Ray actors (which may run elsewhere)."""
-    return {name: os.environ[name] for name in AWS_ENV_VARS if os.environ.get(name)}
+    """The AWS variables (and a GCS emulator's address) set in this process, for the Ray actors (which may
+    run elsewhere)."""
+    return {name: os.environ[name] for name in (*AWS_ENV_VARS, GCS_EMULATOR_VAR) if os.environ.get(name)}

@@ -12,12 +12,19 @@ killed on another machine once its heartbeat is stale.
 Taking a lease is exclusive:
 - local disks and NFS: create-exclusive (`O_EXCL`); a stale lease is first renamed away, which only one
   taker can do, and a taker that finds it moved a fresh lease (another taker's) puts it back and retries;
-- S3 (and S3-compatible stores): conditional writes through boto3 (`ObjectLease`): the lease is created
-  with `If-None-Match: *`, a stale one replaced and the heartbeat written with `If-Match: <its ETag>`, so
-  of two writers exactly one succeeds and the other learns it lost. A store that ignores the conditions
-  (probed once) is refused;
-- other object stores (gs://, abfs://, fsspec schemes) offer no conditional write here: refused
-  (JobInputError), rather than a lease that two jobs could both hold.
+- object stores with conditional writes (`ObjectLease`: the logic, one per-store `objects` side that
+  creates if absent, reads (bytes, version) and replaces or deletes if the version is unchanged):
+  - S3 (and S3-compatible stores) through boto3 (`S3Objects`): created with `If-None-Match: *`, a stale
+    lease replaced and the heartbeat written with `If-Match: <its ETag>`;
+  - GCS through google-cloud-storage (`GcsObjects`, the JSON API; credentials the usual way,
+    `STORAGE_EMULATOR_HOST` honoured): created with `ifGenerationMatch=0`, replaced and the heartbeat
+    written with `ifGenerationMatch=<the generation read or written>`;
+  of two writers exactly one succeeds and the other gets a 412 and learns it lost. A store that ignores
+  the conditions (probed once: a second conditional create must fail) is refused (JobInputError), as
+  gcp-storage-emulator is (it ignores `ifGenerationMatch`; the tests add the check in a test-only subclass);
+- other object stores are refused (JobInputError), rather than a lease that two jobs could both hold:
+  abfs:// (Azure has `If-None-Match` / `If-Match` too, but there is no Azure emulator here to test it
+  against) and fsspec schemes.
 
 Not exclusive: a local heartbeat reads, then rewrites the file; a taker can only act on a lease stale for
 `lease_timeout_s`, so only a holder frozen that long (then `LeaseLostError` at its next check) can race it.
@@ -145,7 +152,7 @@ class Lease:
         self, output: fs.Location, timeout_s: float, holder: Holder, created_dir: bool, store: ObjectLease | None
     ):
         self.output, self.timeout_s, self.holder, self.created_dir = output, timeout_s, holder, created_dir
-        self.store = store  # S3: the conditional writes (None on local disks and NFS)
+        self.store = store  # object stores: the conditional writes (None on local disks and NFS)
         self.lost_to: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -266,57 +273,108 @@ def _holder_in(path: str) -> Holder | None:
 
 
 class ObjectLease:
-    """The lease object on S3, written only with conditions (`If-None-Match: *` to create, `If-Match:
-    <ETag>` to replace or delete), through boto3 with the AWS variables `pipeline.fs` uses."""
+    """The lease object on an object store, written only with conditions: created if absent, replaced and
+    deleted only if it is still the version we read or wrote. The store's side is `objects` (`S3Objects`,
+    `GcsObjects`); the logic, the same on every store, is here."""
 
-    def __init__(self, client: Any, bucket: str, key: str, uri: str):
-        self.client, self.bucket, self.key, self.uri = client, bucket, key, uri
-        self.etag: str | None = None  # of our last write
+    def __init__(self, objects: Any, key: str, uri: str):
+        self.objects, self.key, self.uri = objects, key, uri  # uri: the output directory (messages)
+        self.version: str | None = None  # of our last write (S3 ETag, GCS generation)
 
     @classmethod
     def open(cls, output: fs.Location) -> ObjectLease:
-        """For an s3:// output; JobInputError for any other object store, or a store that ignores the
-        conditions."""
+        """For an s3:// or gs:// output; JobInputError for any other object store, or a store that ignores
+        the conditions."""
         location = output.child(LEASE_NAME)
-        if not location.uri.startswith("s3://"):
+        kind = _OBJECT_STORES.get(fs.scheme_of(location.uri))
+        if kind is None:
             raise JobInputError(
                 f"output_dir: {output.uri}: this store offers no conditional write here, so two jobs could both "
-                "take its lease; write to a local or NFS path, or to s3:// (conditional writes)"
+                "take its lease; write to a local or NFS path, to s3:// (If-None-Match / If-Match) or to gs:// "
+                "(generation preconditions)"
             )
-        try:
-            import boto3
-        except ImportError:
-            raise JobInputError(
-                f"output_dir: {output.uri}: the lease on S3 needs boto3 (conditional writes): pip install boto3"
-            ) from None
-        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
-        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or None
         bucket, key = location.path.split("/", 1)
-        store = cls(boto3.client("s3", endpoint_url=endpoint, region_name=region), bucket, key, location.uri)
-        store.probe()
-        return store
+        lease = cls(kind.open(output.uri, bucket), key, output.uri)
+        lease.probe()
+        return lease
 
     def probe(self) -> None:
-        """Refuse a store that ignores If-None-Match (a second conditional create must fail)."""
+        """Refuse a store that ignores the create condition (a second conditional create must fail)."""
         key = f"{self.key}.probe-{uuid.uuid4().hex[:12]}"
         try:
-            self.client.put_object(Bucket=self.bucket, Key=key, Body=b"", IfNoneMatch="*")
-            honoured = self._conditional(lambda: self.client.put_object(
-                Bucket=self.bucket, Key=key, Body=b"", IfNoneMatch="*")) is None
+            honoured = self.objects.create(key, b"") is not None and self.objects.create(key, b"") is None
+            why = f"it ignores {self.objects.create_condition}"
         except Exception as err:  # noqa: BLE001 - NotImplemented and the like: the store cannot do it
-            honoured, why = False, f"{type(err).__name__}: {err}"
-        else:
-            why = "it ignores If-None-Match"
+            honoured, why = False, f"{type(err).__name__}: {_first_line(err)}"
         finally:
             try:
-                self.client.delete_object(Bucket=self.bucket, Key=key)
+                self.objects.delete(key, None)
             except Exception:  # noqa: BLE001 - a leftover probe object is harmless
                 pass
         if not honoured:
             raise JobInputError(
-                f"output_dir: {self.uri}: this S3 store does not honour conditional writes ({why}), so two jobs "
-                "could both take the lease; use a store that does (AWS S3, recent MinIO) or a local/NFS path"
+                f"output_dir: {self.uri}: this {self.objects.name} store does not honour conditional writes "
+                f"({why}), so two jobs could both take the lease; use a store that does "
+                f"({self.objects.honouring}) or a local/NFS path"
             )
+
+    def take(self, holder: Holder, stale: Holder | None) -> bool:
+        """Create our lease, or replace `stale` if the object is still the one we read. False: try again."""
+        body = holder.encode()
+        if stale is None:
+            version = self.objects.create(self.key, body)
+        else:
+            found = self.objects.read(self.key)
+            now = _decode(found[0]) if found is not None else None
+            unreadable = now is None and stale.token == "?"  # read_holder's stand-in for a corrupt lease
+            if found is None or (now != stale and not unreadable):
+                return False
+            version = self.objects.replace(self.key, body, found[1])
+        version = version or self._ours(holder)
+        if version is None:
+            return False
+        self.version = version
+        return True
+
+    def replace(self, holder: Holder) -> bool:
+        """Our heartbeat: False when the object is no longer our last write."""
+        version = self.objects.replace(self.key, holder.encode(), self.version) or self._ours(holder)
+        if version is None:
+            return False
+        self.version = version
+        return True
+
+    def _ours(self, holder: Holder) -> str | None:
+        """After a failed condition: the object's version if it is `holder` after all (a write the client
+        retried after losing the first answer fails its own condition), else None."""
+        found = self.objects.read(self.key)
+        return found[1] if found is not None and _decode(found[0]) == holder else None
+
+    def delete(self) -> None:
+        """Delete our lease (only if it is still our last write, where the store has conditional deletes)."""
+        self.objects.delete(self.key, self.version)
+
+
+class S3Objects:
+    """Conditional writes on S3 through boto3 (with the AWS variables `pipeline.fs` uses): `If-None-Match: *`
+    creates, `If-Match: <ETag>` replaces and deletes. A version is an ETag."""
+
+    name, create_condition, honouring = "S3", "If-None-Match", "AWS S3, recent MinIO"
+
+    def __init__(self, client: Any, bucket: str):
+        self.client, self.bucket = client, bucket
+
+    @classmethod
+    def open(cls, uri: str, bucket: str) -> S3Objects:
+        try:
+            import boto3
+        except ImportError:
+            raise JobInputError(
+                f"output_dir: {uri}: the lease on S3 needs boto3 (conditional writes): pip install boto3"
+            ) from None
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or None
+        return cls(boto3.client("s3", endpoint_url=endpoint, region_name=region), bucket)
 
     def _conditional(self, call: Any) -> Any:
         """The call's answer, or None when its condition failed (412, or 409 for a concurrent write)."""
@@ -331,45 +389,110 @@ class ObjectLease:
                 return None
             raise
 
-    def take(self, holder: Holder, stale: Holder | None) -> bool:
-        """Create our lease, or replace `stale` if the object is still the one we read. False: try again."""
-        body = holder.encode()
-        if stale is None:
-            answer = self._conditional(
-                lambda: self.client.put_object(Bucket=self.bucket, Key=self.key, Body=body, IfNoneMatch="*"))
-        else:
-            found = self._conditional(lambda: self.client.get_object(Bucket=self.bucket, Key=self.key))
-            now = _decode(found["Body"].read()) if found is not None else None
-            unreadable = now is None and stale.token == "?"  # read_holder's stand-in for a corrupt lease
-            if found is None or (now != stale and not unreadable):
-                return False
-            etag = found["ETag"]
-            answer = self._conditional(
-                lambda: self.client.put_object(Bucket=self.bucket, Key=self.key, Body=body, IfMatch=etag))
-        if answer is None:
-            return False
-        self.etag = answer["ETag"]
-        return True
+    def create(self, key: str, body: bytes) -> str | None:
+        """The new object's version, or None when the object exists."""
+        put = self._conditional(
+            lambda: self.client.put_object(Bucket=self.bucket, Key=key, Body=body, IfNoneMatch="*"))
+        return None if put is None else put["ETag"]
 
-    def replace(self, holder: Holder) -> bool:
-        """Our heartbeat: False when the object is no longer our last write."""
-        body = holder.encode()
-        answer = self._conditional(
-            lambda: self.client.put_object(Bucket=self.bucket, Key=self.key, Body=body, IfMatch=self.etag))
-        if answer is None:
-            return False
-        self.etag = answer["ETag"]
-        return True
+    def read(self, key: str) -> tuple[bytes, str] | None:
+        """The object's bytes and version, or None when it is absent."""
+        try:
+            got = self.client.get_object(Bucket=self.bucket, Key=key)
+        except self.client.exceptions.NoSuchKey:
+            return None
+        return got["Body"].read(), got["ETag"]
 
-    def delete(self) -> None:
-        """Delete our lease (only if it is still our last write, where the store has conditional deletes)."""
+    def replace(self, key: str, body: bytes, version: str | None) -> str | None:
+        """The new version, or None when the object is no longer `version`."""
+        put = self._conditional(
+            lambda: self.client.put_object(Bucket=self.bucket, Key=key, Body=body, IfMatch=version))
+        return None if put is None else put["ETag"]
+
+    def delete(self, key: str, version: str | None) -> None:
         from botocore.exceptions import ClientError
 
+        if version is None:
+            self.client.delete_object(Bucket=self.bucket, Key=key)
+            return
         try:
-            self._conditional(
-                lambda: self.client.delete_object(Bucket=self.bucket, Key=self.key, IfMatch=self.etag))
+            self._conditional(lambda: self.client.delete_object(Bucket=self.bucket, Key=key, IfMatch=version))
         except ClientError:  # no conditional delete here: the caller has just read that the lease is ours
-            self.client.delete_object(Bucket=self.bucket, Key=self.key)
+            self.client.delete_object(Bucket=self.bucket, Key=key)
+
+
+class GcsObjects:
+    """Conditional writes on Google Cloud Storage through `google-cloud-storage` (the JSON API; credentials
+    the usual way, `STORAGE_EMULATOR_HOST` honoured): `ifGenerationMatch=0` creates, `ifGenerationMatch=<the
+    generation read>` replaces and deletes; a 412 means the condition failed. A version is a generation."""
+
+    name, create_condition, honouring = "GCS", "ifGenerationMatch=0", "Google Cloud Storage"
+
+    def __init__(self, bucket: Any):
+        self.bucket = bucket
+
+    @classmethod
+    def open(cls, uri: str, bucket: str) -> GcsObjects:
+        try:
+            from google.cloud import storage
+        except ImportError:
+            raise JobInputError(
+                f"output_dir: {uri}: the lease on GCS needs google-cloud-storage (generation preconditions): "
+                "pip install google-cloud-storage"
+            ) from None
+        try:
+            client = storage.Client(project=None)  # objects need no project; credentials: ADC
+        except Exception as err:  # noqa: BLE001 - DefaultCredentialsError and the like
+            raise JobInputError(f"output_dir: {uri}: cannot open a GCS client: {_first_line(err)}") from None
+        return cls(client.bucket(bucket))
+
+    def create(self, key: str, body: bytes) -> str | None:
+        return self._upload(key, body, 0)
+
+    def read(self, key: str) -> tuple[bytes, str] | None:
+        from google.api_core.exceptions import NotFound, PreconditionFailed
+
+        for _ in range(3):  # the generation of the metadata, then those bytes (a rewrite in between: again)
+            blob = self.bucket.get_blob(key)
+            if blob is None:
+                return None
+            generation = blob.generation  # before the download, which sets it from the answer's headers
+            try:
+                return blob.download_as_bytes(if_generation_match=generation), str(generation)
+            except NotFound:
+                return None
+            except PreconditionFailed:
+                continue
+        return None
+
+    def replace(self, key: str, body: bytes, version: str | None) -> str | None:
+        return None if version is None else self._upload(key, body, int(version))
+
+    def _upload(self, key: str, body: bytes, generation: int) -> str | None:
+        from google.api_core.exceptions import PreconditionFailed
+
+        blob = self.bucket.blob(key)
+        try:
+            blob.upload_from_string(body, if_generation_match=generation)
+        except PreconditionFailed:
+            return None
+        return str(blob.generation)
+
+    def delete(self, key: str, version: str | None) -> None:
+        from google.api_core.exceptions import NotFound, PreconditionFailed
+
+        try:
+            self.bucket.blob(key).delete(if_generation_match=None if version is None else int(version))
+        except (NotFound, PreconditionFailed):
+            pass
+
+
+_OBJECT_STORES: dict[str, Any] = {"s3": S3Objects, "s3a": S3Objects, "gs": GcsObjects, "gcs": GcsObjects}
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip() or type(err).__name__
+    return text.splitlines()[0]
 
 
 def _decode(raw: bytes) -> Holder | None:

@@ -36,6 +36,16 @@ def test_fsspec_schemes_go_through_pyarrows_handler():
     assert [info.base_name for info in fs.list_files(folder, "output_dir")] == ["a.txt"]
 
 
+def test_gs_on_a_gcs_emulator_is_anonymous_at_its_address_and_forwarded_to_the_actors(monkeypatch):
+    """`STORAGE_EMULATOR_HOST` (the GCS libraries' variable): gs:// opens pyarrow's GcsFileSystem at that
+    address, anonymously (pyarrow's own default would look for credentials), and the actors get it too."""
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:9")
+    out = fs.resolve("gs://bucket/runs/a/", "output_dir")
+    assert out.filesystem.type_name == "gcs" and out.path == "bucket/runs/a" and out.uri == "gs://bucket/runs/a"
+    assert out.child("_lease.json").path == "bucket/runs/a/_lease.json" and not out.renames_atomically
+    assert fs.forwarded_env()["STORAGE_EMULATOR_HOST"] == "http://127.0.0.1:9"
+
+
 def test_unknown_scheme_and_missing_bucket_name_are_one_line_errors():
     with pytest.raises(JobInputError, match=r"^data.path: cannot open the URI scheme 'nosuch://'") as caught:
         fs.resolve("nosuch://x/y", "data.path")

@@ -1,4 +1,7 @@
-"""One writer per output directory: a live lease refuses, a stale one is taken over, a lost one stops the job."""
+"""One writer per output directory: a live lease refuses, a stale one is taken over, a lost one stops the job.
+
+Local disks, moto's S3 server and gcp-storage-emulator (as shipped: refused; with the test-only generation
+check of `tests/gcs_support.py`: a stand-in for GCS), all on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -6,7 +9,9 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -105,19 +110,47 @@ def moto_s3(tmp_path_factory):
         stop(server)
 
 
-@pytest.fixture
-def s3_env(moto_s3, monkeypatch):
-    for name, value in {"AWS_ENDPOINT_URL": moto_s3, "AWS_ACCESS_KEY_ID": "testing",
-                        "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}.items():  # fmt: skip
-        monkeypatch.setenv(name, value)
-    return moto_s3
+@pytest.fixture(scope="module")
+def gcs_preconditions(tmp_path_factory):
+    """gcp-storage-emulator with the test-only generation check (a GCS stand-in) and a bucket 'leases'."""
+    from gcs_support import start_emulator, stop
+
+    server, url = start_emulator(tmp_path_factory.mktemp("gcs_lease"), "leases", preconditions=True)
+    try:
+        yield url
+    finally:
+        stop(server)
 
 
-def test_s3_lease_is_exclusive_through_conditional_writes(s3_env, tmp_path):
-    """On moto's S3 server: a second job is refused; a writer that overwrites the lease (unconditionally)
-    makes the holder's next heartbeat fail its If-Match, so the holder learns it lost; of two takers of one
-    stale lease exactly one wins; release deletes only our own lease."""
-    out = fs.resolve("s3://leases/job-a", "output_dir")
+# Each object-store test runs on both stores; the default suite runs one of each test's stores.
+@pytest.fixture(params=["s3", pytest.param("gs", marks=pytest.mark.slow)])
+def object_store(request, monkeypatch):
+    """The scheme of a store with conditional writes, its variables set: moto's S3, or the GCS stand-in."""
+    return store_env(request, monkeypatch)
+
+
+@pytest.fixture(params=[pytest.param("s3", marks=pytest.mark.slow), "gs"])
+def gcs_first(request, monkeypatch):
+    """`object_store`, with GCS in the default suite and S3 in the slow one."""
+    return store_env(request, monkeypatch)
+
+
+def store_env(request, monkeypatch):
+    if request.param == "s3":
+        for name, value in {"AWS_ENDPOINT_URL": request.getfixturevalue("moto_s3"), "AWS_ACCESS_KEY_ID": "testing",
+                            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}.items():  # fmt: skip
+            monkeypatch.setenv(name, value)
+    else:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", request.getfixturevalue("gcs_preconditions"))
+    return request.param
+
+
+def test_object_store_lease_is_exclusive_through_conditional_writes(object_store):
+    """On moto's S3 server and the GCS stand-in: a second job is refused; a writer that overwrites the lease
+    (unconditionally) makes the holder's next heartbeat fail its condition (If-Match / ifGenerationMatch),
+    so the holder learns it lost; of two takers of one stale lease exactly one wins; release deletes only
+    our own lease."""
+    out = fs.resolve(f"{object_store}://leases/job-a", "output_dir")
     lease = Lease.acquire(out, timeout_s=0.6)  # heartbeat every 0.1 s
     assert read_holder(out).token == lease.holder.token
     with pytest.raises(JobInputError, match="being written by another job"):
@@ -132,7 +165,7 @@ def test_s3_lease_is_exclusive_through_conditional_writes(s3_env, tmp_path):
     lease.release()
     assert read_holder(out).token == "intruder"  # not ours to delete, not overwritten by our heartbeat
 
-    stale_out = fs.resolve("s3://leases/job-b", "output_dir")
+    stale_out = fs.resolve(f"{object_store}://leases/job-b", "output_dir")
     old = leases.this_holder("old", time.time() - 600)
     fs.write_bytes(stale_out.child("_lease.json"), old.encode())
     stale = read_holder(stale_out)
@@ -140,6 +173,86 @@ def test_s3_lease_is_exclusive_through_conditional_writes(s3_env, tmp_path):
     assert first.take(leases.this_holder("first", time.time()), stale) is True
     assert second.take(leases.this_holder("second", time.time()), stale) is False
     assert read_holder(stale_out).token == "first"
-    with Lease.acquire(fs.resolve("s3://leases/job-c", "output_dir"), timeout_s=60) as fresh:
+    with Lease.acquire(fs.resolve(f"{object_store}://leases/job-c", "output_dir"), timeout_s=60) as fresh:
         assert read_holder(fresh.output).token == fresh.holder.token
-    assert read_holder(fs.resolve("s3://leases/job-c", "output_dir")) is None
+    assert read_holder(fs.resolve(f"{object_store}://leases/job-c", "output_dir")) is None
+
+
+def take_together(out, names, stale=None):
+    """Each name takes the lease of `out` from its own ObjectLease, all at once (threads): who won."""
+    stores = [leases.ObjectLease.open(out) for _ in names]
+    start = threading.Barrier(len(names))
+
+    def take(store, name):
+        start.wait()
+        return store.take(leases.this_holder(name, time.time()), stale)
+
+    with ThreadPoolExecutor(len(names)) as pool:
+        won = list(pool.map(take, stores, names))
+    return [name for name, ok in zip(names, won) if ok]
+
+
+def test_two_takers_one_winner_and_a_takeover_stops_the_old_holder(gcs_first):
+    """On the GCS stand-in (ifGenerationMatch) and S3 (If-Match): two takers of a fresh directory, then two of a
+    stale lease: exactly one wins each time (and a taker whose retried write failed its condition because the
+    first attempt had landed still wins). A holder whose lease was taken over: its conditional heartbeat
+    write fails (412) and its check raises LeaseLostError; the new holder's lease is untouched."""
+    out = fs.resolve(f"{gcs_first}://leases/job-d", "output_dir")
+    winners = take_together(out, ["a", "b"])
+    assert len(winners) == 1 and read_holder(out).token == winners[0]
+
+    fs.write_bytes(out.child("_lease.json"), leases.this_holder("old", time.time() - 600).encode())
+    winners = take_together(out, ["c", "d"], stale=read_holder(out))
+    assert len(winners) == 1 and read_holder(out).token == winners[0]
+    mine = leases.this_holder("mine", time.time())  # a create retried after its first answer was lost
+    first_try, retried = leases.ObjectLease.open(out.child("retry")), leases.ObjectLease.open(out.child("retry"))
+    assert first_try.take(mine, None) is True and retried.take(mine, None) is True  # its own write: won
+    assert retried.take(leases.this_holder("other", time.time()), None) is False
+
+    other = fs.resolve(f"{gcs_first}://leases/job-e", "output_dir")
+    old = Lease.acquire(other, timeout_s=0.3)
+    old._stop.set()  # frozen: no heartbeat for lease_timeout_s
+    old._thread.join()
+    time.sleep(0.35)
+    new = Lease.acquire(other, timeout_s=0.3)  # takes the stale lease over
+    assert old.store.replace(old.holder) is False  # the frozen holder's next conditional write loses
+    old._stop.clear()
+    old._start_heartbeat()
+    deadline = time.monotonic() + 10
+    while old.lost_to is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with pytest.raises(LeaseLostError, match="taken over by another job"):
+        old.check()
+    old.release()
+    assert read_holder(other).token == new.holder.token  # the old holder's release left it alone
+    new.release()
+    assert read_holder(other) is None  # deleted under its version's condition
+
+
+def test_a_gcs_store_that_ignores_generation_preconditions_is_refused(tmp_path):
+    """gcp-storage-emulator as shipped ignores ifGenerationMatch: the probe refuses the lease, naming the
+    output and why, and leaves nothing behind. Negative control: past the probe, two takers of one fresh
+    directory would both 'win' on it."""
+    from gcs_support import gcs_emulator
+
+    with gcs_emulator(tmp_path, "leases", preconditions=False):
+        out = fs.resolve("gs://leases/job", "output_dir")
+        with pytest.raises(JobInputError, match=r"gs://leases/job: this GCS store does not honour conditional "
+                                                r"writes \(it ignores ifGenerationMatch=0\)"):  # fmt: skip
+            Lease.acquire(out, timeout_s=60)
+        assert fs.list_files(out, "output_dir") == []
+        location = out.child("_lease.json")
+        unprobed = [leases.ObjectLease(leases.GcsObjects.open(out.uri, "leases"), location.path.split("/", 1)[1],
+                                       out.uri) for _ in range(2)]  # fmt: skip
+        assert [store.take(leases.this_holder(name, time.time()), None) for store, name in zip(unprobed, "ab")] == [
+            True, True]  # fmt: skip
+
+
+def test_gcs_without_credentials_is_refused_in_one_line(monkeypatch, tmp_path):
+    """No emulator and no usable Application Default Credentials: exit 2 material, not a traceback."""
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "missing.json"))
+    with pytest.raises(JobInputError, match=r"^output_dir: gs://bucket/out: cannot open a GCS client: .*missing\.json"
+                       ) as caught:  # fmt: skip
+        leases.GcsObjects.open("gs://bucket/out", "bucket")
+    assert "\n" not in str(caught.value)
