@@ -199,6 +199,10 @@ def test_config_checks(tiny_pair):
     assert (kwargs["compute"].min_size, kwargs["compute"].max_size) == (1, 3)
     assert kwargs["compute"].max_tasks_in_flight_per_actor == 4  # none queued beyond those it runs
     assert build_processor(config_for(tiny_pair, num_cpus=2)).stage_map_kwargs(gpus=False)["num_cpus"] == 2
+    split = config_for(tiny_pair, num_gpus=2, engine_kwargs={**ENGINE, "device_map": "auto"})
+    assert split.model_config().device_map == "auto" and build_processor(split).stage_map_kwargs(gpus=True)["num_gpus"] == 2
+    with pytest.raises(ValueError, match="num_gpus must be an int >= 1"):
+        config_for(tiny_pair, num_gpus=0)
 
 
 @pytest.fixture(scope="module")
