@@ -39,7 +39,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import AttentionInterface
 
 from spectr.kv_cache import RowKVCache, RowView
-from spectr.split import layer_groups
+from spectr.split import layer_groups, moved
 
 MASKABLE_ATTENTION = ("sdpa", "eager")
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -243,7 +243,7 @@ class HFCausalLM:
         finally:
             for c, implementation in zip(self._attention_configs, saved):
                 c._attn_implementation_internal = implementation
-        logits = output.logits.to(self.device)  # a split model's head may sit on another device (a no-op else)
+        logits = moved(output.logits, self.device)  # a split model's head may sit on another device
         if last_only:
             logits = logits[:, -1:]
         return logits

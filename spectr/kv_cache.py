@@ -98,8 +98,10 @@ class RowKVCache:
         return [None if (v := self.layer(i)) is None else v[1] for i in range(self.num_layers)]
 
     def _on(self, group: int, index: torch.Tensor) -> torch.Tensor:
-        """An index tensor of the engine's device, on group `group`'s device (itself on one device)."""
-        return index.to(self.groups[group][2], non_blocking=True)
+        """An index tensor of the engine's device, on group `group`'s device (itself when already there: no
+        `.to` call at all on one device)."""
+        device = self.groups[group][2]
+        return index if index.device == device else index.to(device, non_blocking=True)
 
     # --- one forward -------------------------------------------------------------------
     @property

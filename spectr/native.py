@@ -57,7 +57,7 @@ import torch
 
 from spectr.hf import HFCausalLM
 from spectr.kv_cache import RowView
-from spectr.split import layer_groups
+from spectr.split import layer_groups, moved
 
 NATIVE_MODEL_TYPES = ("llama", "qwen2")
 NATIVE_ROPE_TYPES = ("default", "linear", "llama3")  # a fixed inv_freq (dynamic / yarn-style ones: HF's path)
@@ -170,17 +170,17 @@ class NativeCore(torch.nn.Module):
         cos, sin = self._rope(positions, hidden.dtype)  # [B, 1, T, D] each
         stored = []
         for (start, stop), pool in zip(self.spans, pools):  # one pass per device; unrolled under compile
-            device = pool.device  # the group's: activations cross here (a no-op `.to` on one device)
-            hidden, cos, sin = hidden.to(device), cos.to(device), sin.to(device)
-            cache_allowed, new_allowed = cache_allowed.to(device), new_allowed.to(device)
+            device = pool.device  # the group's: activations cross here (nothing to move on one device)
+            hidden, cos, sin = moved(hidden, device), moved(cos, device), moved(sin, device)
+            cache_allowed, new_allowed = moved(cache_allowed, device), moved(new_allowed, device)
             kv = pool[:, :, :batch, :, : allowed.shape[-1]]  # [n, 2, B, Hkv, S, D] a view
             hidden, new_kv = self._group(start, stop, hidden, kv, cos, sin, cache_allowed, new_allowed)
             stored.append(new_kv)
         if last_only:
             hidden = hidden[:, -1:]
-        hidden = self.norm(hidden.to(self.norm.weight.device))
-        logits = self.head(hidden.to(self.head.weight.device))  # [B, T, V]
-        return logits.to(slots.device), tuple(stored)  # [B, T, V], per group [n, 2, B, Hkv, T, D]
+        hidden = self.norm(moved(hidden, self.norm.weight.device))
+        logits = self.head(moved(hidden, self.head.weight.device))  # [B, T, V]
+        return moved(logits, slots.device), tuple(stored)  # [B, T, V], per group [n, 2, B, Hkv, T, D]
 
     def _group(self, start, stop, hidden, kv, cos, sin, cache_allowed, new_allowed):
         """Layers [start, stop) (one group, on one device) over hidden [B, T, E] and their cache view kv [n, 2,
@@ -307,14 +307,14 @@ class NativeCausalLM(HFCausalLM):
         buffers = base.buffers  # per group [n, 2, B, Hkv, C, D] (one: [N, 2, B, Hkv, C, D])
         slots = torch.stack([input_ids, position_ids.expand_as(write_slots), write_slots])  # [3, B, T] fresh
         if subset or not self.compiled:  # eager: prefill of new rows (a gathered copy of their slots)
-            pools = tuple(b[:, :, :, :, :view].index_select(2, rows.rows.to(b.device)) for b in buffers) \
+            pools = tuple(b[:, :, :, :, :view].index_select(2, moved(rows.rows, b.device)) for b in buffers) \
                 if subset else tuple(buffers)
             logits, new_kv = self.core(slots, pools, allowed, last_only)
         else:
             logits, new_kv = self._run_compiled(slots, base, allowed.contiguous(), last_only)
         for buffer, group_kv in zip(buffers, new_kv):  # one scatter per group (per device)
-            rows_here = rows.rows.to(buffer.device) if subset else None
-            _store(buffer, group_kv, write_slots.to(buffer.device), rows_here)
+            rows_here = moved(rows.rows, buffer.device) if subset else None
+            _store(buffer, group_kv, moved(write_slots, buffer.device), rows_here)
         return logits
 
     def _run_compiled(self, slots, cache, allowed, last_only):

@@ -37,6 +37,11 @@ import torch
 Group = tuple[int, int, torch.device]  # (first layer, stop, device)
 
 
+def moved(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`: itself when it is there (no `.to` call, so nothing a sync counter would see)."""
+    return tensor if tensor.device == device else tensor.to(device, non_blocking=True)
+
+
 def device_of(key: Any) -> torch.device:
     """The torch device of a device_map entry: an int is a CUDA index (as in HF's maps), else a device name."""
     return torch.device("cuda", key) if isinstance(key, int) else torch.device(key)
@@ -129,7 +134,7 @@ def _mover(device: torch.device):
 def _to(value: Any, device: torch.device) -> Any:
     """`value` with its tensors (also inside plain tuples, lists and dicts) on `device`; other objects as is."""
     if isinstance(value, torch.Tensor):
-        return value.to(device, non_blocking=True)
+        return moved(value, device)
     if type(value) in (tuple, list):
         return type(value)(_to(v, device) for v in value)
     if type(value) is dict:
