@@ -55,8 +55,15 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_layer_groups_follow_the_device_map(models):
+def test_layer_groups_follow_the_device_map(models, monkeypatch):
+    import spectr.split as split_module
+
     target, split, _ = models
+    moves = []
+    monkeypatch.setattr(split_module, "moved", lambda tensor, device: moves.append(device) or tensor)
+    with torch.inference_mode():
+        split(torch.tensor([[1, 2, 3]]))
+    assert len(moves) >= 3 * 2  # the hooks fire in HF's forward: hidden state, mask, cos/sin... at each boundary
     assert layer_groups(target, 4) == ((0, 4, CPU),)  # no map: one group, the single-buffer engine
     assert layer_groups(split, 4) == ((0, 1, CPU), (1, 3, CPU), (3, 4, CPU))
     assert HFCausalLM(split).groups == layer_groups(split, 4)
