@@ -85,9 +85,12 @@ def layer_groups(model: torch.nn.Module, num_layers: int) -> tuple[Group, ...]:
     one device; ((0, num_layers, device of the first parameter),) for a model on one device."""
     device = next(model.parameters()).device
     device_map = getattr(model, "hf_device_map", None) or {}
+    if len(set(map(str, device_map.values()))) < 2:
+        return ((0, num_layers, device),)  # one device: nothing else is looked at
     layers = _decoder_layers(model)
-    if len(set(map(str, device_map.values()))) < 2 or layers is None or len(layers) != num_layers:
-        return ((0, num_layers, device),)
+    if layers is None or len(layers) != num_layers:
+        raise ValueError(f"a model split by its device_map must expose its {num_layers} decoder layers as "
+                         "get_decoder().layers (as HF's Llama / Qwen / Mistral / GPT-NeoX do)")
     names = {id(module): name for name, module in model.named_modules()}
     groups: list[list] = []
     previous = None
