@@ -10,7 +10,7 @@ output is merged over the row (every input column goes on to the stage and to `p
 the stage is one `map_batches` of `pipeline.ray_data.stage.SpecTrStage` on an actor pool
 (`ActorPoolStrategy(size=concurrency)`, or `(min, max)`: autoscaling; `max_tasks_in_flight_per_actor =
 max_concurrent_batches`), `batch_size` rows per Ray Data batch, `max_concurrency=max_concurrent_batches` calls per actor (all feeding the actor's one continuous
-batch), `num_gpus` (1) GPUs per actor when `accelerator_type` is set or the cluster has GPUs (else `num_cpus`);
+batch), one GPU per actor when `accelerator_type` is set or the cluster has GPUs (else `num_cpus`);
 `postprocess` is a `Dataset.map`, and a row carrying `__inference_error__` bypasses it (with
 `should_continue_on_error`; the others get `__inference_error__ = ""`).
 
