@@ -9,8 +9,11 @@ a model directory that is missing or is not a Hugging Face model, pickle-only we
 hash of the whole file when small, else of its header and sampled blocks): the output directory's config
 hash covers it, so a model replaced at the same path is noticed on resume.
 
-`load_model` is what each actor calls once. This module does not generate (that is `spectr.generate`)
-and knows nothing of Ray.
+`load_model` is what each actor calls once. With `model.device_map=auto` and more than one GPU in the
+actor, `target_plan` gives the target's placement plan (`pipeline.placement`) and `load_model(plan=...)`
+loads the weights on the host, then places the modules with `spectr.split.dispatch` (not accelerate's
+`from_pretrained(device_map=...)`: see `spectr.split`); the draft is loaded whole on the first GPU.
+This module does not generate (that is `spectr.generate`) and knows nothing of Ray.
 """
 
 from __future__ import annotations
@@ -254,8 +257,28 @@ def resolve_dtype(name: str, device: str, bf16_supported: bool | None = None) ->
     return torch.float32
 
 
-def load_model(model_dir: str, model: ModelConfig, device: str) -> Any:
-    """One causal LM, in eval mode, on `device`. Safetensors only unless `model.allow_pickle`."""
+def target_plan(model_dir: str, model: ModelConfig, gpus: int) -> dict[str, int] | None:
+    """The target's placement plan over the actor's `gpus` GPUs (0..gpus-1, as Ray numbers them for the actor)
+    when `model.device_map=auto` and gpus > 1; None otherwise (the target goes whole on the first device).
+    Made from the config alone (layers; tied embeddings put the head on the first GPU)."""
+    if model.device_map != "auto" or gpus < 2:
+        return None
+    from transformers import AutoConfig
+
+    from pipeline.placement import placement_plan
+
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=model.trust_remote_code)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    tied = bool(getattr(text_config, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False)))
+    return placement_plan(int(text_config.num_hidden_layers), list(range(gpus)), tied_head=tied)
+
+
+def load_model(model_dir: str, model: ModelConfig, device: str, plan: dict[str, int] | None = None,
+               devices: dict[int, str] | None = None) -> Any:
+    """One causal LM, in eval mode, on `device`, or split per `plan` (`target_plan`: {module name: GPU}; the
+    GPUs are cuda:<n>, or `devices[n]`: tests place the groups on the CPU). Safetensors only unless
+    `model.allow_pickle`. A plan naming modules the model lacks (another architecture's names) is a ValueError
+    unless every weight is still placed (entries for absent modules, e.g. a rotary table, are dropped)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -267,7 +290,13 @@ def load_model(model_dir: str, model: ModelConfig, device: str) -> Any:
         use_safetensors=None if model.allow_pickle else True,
         trust_remote_code=model.trust_remote_code,
     )
-    loaded.to(device)
+    if plan is None:
+        loaded.to(device)
+    else:
+        from spectr.split import dispatch
+
+        present = dict(loaded.named_modules())
+        dispatch(loaded, {name: gpu for name, gpu in plan.items() if name in present}, devices)
     loaded.eval()
     loaded.requires_grad_(False)
     return loaded

@@ -12,13 +12,19 @@ engine takes `compile=`; detected with `inspect.signature`, else eager only) vs 
 with a static cache + `torch.compile` (HF's own fastest path); ours vs HF assisted generation (batch 1);
 SpecTr K in {2, 4} x L in {2, 4, 6} (and `auto` when the engine has it), with block efficiency,
 per-iteration draft/target/selection/other time, syncs per iteration, compile warm-up and peak GPU
-memory, next to the speedup PREDICTED at the embedded pair's acceptance; and writes `results.json` and
+memory, next to the speedup PREDICTED at the embedded pair's acceptance; (6) `device_map`, only where two
+GPUs are visible: the same random target split over them (`pipeline.placement`'s plan placed by
+`spectr.split.dispatch`, as `model.device_map=auto` loads it) against it on one GPU, at one batch size,
+autoregressive and SpecTr K=2 L=4, eager and compiled: tokens/s and whether the tokens of a seed are
+identical (with one GPU it records "skipped: 1 GPU"; the CPU smoke run puts both groups on the CPU); and
+writes `results.json` and
 `results.md` to `--out` (after every unit) and prints the tables. Each section is guarded (a failing
 one is recorded, the rest still run) and the whole run keeps to `--budget-s` (default 420 s): units past
 their section's share are skipped and recorded, and a unit still running `--grace-s` (30 s) past it is
 interrupted; a section cut that way keeps every result it had saved (`cut_for_time`).
 
-It imports only `spectr`, torch, transformers and the standard library (tested against torch 2.11 and
+It imports only `spectr`, torch, transformers, the standard library and (section 6) the pure-Python
+`pipeline.placement` (tested against torch 2.11 and
 transformers 5.17, the GPU machine's versions: `make check-transformers TRANSFORMERS=5.17.*`) and needs
 nothing installed. At most 64 MiB of files can be copied to the GPU machine, and the embedded target's
 weights alone are 65 MiB: leave them out of the working tree without staging any change to git (the
@@ -74,10 +80,12 @@ from spectr.diagnostics import HostSyncCounter  # noqa: E402
 from spectr.selection import TOKEN_SELECTORS  # noqa: E402
 from spectr.sequence import SEQUENCE_RULES  # noqa: E402
 
-SECTIONS = ("exactness", "greedy", "pair_acceptance", "speed")
-MEASUREMENTS = ("pair_acceptance", "speed")  # sections whose partial results are results (the others are checks)
+SECTIONS = ("exactness", "greedy", "pair_acceptance", "speed", "device_map")
+MEASUREMENTS = ("pair_acceptance", "speed", "device_map")  # sections whose partial results are results (the others are checks)
 # Share of the time budget each section may use (unused time rolls over to the next section).
-BUDGET_SHARES = {"exactness": 0.27, "greedy": 0.06, "pair_acceptance": 0.05, "speed": 0.62}
+BUDGET_SHARES = {"exactness": 0.27, "greedy": 0.06, "pair_acceptance": 0.05, "speed": 0.62, "device_map": 0.12}
+# device_map's share counts only where two GPUs are visible (elsewhere the section is a skip record)
+NO_SPLIT_SHARE = 0.0
 AUTOREGRESSIVE = "autoregressive"
 
 
@@ -135,7 +143,8 @@ class Budget:
     def __init__(self, total_s: float, sections: list[str]):
         self.start = time.perf_counter()
         self.total_s = total_s
-        shares = [BUDGET_SHARES[s] for s in sections]
+        shares = [BUDGET_SHARES[s] if s != "device_map" or two_gpus() else NO_SPLIT_SHARE for s in sections]
+        shares = shares if sum(shares) else [1.0] * len(shares)  # device_map alone without two GPUs
         ends = itertools.accumulate(share / sum(shares) for share in shares)
         self.section_end = {s: self.start + end * total_s for s, end in zip(sections, ends)}
         self.current = sections[0] if sections else None
@@ -168,6 +177,10 @@ class Context:
     @property
     def cuda(self) -> bool:
         return self.device.type == "cuda"
+
+
+def two_gpus() -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() >= 2
 
 
 def engine_compiles() -> bool:
@@ -877,6 +890,96 @@ def section_speed(ctx: Context) -> dict:
                 prompt_lengths=list(ctx.plan.prompt_lengths), rows=rows, skipped_for_time=skipped)
 
 
+# ---------------------------------------------------------------------------------------
+# 6. device_map: a target split over two GPUs (spectr.split) against the same target on one
+# ---------------------------------------------------------------------------------------
+
+SPLIT_METHODS = ((AUTOREGRESSIVE, 1, 1), ("spectr", 2, 4))  # (method, K, L) of each compared arm
+
+
+def split_devices(ctx: Context) -> dict | None:
+    """{plan GPU: device} for the split target: two GPUs where >= 2 are visible; in the CPU smoke run two
+    groups on the CPU (the same code path, nothing measured); else None (the section is skipped)."""
+    if ctx.plan.name == SMOKE.name and not ctx.cuda:
+        return {0: "cpu", 1: "cpu"}
+    if ctx.cuda and torch.cuda.device_count() >= 2:
+        return {0: "cuda:0", 1: "cuda:1"}
+    return None
+
+
+def split_units(compiles: bool) -> list[tuple[str, int, int, bool]]:
+    return [(m, k, length, compiled) for compiled in ((False, True) if compiles else (False,))
+            for m, k, length in SPLIT_METHODS]
+
+
+def section_device_map(ctx: Context) -> dict:
+    """Tokens/s of a target split over two GPUs vs the same target on the first, and identical tokens for a seed
+    (eager; compiled where the engine compiles). Skipped, and recorded so, with fewer than two GPUs."""
+    devices = split_devices(ctx)
+    if devices is None:
+        gpus = torch.cuda.device_count() if ctx.cuda else 0
+        return dict(status="skipped", reason=f"skipped: {gpus} GPU" + ("" if gpus == 1 else "s"))
+    from pipeline.placement import placement_plan
+    from spectr.split import dispatch, layer_groups
+
+    (target, draft), models = build_speed_pair(ctx)
+    shape = ctx.plan.speed_shape
+    split = dispatch(random_llama(shape, seed=0, device=ctx.device, dtype=torch.bfloat16),
+                     placement_plan(shape["num_hidden_layers"], [0, 1]), devices)
+    models["groups"] = [[a, b, str(d)] for a, b, d in layer_groups(split, shape["num_hidden_layers"])]
+    batch = ctx.plan.speed_batches[min(1, len(ctx.plan.speed_batches) - 1)]
+    prompts = speed_prompts(batch, ctx.plan.prompt_lengths, shape["vocab_size"], seed=batch)
+    rows, skipped = [], []
+    for method, k, length, compiled in split_units(engine_compiles() and ctx.plan.compiled_speed):
+        name = f"{method} K={k} L={length}" + (" compiled" if compiled else "")
+        if ctx.budget.expired():
+            skipped.append(name)
+            continue
+        try:
+            rows.append(dict(name=name, batch=batch, **compare_split((target, draft), (split, draft), prompts,
+                                                                      SpeedRun("ours", batch, method, k, length,
+                                                                               compiled), ctx)))
+        except Exception as error:
+            rows.append(dict(name=name, batch=batch, error=_describe(error)))
+        log(f"device_map {name}: {rows[-1]}")
+        ctx.save_partial("device_map", dict(models=models, rows=rows, skipped_for_time=skipped))
+    ok = [r for r in rows if "error" not in r]
+    passed = bool(ok) and len(ok) == len(rows) and all(r["identical_tokens"] for r in ok)
+    return dict(status="passed" if passed else "failed", models=models, devices={str(k): v for k, v in devices.items()},
+                rows=rows, skipped_for_time=skipped, measured=ctx.cuda)
+
+
+def compare_split(whole_pair, split_pair, prompts, run: SpeedRun, ctx: Context) -> dict:
+    """One warm-up each, then one timed run each of the same seeds: tokens/s and whether the tokens agree."""
+    new_tokens = ctx.plan.speed_new_tokens
+    results = {}
+    for label, pair in (("one_gpu", whole_pair), ("split", split_pair)):
+        run_ours(pair, prompts, run, 4, ctx.device)  # warm-up (and compile) outside the timing
+        target, draft = pair
+        synchronize(ctx.device)
+        start = time.perf_counter()
+        out = spectr.generate(target, draft, prompts, method=run.method, num_drafts=run.num_drafts,
+                              draft_length=run.draft_length, max_new_tokens=new_tokens, temperature=1.0,
+                              seed=list(range(len(prompts))), **engine_mode(run.compiled))
+        synchronize(ctx.device)
+        wall = time.perf_counter() - start
+        results[label] = (out.tokens, sum(len(t) for t in out.tokens) / wall)
+    mismatch = [row for row, (a, b) in enumerate(zip(results["one_gpu"][0], results["split"][0])) if a != b]
+    return dict(one_gpu_tokens_per_s=results["one_gpu"][1], split_tokens_per_s=results["split"][1],
+                split_vs_one_gpu=results["split"][1] / results["one_gpu"][1], identical_tokens=not mismatch,
+                rows_differing=mismatch[:8])
+
+
+def markdown_device_map(section: dict) -> list[str]:
+    if section.get("status") == "skipped":
+        return [str(section.get("reason"))]
+    rows = [[r["batch"], r["name"], r.get("one_gpu_tokens_per_s"), r.get("split_tokens_per_s"),
+             r.get("split_vs_one_gpu"), r.get("identical_tokens"), r.get("error")] for r in section.get("rows", [])]
+    note = [] if section.get("measured") else ["", "(CPU smoke run: both 'GPUs' are the CPU; nothing measured)"]
+    return [f"groups: {section.get('models', {}).get('groups')}", ""] + _table(
+        ["B", "run", "one GPU tokens/s", "split tokens/s", "split / one GPU", "identical tokens", "error"], rows) + note
+
+
 def add_ratios(rows: list[dict]) -> None:
     """Measured ratios within the run, at the same batch: every ours row vs our eager autoregressive (and a
     compiled row vs our compiled autoregressive and vs its own eager run); ours vs HF generate (speculative:
@@ -1084,6 +1187,8 @@ def markdown(results: dict) -> str:
               "pair's acceptance divided by the measured cost of one iteration relative to one autoregressive "
               "step of the same batch (prefill removed).", ""]
     lines += markdown_predictions(results.get("predictions", {}))
+    lines += ["", "## 6. device_map: the target split over two GPUs vs on one (MEASURED where two GPUs are visible)",
+              ""] + markdown_device_map(results.get("device_map", {}))
     lines += ["", "## Notes", ""] + [f"- {note}" for note in NOTES]
     return "\n".join(lines) + "\n"
 
@@ -1099,7 +1204,8 @@ def write_results(out: Path, results: dict) -> None:
 # ---------------------------------------------------------------------------------------
 
 SECTION_FUNCTIONS = {"exactness": section_exactness, "greedy": section_greedy,
-                     "pair_acceptance": section_pair_acceptance, "speed": section_speed}
+                     "pair_acceptance": section_pair_acceptance, "speed": section_speed,
+                     "device_map": section_device_map}
 
 
 class SectionTimeout(BaseException):

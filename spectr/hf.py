@@ -22,6 +22,10 @@ object (`cache=` in transformers >= 5.x, `past_key_values=` before), with attent
 implemented by "sdpa" or "eager" (flash/flex attention cannot take an arbitrary 4D mask),
 and only full or sliding-window softmax attention layers (no SSM / linear-attention layers).
 
+A model split over several devices (`spectr.split`: `hf_device_map` with several entries) runs the
+same way: HF's forward crosses the devices through `spectr.split.dispatch`'s hooks, the cache keeps
+one buffer per group of layers on its device, and the logits come back on the engine's device.
+
 It is not a generation loop and holds no sampling logic.
 """
 
@@ -35,6 +39,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import AttentionInterface
 
 from spectr.kv_cache import RowKVCache, RowView
+from spectr.split import layer_groups, moved
 
 MASKABLE_ATTENTION = ("sdpa", "eager")
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -133,6 +138,8 @@ class HFCausalLM:
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self._check_supported(model, text_config)
         self.num_layers = int(text_config.num_hidden_layers)
+        # contiguous runs of layers on one device (one group unless the model is split: spectr.split)
+        self.groups = layer_groups(model, self.num_layers)
         output_embeddings = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if output_embeddings is not None and getattr(output_embeddings, "weight", None) is not None:
             self.vocab_size = int(output_embeddings.weight.shape[0])
@@ -191,7 +198,7 @@ class HFCausalLM:
 
     def new_cache(self, batch_size: int, capacity: int) -> HFRowCache:
         """An empty per-row KV cache for this model with room for `capacity` slots per row."""
-        return HFRowCache(RowKVCache(self.num_layers, batch_size, capacity, self.device))
+        return HFRowCache(RowKVCache(self.num_layers, batch_size, capacity, self.device, self.groups))
 
     def additive_mask(self, allowed: torch.Tensor) -> torch.Tensor:
         """[B, T, S] bool (True = may attend) -> [B, 1, T, S] additive mask in the model's dtype."""
@@ -236,7 +243,7 @@ class HFCausalLM:
         finally:
             for c, implementation in zip(self._attention_configs, saved):
                 c._attn_implementation_internal = implementation
-        logits = output.logits
+        logits = moved(output.logits, self.device)  # a split model's head may sit on another device
         if last_only:
             logits = logits[:, -1:]
         return logits

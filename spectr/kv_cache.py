@@ -14,10 +14,15 @@ drafts of a row share the row's committed prefix and sit side by side as a tree 
 After selection, `keep_path` gathers the accepted path (a few slots per row) down to
 `lengths[b] + i` and `advance` moves the boundary; rows advance by different amounts.
 
-Storage is ONE buffer `[layers, 2 (keys, values), B, H, capacity, D]`, allocated on the first
+Storage is one buffer per *group* of layers: a group is a contiguous run of layers on one device
+(`groups`, from `spectr.split.layer_groups`; a model on one device is one group, so ONE buffer
+`[layers, 2 (keys, values), B, H, capacity, D]`, exactly as before the split). Group g's buffer is
+`buffers[g]` `[layers in g, 2, B, H, capacity, D]` on g's device. Buffers are allocated on the first
 write and then reused for the cache's whole life (the engine's *cache pool*: a row of the
 buffer is a slot that prompt after prompt occupies), so committing the accepted path of every
-layer is one gather and one scatter. A finished row's slot is reset (`reset_rows`: its length
+layer is one gather and one scatter per group (per device, never per layer). `lengths` and the
+caller's index tensors live on `device` (the engine's device, the first group's); a group on
+another device gets its own copy of the index tensors (one `.to` per group, a no-op on one device). A finished row's slot is reset (`reset_rows`: its length
 goes to 0, and its entries are zeroed only on request), never compacted by copying the
 buffer. Every attention layer must share one (KV heads, head dim, dtype); a model whose
 layers differ is refused with a ValueError naming the layer. A forward attends a view
@@ -37,17 +42,28 @@ This module knows nothing about Hugging Face: `spectr.hf` adapts it to HF's cach
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
 class RowKVCache:
     """Left-aligned per-row KV slots for `num_layers` attention layers, in one stacked buffer."""
 
-    def __init__(self, num_layers: int, batch_size: int, capacity: int, device: torch.device | str):
+    def __init__(self, num_layers: int, batch_size: int, capacity: int, device: torch.device | str,
+                 groups: Sequence[tuple[int, int, torch.device | str]] | None = None):
+        """groups: (start, stop, device) per contiguous run of layers (None: one group, every layer on `device`)."""
         self.num_layers = int(num_layers)
         self.capacity = int(capacity)
         self.device = torch.device(device)
-        self.buffer: torch.Tensor | None = None  # [layers, 2, B, H, capacity, D]
+        groups = [(0, self.num_layers, self.device)] if groups is None else groups
+        self.groups = tuple((int(a), int(b), torch.device(d)) for a, b, d in groups)
+        if [a for a, _, _ in self.groups] != [0] + [b for _, b, _ in self.groups[:-1]] \
+                or self.groups[-1][1] != self.num_layers or any(a >= b for a, b, _ in self.groups):
+            raise ValueError(f"layer groups {groups} do not cover layers [0, {self.num_layers}) in order")
+        # layer i -> (its group, its index in the group's buffer)
+        self._layer_at = [(g, i - a) for g, (a, b, _) in enumerate(self.groups) for i in range(a, b)]
+        self.buffers: list[torch.Tensor | None] = [None] * len(self.groups)  # per group [layers in g, 2, B, H, C, D]
         self.lengths = torch.zeros(batch_size, dtype=torch.int64, device=self.device)  # [B]
         self._write_slots: torch.Tensor | None = None  # [B, T]
         self._write_index: torch.Tensor | None = None  # [B, H, T, D]
@@ -60,21 +76,39 @@ class RowKVCache:
         return int(self.lengths.shape[0])
 
     @property
+    def buffer(self) -> torch.Tensor | None:
+        """The one buffer [layers, 2, B, H, capacity, D] of a one-group cache (None before the first write)."""
+        if len(self.groups) != 1:
+            raise RuntimeError(f"the cache is split in {len(self.groups)} groups of layers: use `buffers`")
+        return self.buffers[0]
+
+    def layer(self, layer_idx: int) -> torch.Tensor | None:
+        """Layer `layer_idx`'s view [2, B, H, capacity, D] (keys, values) in its group's buffer."""
+        group, local = self._layer_at[layer_idx]
+        return None if self.buffers[group] is None else self.buffers[group][local]
+
+    @property
     def keys(self) -> list[torch.Tensor | None]:
         """Per-layer views [B, H, capacity, D] of the keys (None before the first write)."""
-        return [None if self.buffer is None else self.buffer[i, 0] for i in range(self.num_layers)]
+        return [None if (v := self.layer(i)) is None else v[0] for i in range(self.num_layers)]
 
     @property
     def values(self) -> list[torch.Tensor | None]:
         """Per-layer views [B, H, capacity, D] of the values (None before the first write)."""
-        return [None if self.buffer is None else self.buffer[i, 1] for i in range(self.num_layers)]
+        return [None if (v := self.layer(i)) is None else v[1] for i in range(self.num_layers)]
+
+    def _on(self, group: int, index: torch.Tensor) -> torch.Tensor:
+        """An index tensor of the engine's device, on group `group`'s device (itself when already there: no
+        `.to` call at all on one device)."""
+        device = self.groups[group][2]
+        return index if index.device == device else index.to(device, non_blocking=True)
 
     # --- one forward -------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
-        """Bytes held by the buffer and the lengths (their storages)."""
+        """Bytes held by the buffers and the lengths (their storages)."""
         held = self.lengths.untyped_storage().nbytes()
-        return held + (0 if self.buffer is None else self.buffer.untyped_storage().nbytes())
+        return held + sum(b.untyped_storage().nbytes() for b in self.buffers if b is not None)
 
     def begin_forward(self, write_slots: torch.Tensor, view_length: int, rows: torch.Tensor | None = None) -> None:
         """Declare where the next forward's tokens go and how many slots it may attend.
@@ -86,22 +120,25 @@ class RowKVCache:
         if view_length > self.capacity:
             raise RuntimeError(f"KV cache capacity {self.capacity} exceeded (need {view_length} slots)")
         self._write_slots = write_slots
-        self._write_index = None
+        self._write_index = [None] * len(self.groups)
         self._write_rows = rows
         self._view_length = int(view_length)
 
     def _allocate(self, keys: torch.Tensor) -> None:
+        """Every group's buffer, shaped after `keys` [B, H, T, D] (heads, head dim, dtype)."""
         _, heads, _, head_dim = keys.shape
-        shape = (self.num_layers, 2, self.batch_size, heads, self.capacity, head_dim)
-        self.buffer = torch.zeros(shape, dtype=keys.dtype, device=keys.device)
+        for g, (start, stop, device) in enumerate(self.groups):
+            shape = (stop - start, 2, self.batch_size, heads, self.capacity, head_dim)
+            self.buffers[g] = torch.zeros(shape, dtype=keys.dtype, device=device)
 
     def write(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store one layer's new keys/values [B, H, T, D]; return the attended views [B, H, view_length, D]."""
         if self._write_slots is None:
             raise RuntimeError("RowKVCache.write called outside a forward (begin_forward first)")
-        if self.buffer is None:
+        if self.buffers[0] is None:
             self._allocate(keys)
-        _, _, batch, heads, _, head_dim = self.buffer.shape
+        group, local = self._layer_at[layer_idx]
+        _, _, batch, heads, _, head_dim = self.buffers[group].shape
         if keys.shape[1] != heads or keys.shape[3] != head_dim or values.shape[1:2] != keys.shape[1:2] \
                 or values.shape[3] != head_dim:
             raise ValueError(
@@ -109,52 +146,45 @@ class RowKVCache:
                 f"{tuple(values.shape[1::2])} (heads, head dim), but the cache holds ({heads}, {head_dim}) for "
                 "every layer; models whose attention layers differ in KV shape are not supported"
             )
-        layer = self.buffer[layer_idx]  # [2, B, H, capacity, D]
+        layer = self.buffers[group][local]  # [2, B, H, capacity, D]
         if self._write_rows is not None:
-            return self._write_rows_subset(layer, keys, values)
-        if self._write_index is None:
+            return self._write_rows_subset(group, layer, keys, values)
+        if self._write_index[group] is None:  # once per group and forward
             new = self._write_slots.shape[1]
-            self._write_index = self._write_slots[:, None, :, None].expand(batch, heads, new, head_dim)
-        layer[0].scatter_(2, self._write_index, keys.to(layer.dtype))
-        layer[1].scatter_(2, self._write_index, values.to(layer.dtype))
+            slots = self._on(group, self._write_slots)  # [B, T]
+            self._write_index[group] = slots[:, None, :, None].expand(batch, heads, new, head_dim)
+        index = self._write_index[group]  # [B, H, T, D]
+        layer[0].scatter_(2, index, keys.to(layer.dtype))
+        layer[1].scatter_(2, index, values.to(layer.dtype))
         return layer[0, :, :, : self._view_length], layer[1, :, :, : self._view_length]
 
-    def _write_rows_subset(self, layer: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
+    def _write_rows_subset(self, group: int, layer: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
         """`write` for a forward over rows `_write_rows` [R]: scatter there, return gathered views [R, H, view, D]."""
-        rows = self._write_rows
-        if self._write_index is None:
+        if self._write_index[group] is None:  # once per group and forward
+            rows = self._on(group, self._write_rows)  # [R]
             heads = torch.arange(keys.shape[1], device=rows.device)
-            self._write_index = (rows[:, None, None], heads[None, :, None], self._write_slots[:, None, :])  # [R, H, T]
-        layer[0].index_put_(self._write_index, keys.to(layer.dtype))
-        layer[1].index_put_(self._write_index, values.to(layer.dtype))
-        view = layer[:, :, :, : self._view_length].index_select(1, rows)  # [2, R, H, view, D], a copy
+            slots = self._on(group, self._write_slots)  # [R, T]
+            self._write_index[group] = (rows[:, None, None], heads[None, :, None], slots[:, None, :])  # [R, H, T]
+        index = self._write_index[group]
+        layer[0].index_put_(index, keys.to(layer.dtype))
+        layer[1].index_put_(index, values.to(layer.dtype))
+        view = layer[:, :, :, : self._view_length].index_select(1, index[0][:, 0, 0])  # [2, R, H, view, D], a copy
         return view[0], view[1]
 
     # --- commit --------------------------------------------------------------------------
     def keep_path(self, source_slots: torch.Tensor, dest_slots: torch.Tensor, rows: torch.Tensor | None = None) -> None:
-        """Copy slots `source_slots[b, i]` to `dest_slots[b, i]` in every layer: one gather, one scatter.
+        """Copy slots `source_slots[b, i]` to `dest_slots[b, i]` in every layer: one gather, one scatter
+        per group of layers (one in all on one device).
 
         source_slots, dest_slots: [B, M] int64 ([R, M] for the buffer rows `rows` [R]). Destinations
         must be distinct within a row; an entry with source == dest is a no-op, which is how rows
         that keep fewer than M tokens pad.
         """
-        if source_slots.shape[1] == 0 or self.buffer is None:
+        if source_slots.shape[1] == 0 or self.buffers[0] is None:
             return
-        if rows is not None:
-            layers, _, batch, heads, capacity, head_dim = self.buffer.shape
-            stacked = self.buffer.view(layers * 2, batch, heads, capacity, head_dim)  # [2N, B, H, S, D]
-            picked = rows[:, None]  # [R, 1]
-            # advanced indices on dims 1 and 3 (split by a slice): the values come out [R, M, 2N, H, D]
-            stacked[:, picked, :, dest_slots] = stacked[:, picked, :, source_slots]
-            return
-        layers, _, batch, heads, capacity, head_dim = self.buffer.shape
-        stacked = self.buffer.view(layers * 2, batch, heads, capacity, head_dim)  # [2N, B, H, S, D]
-        width = source_slots.shape[1]
-        shape = (layers * 2, batch, heads, width, head_dim)
-        source = source_slots[None, :, None, :, None].expand(shape)  # [2N, B, H, M, D]
-        dest = dest_slots[None, :, None, :, None].expand(shape)
-        # The gather completes before the scatter writes, so overlapping paths are safe.
-        stacked.scatter_(3, dest, stacked.gather(3, source))
+        for group, buffer in enumerate(self.buffers):  # one pass per device, not per layer
+            source, dest = self._on(group, source_slots), self._on(group, dest_slots)  # [B, M] ([R, M])
+            _keep_path(buffer, source, dest, None if rows is None else self._on(group, rows))
 
     def advance(self, counts: torch.Tensor) -> None:
         """Extend each row's committed prefix by counts[b] slots ([B] int64, on the cache's device)."""
@@ -168,8 +198,9 @@ class RowKVCache:
         occupant; `zero` is for rows that may have left non-finite entries behind.
         """
         self.lengths.index_fill_(0, rows, 0)
-        if zero and self.buffer is not None:
-            self.buffer.index_fill_(2, rows, 0)
+        if zero and self.buffers[0] is not None:
+            for group, buffer in enumerate(self.buffers):
+                buffer.index_fill_(2, self._on(group, rows), 0)
 
     def view(self, rows: torch.Tensor) -> RowView:
         """The rows `rows` ([R] int64) of this cache, as a cache of R rows (no copy)."""
@@ -180,7 +211,7 @@ class RowKVCache:
         every in-place write (forwards, keep_path, advance) lands in this cache. Needs the buffer."""
         part = object.__new__(RowKVCache)
         part.__dict__.update(self.__dict__)
-        part.buffer = self.buffer[:, :, :count]  # [layers, 2, count, H, capacity, D]
+        part.buffers = [b[:, :, :count] for b in self.buffers]  # per group [layers in g, 2, count, H, capacity, D]
         part.lengths = self.lengths[:count]  # [count]
         part._write_slots = part._write_index = part._write_rows = None
         return part
@@ -196,14 +227,35 @@ class RowKVCache:
         a source may repeat): lengths and the first `used_slots` slots. The sources keep their rows
         (admission shares one prefill among the copies of a prompt this way)."""
         self.lengths.index_copy_(0, dest, self.lengths.index_select(0, source))
-        if self.buffer is not None:
-            used = self.buffer[:, :, :, :, :used_slots]  # [layers, 2, B, H, used, D] a view
-            used.index_copy_(2, dest, used.index_select(2, source))
+        for group, buffer in enumerate(self.buffers):
+            if buffer is not None:
+                used = buffer[:, :, :, :, :used_slots]  # [layers in g, 2, B, H, used, D] a view
+                used.index_copy_(2, self._on(group, dest), used.index_select(2, self._on(group, source)))
 
     def committed(self, layer_idx: int, row: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Row `row`'s committed keys and values of one layer, [H, lengths[row], D] each (for tests)."""
         length = int(self.lengths[row])
-        return self.buffer[layer_idx, 0, row, :, :length], self.buffer[layer_idx, 1, row, :, :length]
+        layer = self.layer(layer_idx)  # [2, B, H, capacity, D]
+        return layer[0, row, :, :length], layer[1, row, :, :length]
+
+
+def _keep_path(buffer: torch.Tensor, source_slots: torch.Tensor, dest_slots: torch.Tensor,
+               rows: torch.Tensor | None) -> None:
+    """`RowKVCache.keep_path` in one group's buffer [N, 2, B, H, S, D] (indices on its device): one gather,
+    one scatter for all of its layers."""
+    layers, _, batch, heads, capacity, head_dim = buffer.shape
+    stacked = buffer.view(layers * 2, batch, heads, capacity, head_dim)  # [2N, B, H, S, D]
+    if rows is not None:
+        picked = rows[:, None]  # [R, 1]
+        # advanced indices on dims 1 and 3 (split by a slice): the values come out [R, M, 2N, H, D]
+        stacked[:, picked, :, dest_slots] = stacked[:, picked, :, source_slots]
+        return
+    width = source_slots.shape[1]
+    shape = (layers * 2, batch, heads, width, head_dim)
+    source = source_slots[None, :, None, :, None].expand(shape)  # [2N, B, H, M, D]
+    dest = dest_slots[None, :, None, :, None].expand(shape)
+    # The gather completes before the scatter writes, so overlapping paths are safe.
+    stacked.scatter_(3, dest, stacked.gather(3, source))
 
 
 class RowView:

@@ -7,15 +7,23 @@ back) but runs `NativeCore`: a compact functional decoder over the HF model's ow
 embedding, norms, projections, MLPs and head: the same parameters, no copy), with attention
 written out for the engine's layout. The core is a pure function of its inputs:
 
-    core(slots [3, B, T] (input ids, positions, write slots), pool [layers, 2, P, Hkv, C, D] (the
-         cache buffer; rows [0, B) and slots [0, S) are attended), allowed [B, T, S] bool)
-         -> logits [B, T, V], new_kv [layers, 2, B, Hkv, T, D]
+    core(slots [3, B, T] (input ids, positions, write slots), pools (per group of layers, the cache
+         buffer [layers in g, 2, P, Hkv, C, D]; rows [0, B) and slots [0, S) are attended),
+         allowed [B, T, S] bool) -> logits [B, T, V], new_kv (per group [layers in g, 2, B, Hkv, T, D])
+
+A model on one device is one group: one pool, one new_kv, exactly the single-buffer core. A model
+split over devices (`spectr.split`) has one group per contiguous run of layers on a device: the
+core itself moves the hidden state, rotary cos/sin and masks to the next group's device at each
+group boundary (one `.to` per group, a no-op on one device; the split's forward hooks sit on the
+decoder layers themselves, which the core does not call), runs the head on its own device and
+returns the logits on the engine's device (the embedding's). The new keys/values of a group stay on
+its device and are scattered into its buffer there.
 
 The new tokens' own keys attend through a [B, T, T] pattern read from `allowed` at their write
 slots (those slots of the view are stale this forward and masked); per layer the scores over the
 cache view and over the new tokens are joined before one float32 softmax, so nothing is copied
 or concatenated along the cache. The wrapper then scatters `new_kv` into the buffer in one op for
-every layer. Grouped-query attention folds the G query heads of a KV head into the query axis, as
+every layer of a group (one op per device). Grouped-query attention folds the G query heads of a KV head into the query axis, as
 `spectr.hf.grouped_query_attention` does: each K/V head is read once.
 
 Compilation (`compiled=True`): the core goes through `torch.compile(fullgraph=True)` (no graph
@@ -50,6 +58,7 @@ import torch
 
 from spectr.hf import HFCausalLM
 from spectr.kv_cache import RowView
+from spectr.split import layer_groups, moved
 
 NATIVE_MODEL_TYPES = ("llama", "qwen2")
 NATIVE_ROPE_TYPES = ("default", "linear", "llama3")  # a fixed inv_freq (dynamic / yarn-style ones: HF's path)
@@ -125,8 +134,6 @@ def native_supported(model) -> str | None:
         return "sliding-window layers"
     if getattr(config, "pretraining_tp", 1) not in (None, 1):
         return "pretraining_tp > 1"
-    if len(set((getattr(model, "hf_device_map", None) or {}).values())) > 1:
-        return "a model split over several devices (device_map)"
     return None
 
 
@@ -137,6 +144,8 @@ class NativeCore(torch.nn.Module):
         super().__init__()
         config = model.config
         inner = model.model
+        # (first layer, stop) of each group of layers on one device (one group unless split: spectr.split)
+        self.spans = tuple((start, stop) for start, stop, _ in layer_groups(model, len(inner.layers)))
         self.embed = inner.embed_tokens
         self.layers = inner.layers
         self.norm = inner.norm
@@ -148,20 +157,39 @@ class NativeCore(torch.nn.Module):
         self.scaling = self.head_dim ** -0.5
         self.max_position = getattr(config, "max_position_embeddings", None)
 
-    def forward(self, slots, pool, allowed, last_only: bool = False):
-        """slots [3, B, T] (input ids, positions, write slots); pool [N, 2, P >= B, Hkv, C >= S, D] (the
-        cache rows [0, B) and slots [0, S) are attended); allowed [B, T, S] bool. Returns logits [B, T, V]
-        ([B, 1, V] with last_only) and the new keys/values [N, 2, B, Hkv, T, D]."""
-        _, batch, new = slots.shape
+    def forward(self, slots, pools, allowed, last_only: bool = False):
+        """slots [3, B, T] (input ids, positions, write slots); pools: per group of layers [n, 2, P >= B, Hkv,
+        C >= S, D] (the cache rows [0, B) and slots [0, S) are attended); allowed [B, T, S] bool. Returns logits
+        [B, T, V] ([B, 1, V] with last_only) on the slots' device and the new keys/values, per group
+        [n, 2, B, Hkv, T, D] on the group's device."""
+        _, batch, _ = slots.shape
         input_ids, positions, write_slots = slots[0], slots[1], slots[2]  # [B, T] each
-        kv = pool[:, :, :batch, :, : allowed.shape[-1]]  # [N, 2, B, Hkv, S, D] a view
         if self.max_position is not None:
             positions = positions.clamp(max=self.max_position - 1)
         cache_allowed, new_allowed = split_pattern(allowed, write_slots)  # [B, T, S], [B, T, T]
         hidden = self.embed(input_ids)  # [B, T, E]
         cos, sin = self._rope(positions, hidden.dtype)  # [B, 1, T, D] each
         stored = []
-        for index, layer in enumerate(self.layers):  # unrolled under compile: one graph for the decoder
+        for (start, stop), pool in zip(self.spans, pools):  # one pass per device; unrolled under compile
+            device = pool.device  # the group's: activations cross here (nothing to move on one device)
+            hidden, cos, sin = moved(hidden, device), moved(cos, device), moved(sin, device)
+            cache_allowed, new_allowed = moved(cache_allowed, device), moved(new_allowed, device)
+            kv = pool[:, :, :batch, :, : allowed.shape[-1]]  # [n, 2, B, Hkv, S, D] a view
+            hidden, new_kv = self._group(start, stop, hidden, kv, cos, sin, cache_allowed, new_allowed)
+            stored.append(new_kv)
+        if last_only:
+            hidden = hidden[:, -1:]
+        hidden = self.norm(moved(hidden, self.norm.weight.device))
+        logits = self.head(moved(hidden, self.head.weight.device))  # [B, T, V]
+        return moved(logits, slots.device), tuple(stored)  # [B, T, V], per group [n, 2, B, Hkv, T, D]
+
+    def _group(self, start, stop, hidden, kv, cos, sin, cache_allowed, new_allowed):
+        """Layers [start, stop) (one group, on one device) over hidden [B, T, E] and their cache view kv [n, 2,
+        B, Hkv, S, D]: returns the hidden state [B, T, E] and the layers' new keys/values [n, 2, B, Hkv, T, D]."""
+        batch, new, _ = hidden.shape
+        stored = []
+        for index in range(start, stop):
+            layer = self.layers[index]
             attention = layer.self_attn
             normed = layer.input_layernorm(hidden)
             query = attention.q_proj(normed).view(batch, new, self.heads, self.head_dim).transpose(1, 2)
@@ -171,13 +199,11 @@ class NativeCore(torch.nn.Module):
             key = (key * cos + _rotate_half(key) * sin).to(kv.dtype)  # [B, Hkv, T, D]
             value = value.to(kv.dtype)
             stored.append(torch.stack([key, value]))  # [2, B, Hkv, T, D]
-            mixed = self._attend(query, kv[index, 0], kv[index, 1], key, value, cache_allowed, new_allowed)
+            local = index - start
+            mixed = self._attend(query, kv[local, 0], kv[local, 1], key, value, cache_allowed, new_allowed)
             hidden = hidden + attention.o_proj(mixed)
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        if last_only:
-            hidden = hidden[:, -1:]
-        logits = self.head(self.norm(hidden))  # [B, T, V]
-        return logits, torch.stack(stored)  # [B, T, V], [N, 2, B, Hkv, T, D]
+        return hidden, torch.stack(stored)  # [B, T, E], [n, 2, B, Hkv, T, D]
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, 1, T, D] of the rotary embedding at `positions` [B, T] (as HF computes them)."""
@@ -242,7 +268,7 @@ class NativeCausalLM(HFCausalLM):
         self.core, self._compiled_core = _CORES.get(model, (NativeCore(model), None))
         _CORES[model] = (self.core, self._compiled_core)
         self.cuda = self.device.type == "cuda"
-        self._static_pool = None  # id of the pool buffer marked static for CUDA graphs
+        self._static_pool = None  # ids of the pool buffers marked static for CUDA graphs
         self.compiled = False
         self.set_compiled(compiled)
 
@@ -276,26 +302,30 @@ class NativeCausalLM(HFCausalLM):
         base = rows.cache if subset else rows
         view = allowed.shape[-1]
         rows.begin_forward(write_slots, view)
-        if base.buffer is None:
+        if base.buffers[0] is None:
             base._allocate(torch.empty(1, self.core.kv_heads, 1, self.core.head_dim, dtype=self.dtype,
                                        device=self.device))
-        buffer = base.buffer  # [N, 2, B, Hkv, C, D]
+        buffers = base.buffers  # per group [n, 2, B, Hkv, C, D] (one: [N, 2, B, Hkv, C, D])
         slots = torch.stack([input_ids, position_ids.expand_as(write_slots), write_slots])  # [3, B, T] fresh
         if subset or not self.compiled:  # eager: prefill of new rows (a gathered copy of their slots)
-            pool = buffer[:, :, :, :, :view].index_select(2, rows.rows) if subset else buffer
-            logits, new_kv = self.core(slots, pool, allowed, last_only)
+            pools = tuple(b[:, :, :, :, :view].index_select(2, moved(rows.rows, b.device)) for b in buffers) \
+                if subset else tuple(buffers)
+            logits, new_kv = self.core(slots, pools, allowed, last_only)
         else:
             logits, new_kv = self._run_compiled(slots, base, allowed.contiguous(), last_only)
-        _store(buffer, new_kv, write_slots, rows.rows if subset else None)
+        for buffer, group_kv in zip(buffers, new_kv):  # one scatter per group (per device)
+            rows_here = moved(rows.rows, buffer.device) if subset else None
+            _store(buffer, group_kv, moved(write_slots, buffer.device), rows_here)
         return logits
 
     def _run_compiled(self, slots, cache, allowed, last_only):
         """The compiled core over the whole pool's buffer (one static input; the rows are its first B)."""
-        pool = cache.root.buffer  # [N, 2, P, Hkv, C, D]: the same tensor for the batcher's life
+        pools = tuple(cache.root.buffers)  # per group [n, 2, P, Hkv, C, D]: the same tensors for the batcher's life
         if self.cuda:
-            if id(pool) != self._static_pool:
-                torch._dynamo.mark_static_address(pool)  # CUDA graphs read it in place, never copy it
-                self._static_pool = id(pool)
+            if tuple(map(id, pools)) != self._static_pool:
+                for pool in pools:
+                    torch._dynamo.mark_static_address(pool)  # CUDA graphs read it in place, never copy it
+                self._static_pool = tuple(map(id, pools))
             view = allowed.shape[-1]
             padded = min(-(-view // CUDA_VIEW_BUCKET) * CUDA_VIEW_BUCKET, cache.capacity)
             allowed = torch.nn.functional.pad(allowed, (0, padded - view))  # [B, T, padded]: masked columns
@@ -304,12 +334,13 @@ class NativeCausalLM(HFCausalLM):
             torch._dynamo.mark_dynamic(slots, dim)  # B, T
         for dim in (0, 1, 2):
             torch._dynamo.mark_dynamic(allowed, dim)  # B, T, S
-        for dim in (2, 4):
-            torch._dynamo.mark_dynamic(pool, dim)  # P, C: batchers of other sizes share the graphs
+        for pool in pools:
+            for dim in (2, 4):
+                torch._dynamo.mark_dynamic(pool, dim)  # P, C: batchers of other sizes share the graphs
         with _shape_config():
-            logits, new_kv = self._compiled_core[-1](slots, pool, allowed, last_only)
+            logits, new_kv = self._compiled_core[-1](slots, pools, allowed, last_only)
         if self.cuda:  # the graph's output memory is reused by the next replay
-            logits, new_kv = logits.clone(), new_kv.clone()
+            logits, new_kv = logits.clone(), tuple(kv.clone() for kv in new_kv)
         return logits, new_kv
 
 

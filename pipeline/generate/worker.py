@@ -120,11 +120,12 @@ class ShardGenerator:
             "model.target",
             model.trust_remote_code,
         )
-        if model.device_map == "auto" and device.startswith("cuda") and torch.cuda.device_count() > 1:
-            log.warning("model.device_map=auto: the engine cannot run a target split over GPUs yet (its KV cache "
-                        "is one buffer on one device); the target stays on %s, the actor's other %d GPU(s) idle",
-                        device, torch.cuda.device_count() - 1)
-        self.target = models.load_model(model.target, model, device)
+        # model.device_map=auto with several GPUs: the target split over them (pipeline.placement), the draft whole
+        gpus = torch.cuda.device_count() if device.startswith("cuda") else 0
+        plan = models.target_plan(model.target, model, gpus)
+        if plan is not None:
+            log.info("model.device_map=auto: the target is split over the actor's %d GPUs", gpus)
+        self.target = models.load_model(model.target, model, device, plan=plan)
         self.draft = models.load_model(model.draft, model, device)
         self.eos_token_id = models.eos_token_ids_of(self.target, self.tokenizer)  # every EOS id
         # one continuous batch (one cache pool) for every shard this actor holds, built at the first shard

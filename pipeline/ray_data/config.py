@@ -9,7 +9,8 @@ actors, `accelerator_type`, `apply_chat_template`, `chat_template_kwargs`, `max_
 Hydra job's names (`spectr.*`: `method`, `num_drafts`, `draft_length`, `batch_size` rows in flight per actor,
 `max_num_drafts`, `max_draft_length`, `seed`, the row defaults `max_new_tokens`, `temperature`, `top_k`,
 `top_p`, and `compile` where the engine has it; `model.*`: `dtype`, `trust_remote_code`, `allow_pickle`,
-`device_map`). They are checked here, on the driver, by the job's own checks (`ValueError`, before any
+`device_map`: "auto" splits the target over the actor's `num_gpus` GPUs, as the job's
+`ray.gpus_per_actor`). They are checked here, on the driver, by the job's own checks (`ValueError`, before any
 actor starts), and turned into the job's `ModelConfig`, `SpectrConfig` and `DataConfig`, which the actor's
 `ShardGenerator` takes as the job's actor does.
 
@@ -46,7 +47,8 @@ class SpecTrProcessorConfig:
     draft_model_source: str  # the draft's directory (model.draft): same tokenizer and vocabulary
     batch_size: int = 32  # rows per Ray Data batch (not the engine's rows in flight: engine_kwargs batch_size)
     concurrency: int | tuple[int, int] = 1  # actors: n (a fixed pool), or (min, max) (an autoscaling pool)
-    accelerator_type: str | None = None  # e.g. "H100": each actor takes one GPU of that type
+    accelerator_type: str | None = None  # e.g. "H100": each actor takes GPUs of that type
+    num_gpus: int = 1  # GPUs per actor where there are GPUs; > 1 with engine_kwargs device_map="auto" splits the target
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     apply_chat_template: bool = False  # rows hold `messages`, rendered with the target tokenizer's template
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": False}
@@ -61,6 +63,8 @@ class SpecTrProcessorConfig:
         if not isinstance(self.max_concurrent_batches, int) or self.max_concurrent_batches < 1:
             raise ValueError("SpecTrProcessorConfig: max_concurrent_batches must be an int >= 1, "
                              f"got {self.max_concurrent_batches!r}")
+        if not isinstance(self.num_gpus, int) or self.num_gpus < 1:
+            raise ValueError(f"SpecTrProcessorConfig: num_gpus must be an int >= 1, got {self.num_gpus!r}")
         if self.num_cpus is not None and not self.num_cpus > 0:
             raise ValueError(f"SpecTrProcessorConfig: num_cpus must be > 0 or None, got {self.num_cpus!r}")
         unknown = sorted(set(self.engine_kwargs) - set(engine_keys()))

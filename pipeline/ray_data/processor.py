@@ -99,7 +99,7 @@ class SpecTrProcessor:
             max_concurrency=config.batches_in_flight(),  # Ray Core: concurrent calls per (async) actor
         )
         if config.accelerator_type or gpus:
-            kwargs["num_gpus"] = 1
+            kwargs["num_gpus"] = config.num_gpus  # > 1 with device_map="auto": the target split over them
         else:
             kwargs["num_cpus"] = config.num_cpus or 1
         if config.accelerator_type:

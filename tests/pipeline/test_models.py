@@ -90,3 +90,27 @@ def test_dtype_auto_is_bfloat16_on_cuda_and_float32_on_cpu():
     assert models.resolve_dtype("auto", "cuda", bf16_supported=True) is torch.bfloat16
     assert models.resolve_dtype("auto", "cuda:1", bf16_supported=False) is torch.float16
     assert models.resolve_dtype("bfloat16", "cpu") is torch.bfloat16
+
+
+def test_the_target_plan_and_what_the_loader_does_with_it(tiny_pair):
+    """model.device_map=auto: the plan from the target's config (only with > 1 GPU), and the loader placing the
+    target by it (GPU n -> the CPU here): the map is recorded, the layers form one group per GPU, same logits."""
+    import torch
+
+    from pipeline.config import ModelConfig
+    from pipeline.placement import placement_plan
+    from spectr.split import layer_groups
+
+    auto = ModelConfig(target=str(tiny_pair["target"]), draft=str(tiny_pair["draft"]), device_map="auto")
+    assert models.target_plan(auto.target, auto, gpus=1) is None
+    assert models.target_plan(auto.target, ModelConfig(target=auto.target, draft=auto.draft), gpus=2) is None
+    plan = models.target_plan(auto.target, auto, gpus=2)
+    assert plan == placement_plan(2, [0, 1]) and plan["model.layers.0"] == 0 and plan["model.layers.1"] == 1
+    split = models.load_model(auto.target, auto, "cpu", plan=plan, devices={0: "cpu", 1: "cpu"})
+    whole = models.load_model(auto.target, auto, "cpu")
+    assert split.hf_device_map == plan and not hasattr(whole, "hf_device_map")
+    assert layer_groups(split, 2) == ((0, 1, torch.device("cpu")), (1, 2, torch.device("cpu")))
+    ids = torch.tensor([[1, 2, 3, 4]])
+    assert torch.equal(split(ids).logits, whole(ids).logits)
+    tied = placement_plan(4, [0, 1], tied_head=True)  # the head IS the embedding: it stays on the first GPU
+    assert tied["lm_head"] == tied["model.embed_tokens"] == 0 and tied["model.norm"] == 1

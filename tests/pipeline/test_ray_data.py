@@ -202,6 +202,10 @@ def test_config_checks(tiny_pair):
     small = config_for(tiny_pair, batch_size=3, engine_kwargs={"batch_size": 8})  # 3 batches fill 8 slots, + 1
     assert small.batches_in_flight() == 4 and dataclasses.replace(small, max_concurrent_batches=3).batches_in_flight() == 3
     assert build_processor(config_for(tiny_pair, num_cpus=2)).stage_map_kwargs(gpus=False)["num_cpus"] == 2
+    split = config_for(tiny_pair, num_gpus=2, engine_kwargs={**ENGINE, "device_map": "auto"})
+    assert split.model_config().device_map == "auto" and build_processor(split).stage_map_kwargs(gpus=True)["num_gpus"] == 2
+    with pytest.raises(ValueError, match="num_gpus must be an int >= 1"):
+        config_for(tiny_pair, num_gpus=0)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ import spectr
 from spectr.selection import TOKEN_SELECTORS
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
-SECTIONS = ("exactness", "greedy", "pair_acceptance", "speed")
+SECTIONS = ("exactness", "greedy", "pair_acceptance", "speed", "device_map")
 
 
 def load_script():
@@ -66,6 +66,16 @@ def test_every_section_and_the_environment_are_recorded(smoke):
     for key in ("date", "command", "device_name", "torch", "transformers"):
         assert env[key]
     assert env["known_methods"] == spectr.known_methods()
+
+
+def test_the_device_map_section_splits_on_the_cpu_in_the_smoke_run_and_is_skipped_without_two_gpus(smoke, tmp_path):
+    section = smoke["results"]["device_map"]
+    assert section["status"] == "passed" and section["measured"] is False  # both "GPUs" are the CPU
+    assert len(section["models"]["groups"]) == 2 and all(row["identical_tokens"] for row in section["rows"])
+    gpu_check = load_script()
+    assert gpu_check.main(["--sections", "device_map", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    skipped = json.loads((tmp_path / "results.json").read_text())["device_map"]
+    assert skipped["status"] == "skipped" and skipped["reason"] == "skipped: 0 GPUs"
 
 
 def test_every_method_is_exact_in_both_dtypes_and_every_control_is_rejected(smoke):

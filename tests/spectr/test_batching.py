@@ -133,7 +133,8 @@ def pool_tensors(batcher: ContinuousBatcher) -> list[torch.Tensor]:
     return tensors
 
 
-@pytest.mark.parametrize("method", ["autoregressive", "spectr"])
+# autoregressive: slow (time for tests/spectr/test_split.py); spectr, which holds both models' caches, stays
+@pytest.mark.parametrize("method", [pytest.param("autoregressive", marks=pytest.mark.slow), "spectr"])
 def test_the_cache_pool_is_allocated_once_and_does_not_grow_over_10_consecutive_batches(pair, method):
     batcher = ContinuousBatcher(*pair, batch_size=4, max_length=48, method=method, num_drafts=2, draft_length=3)
     generator = torch.Generator().manual_seed(9)
