@@ -238,7 +238,9 @@ def compile_section(engine_rows: list[dict]) -> dict:
     for row in engine_rows:
         compiled, eager = row["compiled"], row["eager"]
         paid = max((compiled["first_wall"] - compiled["steady_wall"]) - (eager["first_wall"] - eager["steady_wall"]), 0.0)
-        saved = (eager["steady_wall"] - compiled["steady_wall"]) / max(compiled["iterations"] or 1, 1)
+        # per iteration of each arm (their runs need not take as many iterations: EOS at another step)
+        saved = (eager["steady_wall"] / max(eager["iterations"] or 1, 1)
+                 - compiled["steady_wall"] / max(compiled["iterations"] or 1, 1))
         rows.append(dict(method=row["method"], batch=row["batch"], compile_seconds=paid, saved_per_iteration=saved,
                          break_even_iterations=paid / saved if saved > 0 else None))
     total = sum(r["compile_seconds"] for r in rows)

@@ -11,7 +11,9 @@ the stage is one `map_batches` of `pipeline.ray_data.stage.SpecTrStage` on an ac
 (`ActorPoolStrategy(size=concurrency)`, or `(min, max)`: autoscaling), `batch_size` rows per Ray Data
 batch, and per actor as many batches at once as fill its engine's slots plus one, at most
 `max_concurrent_batches` (`SpecTrProcessorConfig.batches_in_flight`: `max_tasks_in_flight_per_actor` and
-`max_concurrency`; all of them feed the actor's one continuous batch), one GPU per actor when `accelerator_type` is set or the cluster has GPUs (else `num_cpus`);
+`max_concurrency`; all of them feed the actor's one continuous batch), `num_gpus` GPUs per actor
+(default 1; more with `device_map="auto"`: the target split over them) when `accelerator_type` is set or
+the cluster has GPUs (else `num_cpus`);
 `postprocess` is a `Dataset.map`, and a row carrying `__inference_error__` bypasses it (with
 `should_continue_on_error`; the others get `__inference_error__ = ""`).
 
