@@ -89,10 +89,11 @@ CPU_MIN_ITERATIONS = 20000
 # arithmetic up to float summation order. `CPU_VARIANT` is the variant `compile=True` uses on the CPU;
 # scripts/bench_compile.py (section forward) measures every variant in one run (see the README): frozen_cpp
 # 1.34x / 1.43x / 1.29x faster than eager over 1 / 5 / 17 tokens (5/1 1.66x, 17/1 2.27x); frozen alone was
-# slower than plain, plain about eager over 1 token. But in the engine at B = 16 (bench_compile --sections
-# engine --batches 16, 2026-12-03 17:53) frozen_cpp ran autoregressive at 0.46x eager, while plain inductor
-# had run it at 1.15x (the earlier partial run): the CPP template tuned at one width loses at 16 rows. So the
-# default is plain; frozen_cpp is for callers who run one row (`set_compiled(True, "frozen_cpp")`).
+# slower than plain, plain about eager over 1 token. In the engine at B = 16, plain runs 1.08x eager
+# (autoregressive and speculative L=3, 2026-12-03 19:34, benchmarks/results/compile/engine_b16_plain);
+# frozen_cpp's B = 16 figure (0.46x) came from the wrong code `_shape_config` explains and is void, and it
+# is not re-measured at B > 1. So the default stays plain; frozen_cpp (`set_compiled(True, "frozen_cpp")`)
+# is measured faster for one row only.
 CPU_VARIANTS = {
     "plain": {},
     "frozen": {"freezing": True},
