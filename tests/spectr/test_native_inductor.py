@@ -30,11 +30,11 @@ def pair():
     return (load(models / "target", dtype=torch.float32).eval(), load(models / "draft", dtype=torch.float32).eval())
 
 
-def tokens(pair, compiled: bool) -> list[list[int]]:
+def tokens(pair, compiled: bool, method: str = "autoregressive") -> list[list[int]]:
     target, draft = pair
     prompts = torch.randint(3, 8000, (3, 12), generator=torch.Generator().manual_seed(0)).tolist()
-    out = spectr.generate(target, draft, prompts, method="autoregressive", max_new_tokens=8, seed=[0, 1, 2],
-                          compile=compiled)
+    out = spectr.generate(target, draft, prompts, method=method, num_drafts=1, draft_length=3, max_new_tokens=8,
+                          seed=[0, 1, 2], compile=compiled)
     return out.tokens
 
 
@@ -44,9 +44,10 @@ def fresh_graphs(monkeypatch):
     torch._dynamo.reset()
 
 
-def test_inductor_tokens_equal_eager_at_three_rows(pair, monkeypatch):
+@pytest.mark.parametrize("method", ["autoregressive", "speculative"])
+def test_inductor_tokens_equal_eager_at_three_rows(pair, monkeypatch, method):
     fresh_graphs(monkeypatch)
-    assert tokens(pair, True) == tokens(pair, False)
+    assert tokens(pair, True, method) == tokens(pair, False, method)
 
 
 def test_the_size_oblivious_trace_is_rejected(pair, monkeypatch):
