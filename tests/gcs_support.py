@@ -22,13 +22,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from s3_support import free_port, stop
+from s3_support import free_port, start_server, stop, wait_until_up
 
 PRECONDITION_FAILED = {
     "error": {
@@ -91,19 +89,10 @@ def start_emulator(folder: Path, bucket: str, preconditions: bool) -> tuple[subp
     port = free_port()
     name = f"gcs-{'preconditions' if preconditions else 'plain'}"  # its log: every request it answered
     command = [sys.executable, __file__, str(port), bucket] + (["--preconditions"] if preconditions else [])
-    server = subprocess.Popen(
-        command, start_new_session=True, stdout=subprocess.DEVNULL, stderr=open(folder / f"{name}.log", "w")
-    )
+    server = start_server(command, folder, name)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            urllib.request.urlopen(url, timeout=2).close()
-            return server, url
-        except OSError:
-            assert server.poll() is None, (folder / f"{name}.log").read_text()[-2000:]
-            assert time.monotonic() < deadline, "gcp-storage-emulator did not start"
-            time.sleep(0.2)
+    wait_until_up(server, url, folder / f"{name}.log", "gcp-storage-emulator")
+    return server, url
 
 
 @contextmanager

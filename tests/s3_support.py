@@ -1,4 +1,5 @@
-"""moto's S3 server on 127.0.0.1 for tests: start it, stop it, and the AWS variables that point at it.
+"""moto's S3 server on 127.0.0.1 for tests: start it, stop it, and the AWS variables that point at it
+(`start_server`, `wait_until_up` and `stop` serve `gcs_support`'s emulator too).
 
 Plain functions (the fixtures that use them live in the test modules: `tests/jobs/test_generate_s3.py`,
 `tests/pipeline/test_ray_data.py`), as `tiny_pair_support` is for the tiny pair.
@@ -27,24 +28,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_moto(folder: Path, name: str, **env: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    server = subprocess.Popen(
-        [MOTO, "-H", "127.0.0.1", "-p", str(port)], env={**os.environ, **env}, start_new_session=True,
-        stdout=subprocess.DEVNULL, stderr=open(folder / f"{name}.log", "w"),
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+def start_server(command: list[str], folder: Path, name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start a test server (`command`, in its own session; its stderr in `<folder>/<name>.log`)."""
+    return subprocess.Popen(
+        command, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=open(folder / f"{name}.log", "w")
+    )
+
+
+def wait_until_up(server: subprocess.Popen, url: str, log: Path, what: str) -> None:
+    """Poll `url` until the server answers (an HTTP error is an answer); fail with its log if it exits."""
     deadline = time.monotonic() + 60
     while True:
         try:
             urllib.request.urlopen(url, timeout=2).close()
-            return server, url
+            return
         except OSError as err:
             if getattr(err, "code", None):  # an HTTP error is an answer
-                return server, url
-            assert server.poll() is None, (folder / f"{name}.log").read_text()[-2000:]
-            assert time.monotonic() < deadline, "moto_server did not start"
-            time.sleep(0.3)
+                return
+            assert server.poll() is None, log.read_text()[-2000:]
+            assert time.monotonic() < deadline, f"{what} did not start"
+            time.sleep(0.2)
+
+
+def start_moto(folder: Path, name: str, **env: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    server = start_server([MOTO, "-H", "127.0.0.1", "-p", str(port)], folder, name, {**os.environ, **env})
+    url = f"http://127.0.0.1:{port}"
+    wait_until_up(server, url, folder / f"{name}.log", "moto_server")
+    return server, url
 
 
 def stop(server: subprocess.Popen) -> None:
