@@ -46,6 +46,8 @@ from collections.abc import Sequence
 
 import torch
 
+from spectr.split import moved
+
 
 class RowKVCache:
     """Left-aligned per-row KV slots for `num_layers` attention layers, in one stacked buffer."""
@@ -100,8 +102,7 @@ class RowKVCache:
     def _on(self, group: int, index: torch.Tensor) -> torch.Tensor:
         """An index tensor of the engine's device, on group `group`'s device (itself when already there: no
         `.to` call at all on one device)."""
-        device = self.groups[group][2]
-        return index if index.device == device else index.to(device, non_blocking=True)
+        return moved(index, self.groups[group][2])
 
     # --- one forward -------------------------------------------------------------------
     @property
