@@ -4,8 +4,9 @@ No calibration phase: every iteration of every exact configuration samples the t
 conditional law, so the chooser learns on the real iterations of the job, whose tokens are all
 kept (`wasted_seconds` is 0).
 
-- Candidates: a small set within the bounds (autoregressive, speculative L=1..4, block L=2..4,
-  spectr K in {2, 4} x L in {2, 3, 4}), trimmed to the `MAX_CANDIDATES` best by the prior
+- Candidates: a small set within the bounds (autoregressive, speculative L=1, block L=2..4,
+  spectr K in {2, 4} x L in {2, 3, 4}; speculative L >= 2 is left out because block L dominates it:
+  same draft, same verify, at least as many tokens), trimmed to the `MAX_CANDIDATES` best by the prior
   (`spectr.planner.prior`: the one cost model on latencies guessed from parameter counts).
 - Measurement: an iteration's rate is (live rows x tokens per row) / seconds, and the two factors
   are measured apart, because their noise differs:
@@ -14,9 +15,9 @@ kept (`wasted_seconds` is 0).
     a bucket warms up new shapes and is not measured, nor is one that paid the draft's catch-up
     after autoregressive iterations: `observe(..., measure=False)`);
   - tokens per row per iteration: per configuration over every bucket (acceptance does not depend
-    on occupancy), shrunk toward the model `sum(reach(config, acceptance))` times its method's
-    measured/model ratio, with the weight of `PSEUDO_ROWS` row-iterations. At batch 1 one
-    iteration's tokens are a single draw of 1 to L + 1: a short trial measured by its own tokens
+    on occupancy), shrunk toward the model `sum(reach(config, acceptance))` times the measured/model
+    ratio of its method (speculative and block pooled: one draft), with the weight of `PSEUDO_ROWS`
+    row-iterations. At batch 1 one iteration's tokens are a single draw of 1 to L + 1: a short trial measured by its own tokens
     is decided by luck, while its seconds are steady.
 - Estimates of what is not measured in a bucket: the same tokens per row over the prior's seconds
   per iteration, scaled by measured/prior seconds of the same configuration in the nearest other
@@ -77,11 +78,16 @@ STATE_VERSION = 2
 
 def default_candidates(max_num_drafts: int, max_draft_length: int, greedy: bool = False,
                        speculative: bool = True) -> list[StepConfig]:
-    """The candidate set within the bounds (see the module docstring); greedy: one-draft methods only."""
+    """The candidate set within the bounds (see the module docstring); greedy: one-draft methods only.
+
+    Speculative L >= 2 is not a candidate: block L drafts and verifies the same tokens at the same cost
+    (one draft of L tokens, a verify of L + 1 positions) and block verification is optimal among
+    single-draft verifiers, so it commits at least as many tokens per iteration in expectation. At L = 1
+    the two are the same rule."""
     found = [StepConfig.of(AUTOREGRESSIVE)]
     if not speculative or max_draft_length < 1:
         return found
-    found += [StepConfig.of("speculative", 1, n) for n in range(1, min(4, max_draft_length) + 1)]
+    found.append(StepConfig.of("speculative", 1, 1))
     found += [StepConfig.of("block", 1, n) for n in range(2, min(4, max_draft_length) + 1)]
     if not greedy:
         found += [StepConfig.of("spectr", k, n) for k in (2, 4) if k <= max_num_drafts
@@ -94,6 +100,11 @@ def family(config: StepConfig) -> str:
     if not config.speculative:
         return AUTOREGRESSIVE
     return "single_draft" if config.method in SINGLE_DRAFT else "multi_draft"
+
+
+def _token_family(config: StepConfig) -> str:
+    """Configurations whose tokens per row share one measured/model ratio: one draft, else each method."""
+    return "single_draft" if config.method in SINGLE_DRAFT else config.method
 
 
 TIMELINE_POINTS = 20_000  # iterations kept for plots (`timeline`); older ones drop off
@@ -249,17 +260,20 @@ class OnlineChooser:
         if not config.speculative:
             return 1.0
         if config not in self._per_row:
-            model = sum(reach(config, self.acceptance_rate)) * self._method_ratio(config.method)
+            model = sum(reach(config, self.acceptance_rate)) * self._family_ratio(_token_family(config))
             tokens, rows = self._row_tokens.get(config, (0.0, 0.0))
             self._per_row[config] = (tokens + PSEUDO_ROWS * model) / (rows + PSEUDO_ROWS)
         return self._per_row[config]
 
-    def _method_ratio(self, method: str) -> float:
-        """Measured / model tokens per row over every configuration of `method` (shrunk toward 1)."""
+    def _family_ratio(self, name: str) -> float:
+        """Measured / model tokens per row over every configuration of one family (shrunk toward 1). One draft
+        pools speculative and block: the model (`reach`, token by token) is exact for the one in law and a
+        lower bound for the other, and at batch 1 a method's own few trials are draws of 1 to L + 1 that would
+        otherwise drag every configuration of that method down with them."""
         acceptance = self.acceptance_rate
         tokens = modelled = PSEUDO_ROWS
         for config, (measured, rows) in self._row_tokens.items():
-            if config.method == method:
+            if _token_family(config) == name:
                 tokens += measured
                 modelled += rows * sum(reach(config, acceptance))
         return tokens / modelled
