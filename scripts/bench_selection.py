@@ -12,6 +12,13 @@ target is the draft plus noise, so acceptance is realistic (neither all nor noth
 
     python scripts/bench_selection.py [--batch 64 --drafts 8 --length 8 --vocab 32000]
 
+--compiled adds the compiled engine's call (`spectr.native.compiled_select_tree`: the same rule under
+torch.compile with inductor, every row through the K-draft rule), and prints its compile seconds (first
+call minus a steady one), e.g. the figures in spectr/native.py:
+
+    python scripts/bench_selection.py --threads 1 --batch 1 --drafts 1 --length 3 --vocab 8192 \
+        --method speculative --repeats 30 --compiled
+
 It does not time the models or drafting; it is not a test (no assertion on speed).
 """
 
@@ -27,6 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from spectr.native import compiled_select_tree  # noqa: E402
 from spectr.rng import counter_uniforms, row_keys, sample_categorical  # noqa: E402
 from spectr.sequence import row_splits, select_sequences, select_tree, uniforms_shape  # noqa: E402
 from spectr.tree import prefix_leaders, shared_depths  # noqa: E402
@@ -49,17 +57,29 @@ def build_inputs(batch: int, drafts: int, length: int, vocab: int, seed: int, dt
     return draft_tokens, draft_probs, target_logits
 
 
-def engine_selection(draft_tokens, draft_probs, target_probs, method: str):
-    """The engine's call: select_tree on per-draft nodes, counter-based uniforms, and row splits from
-    the drafts' shared prefixes (the engine reads their sizes with its tree-width host copy)."""
+def engine_inputs(draft_tokens, target_probs):
+    """The engine's tree inputs: per-draft nodes and counter-based uniforms."""
     batch, num_drafts, length = draft_tokens.shape
     node_of = torch.arange(num_drafts * (length + 1)).view(1, num_drafts, length + 1).expand(batch, -1, -1)
     node_probs = target_probs.reshape(batch, num_drafts * (length + 1), -1)  # [B, K * (L + 1), V]
     uniforms = counter_uniforms(row_keys(range(batch)), torch.zeros(batch, dtype=torch.int64),
                                 (length + 1) * (num_drafts + 1)).view(batch, length + 1, num_drafts + 1)
+    return node_probs, node_of.contiguous(), uniforms
+
+
+def engine_selection(draft_tokens, draft_probs, target_probs, method: str):
+    """The engine's call: select_tree on per-draft nodes, counter-based uniforms, and row splits from
+    the drafts' shared prefixes (the engine reads their sizes with its tree-width host copy)."""
+    node_probs, node_of, uniforms = engine_inputs(draft_tokens, target_probs)
     shared = shared_depths(prefix_leaders(draft_tokens))  # [B, L]
     splits = row_splits(shared, shared.sum(0).tolist())
     return select_tree(draft_tokens, draft_probs, node_probs, node_of, uniforms, method=method, row_splits=splits)
+
+
+def compiled_engine_selection(draft_tokens, draft_probs, target_probs, method: str):
+    """The compiled engine's call (`spectr.native.compiled_select_tree`) on the same inputs."""
+    node_probs, node_of, uniforms = engine_inputs(draft_tokens, target_probs)
+    return compiled_select_tree(draft_tokens, draft_probs, node_probs, node_of, uniforms, method=method)
 
 
 def _status_kib(field: str) -> int:
@@ -92,6 +112,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compiled", action="store_true", help="also time the compiled engine's selection")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -125,6 +146,19 @@ def main() -> None:
         "select+validate": lambda: select(True),
         "engine select": lambda: engine_selection(draft_tokens, draft_probs, target_probs, args.method),
     }
+    compile_s = None
+    if args.compiled:
+        steps["engine compiled"] = lambda: compiled_engine_selection(draft_tokens, draft_probs, target_probs,
+                                                                     args.method)
+        start = time.perf_counter()
+        first = steps["engine compiled"]()
+        first_s = time.perf_counter() - start
+        start = time.perf_counter()
+        steps["engine compiled"]()
+        compile_s = first_s - (time.perf_counter() - start)
+        want = steps["engine select"]()
+        same = all(torch.equal(getattr(first, f), getattr(want, f)) for f in ("tokens", "num_tokens"))
+        print(f"compiled selection: compile {compile_s:.1f} s; same tokens as eager: {same}")
     for fn in steps.values():  # warm up (lazy initialisation, allocator pools)
         fn()
     memory = {name: peak_extra_memory_mib(fn) for name, fn in steps.items()}
@@ -146,6 +180,9 @@ def main() -> None:
             f"{name:16s} median {median * 1e3:8.1f} ms  (min {min(times[name]) * 1e3:7.1f} ms)  "
             f"ratio to softmax {median / softmax_s:5.2f}x  peak extra memory {memory[name]:7.1f} MiB"
         )
+    if args.compiled:
+        ratio = statistics.median(times["engine select"]) / statistics.median(times["engine compiled"])
+        print(f"engine select eager / compiled: {ratio:.2f}x (compile {compile_s:.1f} s)")
     print(f"load average after={os.getloadavg()[0]:.2f}")
 
 

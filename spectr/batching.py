@@ -385,6 +385,7 @@ class ContinuousBatcher:
             self.compiled = bool(models) and self.compile
         for model in models:
             model.set_compiled(self.compiled)
+        self.loop.compiled = self.compiled
         self.stats.compiled = self.compiled
 
     # -- admission -----------------------------------------------------------------------

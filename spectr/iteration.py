@@ -11,7 +11,9 @@ pool, or only its live rows):
              one token per unique tree node, after the row's cached prefix (4D mask + explicit
              position ids), padded to the widest tree of the rows;
 3) select  - `spectr.sequence.select_tree` (SpecTr, SpecInfer, speculative sampling, or block
-             verification, by name), on the node's own p and q;
+             verification, by name), on the node's own p and q (compiled mode:
+             `spectr.native.compiled_select_tree`, the same rule under torch.compile, where
+             `spectr.native.selection_compiles`);
 4) commit  - both KV caches keep only the accepted path (`keep_path`, one gather and one
              scatter per cache), rows advance by different amounts, and `spectr.records`
              appends the emitted tokens and marks rows that finished.
@@ -41,6 +43,7 @@ import torch
 from spectr.drafting import nonfinite_rows
 from spectr.hf import HFCausalLM
 from spectr.kv_cache import tree_attention
+from spectr.native import compiled_select_tree, selection_compiles
 from spectr.records import DRAFT_NONFINITE, TARGET_NONFINITE, Records
 from spectr.rng import IterationSlots, counter_uniforms, sample_categorical
 from spectr.rows import RowState
@@ -71,6 +74,7 @@ class Loop:
     target_longest: int = 0  # max target cache length
     draft_extent: tuple[int, int] = (0, 1)  # max(draft lengths + pending), max pending
     draft_lag: int = 0  # autoregressive iterations the draft cache has not seen
+    compiled: bool = False  # compiled mode: the selection may compile too (`spectr.native.selection_compiles`)
 
     def configure(self, method: str, num_drafts: int, draft_length: int) -> None:
         self.method, self.num_drafts, self.draft_length = method, num_drafts, draft_length
@@ -123,8 +127,12 @@ def speculative_step(loop: Loop, rows: RowState) -> None:
         real = torch.arange(width, device=logits.device) < tree.num_nodes[:, None]  # [R, W]
         target_nonfinite = (nonfinite_rows(logits) & real).any(1)  # [R]
         target_probs = loop.warp.probs(logits)  # [R, W, V]
-        selection = select_tree(tree.tokens, tree.draft_probs, target_probs, tree.node_of, selection_uniforms,
-                                method=loop.method, row_splits=splits)
+        if loop.compiled and selection_compiles(loop.method, tree.tokens.shape[1], logits.device):
+            selection = compiled_select_tree(tree.tokens, tree.draft_probs, target_probs, tree.node_of,
+                                             selection_uniforms, method=loop.method)
+        else:
+            selection = select_tree(tree.tokens, tree.draft_probs, target_probs, tree.node_of, selection_uniforms,
+                                    method=loop.method, row_splits=splits)
         logprobs = None if loop.records.logprobs is None else _path_logprobs(tree, selection, target_probs)
     errors = target_nonfinite.to(torch.int64) * TARGET_NONFINITE + tree.nonfinite.to(torch.int64) * DRAFT_NONFINITE
     accepted = selection.num_accepted  # [R]

@@ -52,12 +52,16 @@ when to compile (`spectr.batching`, `compile="auto"`), sampling and selection.
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
 
 from spectr.hf import HFCausalLM
 from spectr.kv_cache import RowView
+from spectr.outcome import SequenceSelection
+from spectr.selection import get_token_selector
+from spectr.sequence import SEQUENCE_RULES, select_tree
 from spectr.split import layer_groups, moved
 
 NATIVE_MODEL_TYPES = ("llama", "qwen2")
@@ -366,6 +370,77 @@ def _shape_config():
     from torch.fx.experimental import _config as fx_config
 
     return fx_config.patch(use_duck_shape=False)
+
+
+# -- the step's selection under compile (issue 22, item 3) ------------------------------------------------------
+# Compiled mode also compiles the selection. Inductor fuses each bisection step's multiply, clamp and sum into
+# one kernel (eager: several ops and an [N, V] buffer per step): on a GPU that removes the launches of the
+# issue; on this CPU, memory traffic. Measured eager vs inductor in one run (this 2-core CPU, 1 thread,
+# V = 8192, float32, 2026-12-04, scratch probes of the functions below):
+#   whole walk, speculative L=3: 1 row 1.33 -> 0.38 ms, 16 rows 3.6 -> 1.5 ms (compile 7.7 s);
+#   whole walk, block L=3: 1 row 1.0 -> 0.35 ms (compile 4.3 s);
+#   K-SEQ token rule, K = 4, per draft position: 1 row 4.8 -> 1.0 ms, 16 rows 6.9 -> 3.1 ms (compile 27-35 s
+#   per shape, 55 s for the graph of N >= 2 rows; the whole K-SEQ walk compiled 6.1x but in 106-208 s).
+# The rule (`SELECTION_RULE`): the single-draft walks (speculative, block) compile wherever the models do;
+# the K-draft token rules (spectr, specinfer) only on CUDA, where a K-SEQ position is ~25 bisection steps x
+# ~8 kernel launches. On the CPU their compile does not pay at the point compiled mode starts
+# (CPU_MIN_ITERATIONS): 20,000 iterations x at most ~11 ms saved (3 positions, 1 row) = 220 s, against
+# 30-55 s per (K, L) shape x the 6 K-draft shapes `auto` may explore = up to 330 s. In the engine the
+# selection is 1-5% of a CPU iteration (phases, B = 1 speculative L=3: draft 19%, target 74%, selection 3%).
+# The sort-based exact rho* the issue suggests (ratios sorted, prefix sums, the root between breakpoints)
+# measured 6-11x slower than the bisection on this CPU (the sort of V dominates), so the bisection stays.
+# The rows are a dynamic dimension (traced as in the core: without duck sizing, one row specialised);
+# plain inductor on every device (no CUDA graphs for the selection).
+SELECTION_RULE = "auto"  # "auto" (the rule above), "all" (every rule, every device), "none" (eager)
+SELECTION_RULES = ("auto", "all", "none")
+_SELECTION: dict = {}
+
+
+def selection_compiles(method: str, num_drafts: int, device: torch.device) -> bool:
+    """Whether compiled mode compiles `method`'s selection at `num_drafts` drafts on `device` (above)."""
+    if SELECTION_RULE not in SELECTION_RULES:
+        raise ValueError(f"SELECTION_RULE must be one of {SELECTION_RULES}, got {SELECTION_RULE!r}")
+    if SELECTION_RULE != "auto":
+        return SELECTION_RULE == "all"
+    return num_drafts == 1 or method in SEQUENCE_RULES or device.type == "cuda"
+
+
+def compiled_select_tree(draft_tokens, draft_probs, node_target_probs, node_of, uniforms, *,
+                         method: str) -> SequenceSelection:
+    """`spectr.sequence.select_tree` of the compiled engine: the same rule on the same inputs, every row
+    through the K-draft rule (no row splits: their counts would be dynamic shapes), compiled (above): a
+    single-draft or sequence-level walk whole, a K-draft token rule once per call shape (the walk between
+    its positions eager)."""
+    tensors = (draft_tokens, draft_probs, node_target_probs, node_of, uniforms)
+    if draft_tokens.shape[1] == 1 or method in SEQUENCE_RULES:
+        whole = _compiled(("tree", method), functools.partial(_select_tree_fields, method=method))
+        return SequenceSelection(*_run_rows_dynamic(whole, tensors))
+    rule = _compiled(("token", method), get_token_selector(method))
+    return select_tree(*tensors, method=method, selector=lambda *args: _run_rows_dynamic(rule, args))
+
+
+def _select_tree_fields(*tensors, method: str) -> tuple:
+    out = select_tree(*tensors, method=method)
+    return out.tokens, out.num_tokens, out.num_accepted, out.draft_index, out.accepted_per_position
+
+
+def _compiled(key: tuple, function):
+    """`function` under torch.compile(fullgraph=True), built once per key and backend."""
+    key = (*key, id(COMPILE_BACKEND))
+    if key not in _SELECTION:
+        from torch._dynamo import config as dynamo_config
+
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
+        _SELECTION[key] = (COMPILE_BACKEND, torch.compile(function, fullgraph=True, dynamic=False,
+                                                          backend=COMPILE_BACKEND))
+    return _SELECTION[key][1]
+
+
+def _run_rows_dynamic(compiled, tensors: tuple):
+    for tensor in tensors:
+        torch._dynamo.mark_dynamic(tensor, 0)  # the rows
+    with _shape_config():
+        return compiled(*tensors)
 
 
 def _store(buffer: torch.Tensor, new_kv: torch.Tensor, write_slots: torch.Tensor, rows: torch.Tensor | None) -> None:

@@ -43,7 +43,7 @@ import torch
 from spectr.block import block_rule, block_stop_probabilities
 from spectr.outcome import PAD_TOKEN, SequenceSelection
 from spectr.rng import sample_categorical
-from spectr.selection import TOKEN_SELECTORS, get_token_selector
+from spectr.selection import TOKEN_SELECTORS, TokenSelector, get_token_selector
 from spectr.tree import prefix_leaders, shared_depths
 from spectr.validation import check_probabilities, check_shape, check_token_ids, check_uniforms
 
@@ -125,6 +125,7 @@ def select_tree(
     *,
     method: str = "spectr",
     row_splits: Sequence[RowSplit | None] | None = None,
+    selector: TokenSelector | None = None,
 ) -> SequenceSelection:
     """One call's selection on a tree (unchecked: the engine's hot path): a sequence-level rule
     (`SEQUENCE_RULES`, e.g. block verification) or the masked walk of a token-level rule.
@@ -133,10 +134,12 @@ def select_tree(
     drafts, and the rows that cannot (no node of depth i with two drafts, see
     `spectr.tree.shared_depths`). The latter are selected as one-draft nodes (their alive draft's
     column, and the correction column), which gives the same tokens for less work.
+    selector (optional): the token rule to call instead of `method`'s own (the compiled engine passes
+    the same rule under torch.compile, `spectr.native.compiled_select_tree`).
     """
     if method in SEQUENCE_RULES:
         return SEQUENCE_RULES[method](draft_tokens, draft_probs, node_target_probs, node_of, uniforms)
-    selector = get_token_selector(method)
+    selector = selector or get_token_selector(method)
     batch_size, num_drafts, draft_length = draft_tokens.shape
     device = draft_tokens.device
     rows = torch.arange(batch_size, device=device)  # [B]

@@ -8,7 +8,8 @@ within float tolerance, for Llama and Qwen2 with grouped-query attention (and wi
 Graphs: with `COMPILE_BACKEND` set to dynamo's counting backend (graphs are traced and counted,
 not compiled to kernels: a test of shapes and breaks, fast on any CPU), a warm-up run and then a
 second run with other ragged prompt lengths, rows admitted mid-run and EOS compile no new graph,
-with `fullgraph=True` (a graph break would raise).
+with `fullgraph=True` (a graph break would raise); the selection's graphs (single-draft walks,
+`spectr.native.compiled_select_tree`) included.
 """
 
 from __future__ import annotations
@@ -104,8 +105,7 @@ def test_other_architectures_are_not_native():
         NativeCausalLM(tiny_model("gpt_neox"))
 
 
-@pytest.mark.parametrize("method", ["autoregressive", pytest.param("speculative", marks=pytest.mark.slow),
-                                    pytest.param("spectr", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("method", ["autoregressive", "speculative", pytest.param("spectr", marks=pytest.mark.slow)])
 def test_compiled_greedy_equals_hugging_face_greedy(counter, greedy_pair, method):
     target, draft = greedy_pair
     prompts = [[3, 17, 42, 8, 1], [9], [5, 6, 7, 8, 9, 10, 11]]
@@ -123,7 +123,7 @@ def _run(batcher, prompts, budgets, seed):
     return rows
 
 
-@pytest.mark.parametrize("method,k", [("autoregressive", 1), pytest.param("speculative", 1, marks=pytest.mark.slow),
+@pytest.mark.parametrize("method,k", [("autoregressive", 1), ("speculative", 1),
                                       pytest.param("spectr", 3, marks=pytest.mark.slow)])
 def test_no_new_graph_after_warm_up(counter, greedy_pair, method, k):
     """Ragged prompts, admissions mid-run, EOS and the tail (rows finishing one by one): after a warm-up
@@ -138,6 +138,8 @@ def test_no_new_graph_after_warm_up(counter, greedy_pair, method, k):
                  seed=100)
     assert len(again) == 7
     assert counter.frame_count == graphs, f"{counter.frame_count - graphs} new graphs after warm-up"
+    # the single-draft walk's selection is compiled too (spectr.native.selection_compiles)
+    assert (("tree", method, id(counter)) in native._SELECTION) == (method == "speculative")
 
 
 def test_compile_options_per_device_and_variant(monkeypatch):

@@ -41,6 +41,7 @@ def tokens(pair, compiled: bool, method: str = "autoregressive") -> list[list[in
 def fresh_graphs(monkeypatch):
     monkeypatch.setattr(native, "COMPILE_BACKEND", "inductor")
     native._CORES.clear()  # no graph compiled under another backend or config is reused
+    monkeypatch.setattr(native, "_SELECTION", {})
     torch._dynamo.reset()
 
 
