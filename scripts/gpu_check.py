@@ -598,6 +598,7 @@ class SpeedRun:
     num_drafts: int = 1
     draft_length: int = 1
     compiled: bool = False
+    attention: str = "masked"  # compiled runs: `spectr.native.ATTENTION` ("flex": FlexAttention's tree block mask)
 
     @property
     def name(self) -> str:
@@ -607,7 +608,7 @@ class SpeedRun:
             return "HF generate static cache + compile"
         if self.kind == "hf_assisted":
             return f"HF assisted L={self.draft_length}"
-        mode = " compiled" if self.compiled else ""
+        mode = (" compiled" if self.compiled else "") + (f" {self.attention}" if self.attention != "masked" else "")
         if self.method == AUTOREGRESSIVE:
             return f"ours autoregressive{mode}"
         if self.method == "speculative":
@@ -633,6 +634,21 @@ def left_padded(prompts: list[list[int]], device: torch.device) -> tuple[torch.T
     return ids.to(device), mask.to(device)
 
 
+@contextlib.contextmanager
+def attention(kind: str):
+    """`spectr.native.ATTENTION` = kind for the duration (compiled runs build their core with it)."""
+    import spectr.native as native
+
+    if kind != "masked" and not hasattr(native, "ATTENTION"):
+        raise RuntimeError(f"this engine has no attention {kind!r} (spectr.native.ATTENTION)")
+    before = getattr(native, "ATTENTION", "masked")
+    native.ATTENTION = kind
+    try:
+        yield
+    finally:
+        native.ATTENTION = before
+
+
 def run_ours(pair, prompts, run: SpeedRun, new_tokens: int, device: torch.device) -> dict:
     """One timed `spectr.generate` call (sampling at temperature 1, no truncation, no EOS)."""
     target, draft = pair
@@ -640,9 +656,10 @@ def run_ours(pair, prompts, run: SpeedRun, new_tokens: int, device: torch.device
         torch.cuda.reset_peak_memory_stats(device)
     synchronize(device)
     start = time.perf_counter()
-    out = spectr.generate(target, draft, prompts, method=run.method, num_drafts=run.num_drafts,
-                          draft_length=run.draft_length, max_new_tokens=new_tokens, temperature=1.0,
-                          seed=list(range(len(prompts))), **engine_mode(run.compiled))
+    with attention(run.attention):
+        out = spectr.generate(target, draft, prompts, method=run.method, num_drafts=run.num_drafts,
+                              draft_length=run.draft_length, max_new_tokens=new_tokens, temperature=1.0,
+                              seed=list(range(len(prompts))), **engine_mode(run.compiled))
     synchronize(device)
     wall = time.perf_counter() - start
     tokens = sum(len(t) for t in out.tokens)
@@ -832,6 +849,11 @@ def speed_units(plan: Plan, methods: list[str], compiles: bool) -> list[SpeedUni
                 units.append(((SpeedRun("ours", batch, "spectr", k, length),), 1))
         if "auto" in methods:
             units.append(((SpeedRun("ours", batch, "auto", max(plan.grid_drafts), max(plan.grid_lengths)),), 1))
+    if compiles:  # last (it runs if time is left): the compiled core's attention, masked vs FlexAttention
+        k, length = plan.headline_spectr
+        for batch in plan.speed_batches:
+            units.append(((SpeedRun("ours", batch, "spectr", k, length, True),
+                           SpeedRun("ours", batch, "spectr", k, length, True, "flex")), plan.headline_repeats))
     return units
 
 

@@ -23,7 +23,8 @@ The new tokens' own keys attend through a [B, T, T] pattern read from `allowed` 
 slots (those slots of the view are stale this forward and masked); per layer the scores over the
 cache view and over the new tokens are joined before one float32 softmax, so nothing is copied
 or concatenated along the cache. The wrapper then scatters `new_kv` into the buffer in one op for
-every layer of a group (one op per device). Grouped-query attention folds the G query heads of a KV head into the query axis, as
+every layer of a group (one op per device). Compiled, the attention may instead be FlexAttention over a
+block mask of the same pattern (`ATTENTION = "flex"`, CUDA only; see there). Grouped-query attention folds the G query heads of a KV head into the query axis, as
 `spectr.hf.grouped_query_attention` does: each K/V head is read once.
 
 Compilation (`compiled=True`): the core goes through `torch.compile(fullgraph=True)` (no graph
@@ -105,6 +106,22 @@ CPU_VARIANTS = {
 }
 CPU_VARIANT = "plain"
 
+# Attention of the compiled core (issue 22, item 5). "masked": the scores over the cache view and over the new
+# tokens joined before one float32 softmax (`NativeCore._attend`); "flex": FlexAttention
+# (`torch.nn.attention.flex_attention`) with a block mask built from the same pattern once per forward and
+# group, the tree mask as a `mask_mod` (blocks nobody attends are skipped; on CUDA its kernel is a fused,
+# flash-style one, which sdpa cannot use with an arbitrary mask). Compiled calls only: eager ones (prefill,
+# compile=False) always run "masked". Measured on this CPU (scripts/bench_attention.py --threads 1, results in
+# benchmarks/results/compile/attention/; inductor with static shapes, the embedded target's 8 layers of 8 heads
+# x 64, 2026-12-04, in one run): flex 2.0x slower than masked at one row, 5 tokens over 128 slots (1.02 vs
+# 0.50 ms for 8 layers), 2.4-2.9x at 16 rows over 256 (39-47 vs 16 ms), and 17 s of compile against 6 (cold
+# cache); masked attention is ~2% of a target forward at one row here. And under the core's dynamic shapes
+# inductor's CPU flex template fails to compile (C++ error, torch 2.13), so the CPU refuses "flex" under inductor. "masked"
+# is the default everywhere; on CUDA flex is not measured yet: `scripts/gpu_check.py` times both (its last
+# speed units, compiled SpecTr masked vs flex) so that one GPU run decides.
+ATTENTIONS = ("masked", "flex")
+ATTENTION = "masked"
+
 
 def check_compile(compile) -> bool | str:
     """`compile` as given (False, True or "auto"), or ValueError naming it."""
@@ -162,11 +179,11 @@ class NativeCore(torch.nn.Module):
         self.scaling = self.head_dim ** -0.5
         self.max_position = getattr(config, "max_position_embeddings", None)
 
-    def forward(self, slots, pools, allowed, last_only: bool = False):
+    def forward(self, slots, pools, allowed, last_only: bool = False, attention: str = "masked"):
         """slots [3, B, T] (input ids, positions, write slots); pools: per group of layers [n, 2, P >= B, Hkv,
-        C >= S, D] (the cache rows [0, B) and slots [0, S) are attended); allowed [B, T, S] bool. Returns logits
-        [B, T, V] ([B, 1, V] with last_only) on the slots' device and the new keys/values, per group
-        [n, 2, B, Hkv, T, D] on the group's device."""
+        C >= S, D] (the cache rows [0, B) and slots [0, S) are attended); allowed [B, T, S] bool; attention:
+        one of `ATTENTIONS`. Returns logits [B, T, V] ([B, 1, V] with last_only) on the slots' device and the
+        new keys/values, per group [n, 2, B, Hkv, T, D] on the group's device."""
         _, batch, _ = slots.shape
         input_ids, positions, write_slots = slots[0], slots[1], slots[2]  # [B, T] each
         if self.max_position is not None:
@@ -180,7 +197,8 @@ class NativeCore(torch.nn.Module):
             hidden, cos, sin = moved(hidden, device), moved(cos, device), moved(sin, device)
             cache_allowed, new_allowed = moved(cache_allowed, device), moved(new_allowed, device)
             kv = pool[:, :, :batch, :, : allowed.shape[-1]]  # [n, 2, B, Hkv, S, D] a view
-            hidden, new_kv = self._group(start, stop, hidden, kv, cos, sin, cache_allowed, new_allowed)
+            block = _block_mask(cache_allowed, new_allowed) if attention == "flex" else None
+            hidden, new_kv = self._group(start, stop, hidden, kv, cos, sin, cache_allowed, new_allowed, block)
             stored.append(new_kv)
         if last_only:
             hidden = hidden[:, -1:]
@@ -188,9 +206,10 @@ class NativeCore(torch.nn.Module):
         logits = self.head(moved(hidden, self.head.weight.device))  # [B, T, V]
         return moved(logits, slots.device), tuple(stored)  # [B, T, V], per group [n, 2, B, Hkv, T, D]
 
-    def _group(self, start, stop, hidden, kv, cos, sin, cache_allowed, new_allowed):
+    def _group(self, start, stop, hidden, kv, cos, sin, cache_allowed, new_allowed, block=None):
         """Layers [start, stop) (one group, on one device) over hidden [B, T, E] and their cache view kv [n, 2,
-        B, Hkv, S, D]: returns the hidden state [B, T, E] and the layers' new keys/values [n, 2, B, Hkv, T, D]."""
+        B, Hkv, S, D]: returns the hidden state [B, T, E] and the layers' new keys/values [n, 2, B, Hkv, T, D].
+        block: FlexAttention's block mask of the pattern (attention "flex"), or None (masked attention)."""
         batch, new, _ = hidden.shape
         stored = []
         for index in range(start, stop):
@@ -205,7 +224,10 @@ class NativeCore(torch.nn.Module):
             value = value.to(kv.dtype)
             stored.append(torch.stack([key, value]))  # [2, B, Hkv, T, D]
             local = index - start
-            mixed = self._attend(query, kv[local, 0], kv[local, 1], key, value, cache_allowed, new_allowed)
+            if block is None:
+                mixed = self._attend(query, kv[local, 0], kv[local, 1], key, value, cache_allowed, new_allowed)
+            else:
+                mixed = self._attend_flex(query, kv[local, 0], kv[local, 1], key, value, block)
             hidden = hidden + attention.o_proj(mixed)
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return hidden, torch.stack(stored)  # [B, T, E], [n, 2, B, Hkv, T, D]
@@ -233,6 +255,33 @@ class NativeCore(torch.nn.Module):
         mixed = weights[..., :view] @ cache_values + weights[..., view:] @ values  # [B, Hkv, G*T, D]
         mixed = mixed.reshape(batch, self.heads, new, dim).transpose(1, 2)  # [B, T, Hq, D]
         return mixed.reshape(batch, new, self.heads * dim).to(query.dtype)
+
+
+    def _attend_flex(self, query, cache_keys, cache_values, keys, values, block):
+        """`_attend` by FlexAttention over the cache view joined with the new tokens (one copy of the view's
+        keys/values per layer, which the masked form avoids) under `block` (`_block_mask`) -> [B, T, Hq * D]."""
+        from torch.nn.attention.flex_attention import flex_attention
+
+        batch, _, new, dim = query.shape
+        all_keys = torch.cat([cache_keys, keys], 2)  # [B, Hkv, S+T, D]
+        all_values = torch.cat([cache_values, values], 2)
+        mixed = flex_attention(query.to(all_keys.dtype), all_keys, all_values, block_mask=block,
+                               scale=self.scaling, enable_gqa=self.heads != self.kv_heads)  # [B, Hq, T, D]
+        return mixed.transpose(1, 2).reshape(batch, new, self.heads * dim).to(query.dtype)
+
+
+def _block_mask(cache_allowed: torch.Tensor, new_allowed: torch.Tensor):
+    """FlexAttention's block mask of the core's pattern: query t of row b attends key j of [cache view, new
+    tokens] iff cat(cache_allowed [B, T, S], new_allowed [B, T, T])[b, t, j]; the same for every head."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    pattern = torch.cat([cache_allowed, new_allowed], -1)  # [B, T, S+T]
+    batch, new, keys = pattern.shape
+
+    def mask_mod(b, h, q, kv):
+        return pattern[b, q, kv]
+
+    return create_block_mask(mask_mod, batch, None, new, keys, device=pattern.device)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -284,14 +333,20 @@ class NativeCausalLM(HFCausalLM):
         variant = CPU_VARIANT if variant is None else variant
         if variant not in CPU_VARIANTS:
             raise ValueError(f"variant must be one of {sorted(CPU_VARIANTS)}, got {variant!r}")
-        key = (COMPILE_BACKEND, "cuda" if self.cuda else variant)
-        if self.compiled and (self._compiled_core is None or self._compiled_core[:2] != key):
+        if ATTENTION not in ATTENTIONS:
+            raise ValueError(f"ATTENTION must be one of {ATTENTIONS}, got {ATTENTION!r}")
+        if self.compiled and ATTENTION == "flex" and not self.cuda and COMPILE_BACKEND == "inductor":
+            raise ValueError("ATTENTION='flex' compiles on CUDA only: inductor's CPU FlexAttention template "
+                             "does not compile under the core's dynamic shapes (C++ error, torch 2.13), and with "
+                             "static shapes it measured slower than 'masked' (see spectr/native.py)")
+        key = (COMPILE_BACKEND, "cuda" if self.cuda else variant, ATTENTION)
+        if self.compiled and (self._compiled_core is None or self._compiled_core[:3] != key):
             import torch._dynamo.config as dynamo_config
 
             dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
             compiled = torch.compile(self.core, fullgraph=True, dynamic=False, backend=COMPILE_BACKEND,
                                      **compile_options(self.cuda, variant))
-            self._compiled_core = (*key, compiled)
+            self._compiled_core = (*key, compiled)  # (backend, variant, attention, compiled core)
             _CORES[self.model] = (self.core, self._compiled_core)
 
     def forward(self, input_ids, position_ids, allowed, cache, write_slots, last_only: bool = False):
@@ -343,7 +398,7 @@ class NativeCausalLM(HFCausalLM):
             for dim in (2, 4):
                 torch._dynamo.mark_dynamic(pool, dim)  # P, C: batchers of other sizes share the graphs
         with _shape_config():
-            logits, new_kv = self._compiled_core[-1](slots, pools, allowed, last_only)
+            logits, new_kv = self._compiled_core[-1](slots, pools, allowed, last_only, self._compiled_core[2])
         if self.cuda:  # the graph's output memory is reused by the next replay
             logits, new_kv = logits.clone(), tuple(kv.clone() for kv in new_kv)
         return logits, new_kv

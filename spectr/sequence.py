@@ -171,13 +171,8 @@ def select_tree(
     tokens[:, draft_length] = torch.where(walking, bonus, PAD_TOKEN)
     accepted = torch.stack(accepted_at, 1) if accepted_at else alive.new_zeros(batch_size, 0)  # [B, L]
     num_accepted = accepted.sum(1)  # [B]
-    return SequenceSelection(
-        tokens=tokens,
-        num_tokens=num_accepted + 1,
-        num_accepted=num_accepted,
-        draft_index=draft_index,
-        accepted_per_position=accepted.sum(0),
-    )
+    return SequenceSelection(tokens=tokens, num_tokens=num_accepted + 1, num_accepted=num_accepted,
+                             draft_index=draft_index, accepted_per_position=accepted.sum(0))
 
 
 def _node_distributions(rows, first_alive, node) -> tuple[torch.Tensor, torch.Tensor]:

@@ -252,3 +252,20 @@ def test_compiled_runs_appear_only_when_the_engine_takes_compile_and_are_timed_i
     assert compiled["compiled_vs_eager"] == pytest.approx(compiled["tokens_per_s"] / eager["tokens_per_s"])
     assert compiled["speedup_vs_our_compiled_autoregressive"] == 1.0
     assert eager["vs_hf_static_compiled"] == pytest.approx(eager["tokens_per_s"] / hf_static["tokens_per_s"])
+
+
+def test_the_last_compiled_units_time_masked_against_flex_attention_and_restore_it():
+    """Where the engine compiles, the last speed units (run only if time is left) compare the compiled core's
+    attention, masked against FlexAttention, interleaved; the run sets `spectr.native.ATTENTION` and restores it."""
+    import spectr.native as native
+
+    gpu_check = load_script()
+    units = gpu_check.speed_units(gpu_check.SMOKE, spectr.known_methods(), compiles=True)
+    tail = units[-len(gpu_check.SMOKE.speed_batches):]
+    for (masked, flex), _ in tail:
+        assert masked.compiled and flex.compiled and (masked.attention, flex.attention) == ("masked", "flex")
+        assert flex.name == masked.name + " flex"
+    assert not any(run.attention == "flex" for group, _ in units[:-len(tail)] for run in group)
+    with gpu_check.attention("flex"):
+        assert native.ATTENTION == "flex"
+    assert native.ATTENTION == "masked"

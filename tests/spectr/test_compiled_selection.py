@@ -63,7 +63,6 @@ def test_single_draft_walk_compiles_whole_and_equals_eager(counting, method):
     assert counting.frame_count == graphs, "a new graph for another row count"  # ... for every row count
 
 
-@pytest.mark.slow  # tracing K-SEQ's 24 unrolled bisection steps: ~a minute on 2 cores
 @pytest.mark.parametrize("method", ["spectr", "specinfer"])
 def test_k_draft_token_rule_compiles_and_equals_eager(counting, method):
     for rows, seed in [(1, 0), (3, 1), (4, 2)]:
@@ -87,7 +86,7 @@ def test_which_rules_compile_where(monkeypatch):
         native.selection_compiles("speculative", 1, cpu)
 
 
-@pytest.mark.slow  # inductor compiles for real (minutes for the K-draft rules on 2 cores)
+@pytest.mark.slow  # inductor compiles for real (~1 min in all on 2 cores)
 @pytest.mark.parametrize("method,num_drafts", [("speculative", 1), ("block", 1), ("spectr", 3), ("specinfer", 2)])
 def test_inductor_selection_equals_eager(monkeypatch, method, num_drafts):
     monkeypatch.setattr(native, "COMPILE_BACKEND", "inductor")

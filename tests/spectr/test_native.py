@@ -99,6 +99,28 @@ def test_native_forward_equals_the_hf_path(arch, kv_heads):
     assert torch.equal(native_cache.rows.lengths, hf_cache.rows.lengths)
 
 
+@pytest.mark.parametrize("kv_heads", [2, pytest.param(4, marks=pytest.mark.slow)])
+@torch.inference_mode()
+def test_flex_attention_core_equals_the_hf_path(counter, monkeypatch, kv_heads):
+    """The compiled core with FlexAttention (`native.ATTENTION = "flex"`: the tree pattern as a block mask)
+    traces whole (fullgraph) and computes the HF path's logits and cache writes; an unknown attention is refused."""
+    monkeypatch.setattr(native, "ATTENTION", "flex")
+    model = tiny_model("llama", vocab_size=64, num_heads=4, num_kv_heads=kv_heads, init_std=0.2, seed=7)
+    hf, lm = HFCausalLM(model), NativeCausalLM(model, compiled=True)
+    assert lm._compiled_core[2] == "flex"
+    graphs = counter.frame_count
+    hf_cache, native_cache = hf.new_cache(3, 32), lm.new_cache(3, 32)
+    expected = _forwards(hf, hf.forward, hf_cache)
+    got = _forwards(lm, lm.forward, native_cache)
+    assert counter.frame_count > graphs  # the compiled (flex) core ran, not the eager one
+    for want, have in zip(expected, got):
+        torch.testing.assert_close(have, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(native_cache.rows.buffer, hf_cache.rows.buffer, rtol=1e-4, atol=1e-5)
+    monkeypatch.setattr(native, "ATTENTION", "sparse")
+    with pytest.raises(ValueError, match="ATTENTION"):
+        lm.set_compiled(True)
+
+
 def test_other_architectures_are_not_native():
     assert "gpt_neox" in native_supported(tiny_model("gpt_neox"))
     with pytest.raises(ValueError, match="native"):
@@ -173,3 +195,14 @@ def test_inductor_variant_equals_the_hf_path(monkeypatch, variant):
     for want, have in zip(expected, got):
         torch.testing.assert_close(have, want, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(native_cache.rows.buffer, hf_cache.rows.buffer, rtol=1e-4, atol=1e-5)
+
+
+def test_inductor_refuses_flex_attention_on_the_cpu(monkeypatch):
+    """Inductor's CPU FlexAttention template fails to compile under the core's dynamic shapes (torch 2.13), so
+    compiled mode refuses it there with the reason, before any compile."""
+    monkeypatch.setattr(native, "COMPILE_BACKEND", "inductor")
+    monkeypatch.setattr(native, "ATTENTION", "flex")
+    lm = NativeCausalLM(tiny_model("llama", vocab_size=64, num_heads=4, num_kv_heads=2, seed=8))
+    with pytest.raises(ValueError, match="CUDA only"):
+        lm.set_compiled(True)
+    lm.set_compiled(False)  # eager is fine (it always runs the masked attention)
