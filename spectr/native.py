@@ -430,20 +430,20 @@ def _shape_config():
 # -- the step's selection under compile (issue 22, item 3) ------------------------------------------------------
 # Compiled mode also compiles the selection. Inductor fuses each bisection step's multiply, clamp and sum into
 # one kernel (eager: several ops and an [N, V] buffer per step): on a GPU that removes the launches of the
-# issue; on this CPU, memory traffic. Measured eager vs inductor in one run (this 2-core CPU, 1 thread,
-# V = 8192, float32, 2026-12-04, scratch probes of the functions below):
-#   whole walk, speculative L=3: 1 row 1.33 -> 0.38 ms, 16 rows 3.6 -> 1.5 ms (compile 7.7 s);
-#   whole walk, block L=3: 1 row 1.0 -> 0.35 ms (compile 4.3 s);
-#   K-SEQ token rule, K = 4, per draft position: 1 row 4.8 -> 1.0 ms, 16 rows 6.9 -> 3.1 ms (compile 27-35 s
-#   per shape, 55 s for the graph of N >= 2 rows; the whole K-SEQ walk compiled 6.1x but in 106-208 s).
-# The rule (`SELECTION_RULE`): the single-draft walks (speculative, block) compile wherever the models do;
-# the K-draft token rules (spectr, specinfer) only on CUDA, where a K-SEQ position is ~25 bisection steps x
-# ~8 kernel launches. On the CPU their compile does not pay at the point compiled mode starts
-# (CPU_MIN_ITERATIONS): 20,000 iterations x at most ~11 ms saved (3 positions, 1 row) = 220 s, against
-# 30-55 s per (K, L) shape x the 6 K-draft shapes `auto` may explore = up to 330 s. In the engine the
-# selection is 1-5% of a CPU iteration (phases, B = 1 speculative L=3: draft 19%, target 74%, selection 3%).
-# The sort-based exact rho* the issue suggests (ratios sorted, prefix sums, the root between breakpoints)
-# measured 6-11x slower than the bisection on this CPU (the sort of V dominates), so the bisection stays.
+# issue; on this CPU, memory traffic. Measured against the eager engine's own call (row splits included) by
+# `scripts/bench_selection.py --compiled --threads 1 --length 3 --vocab 8192 --repeats 30` (this 2-core CPU,
+# float32, 2026-12-04, benchmarks/results/compile/selection/; same tokens as eager in every run):
+#   speculative: 1 row 0.8 -> 0.5 ms (1.64x), 16 rows 2.8 -> 1.7 ms (1.69x); compile 7-8 s;
+#   block:       1 row 0.6 -> 0.5 ms (1.29x), 16 rows 3.9 -> 1.8 ms (2.22x); compile 5-6 s;
+#   spectr K=4:  1 row 1.7 -> 1.5 ms (1.15x), 16 rows 5.9 -> 5.4 ms (1.09x); compile 10-21 s per shape.
+# The rule (`SELECTION_RULE`): the single-draft walks compile wherever the models do (with the models' own
+# saving per iteration, compiled mode's break-even stays under CPU_MIN_ITERATIONS); the K-draft token rules
+# (spectr, specinfer) only on CUDA, where a K-SEQ position is ~25 bisection steps x ~8 kernel launches. On the
+# CPU the engine's eager call already sends rows without shared prefixes through the one-draft path, so the
+# compiled rule saves 0.2-0.5 ms per iteration for 10-21 s of compile per (K, L) shape (break-even 40,000-
+# 50,000 iterations, x the K-draft shapes `auto` may explore). The selection is 1-5% of a CPU iteration.
+# A sort-based exact rho* (ratios sorted, prefix sums, the root between breakpoints) measured 6-11x slower than
+# the bisection on this CPU in a scratch probe (the sort of V dominates; not kept), so the bisection stays.
 # The rows are a dynamic dimension (traced as in the core: without duck sizing, one row specialised);
 # plain inductor on every device (no CUDA graphs for the selection).
 SELECTION_RULE = "auto"  # "auto" (the rule above), "all" (every rule, every device), "none" (eager)
