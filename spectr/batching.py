@@ -71,7 +71,13 @@ import torch
 from spectr.drafting import TreeDrafter
 from spectr.hf import HFCausalLM
 from spectr.iteration import Loop, autoregressive_step, speculative_step
-from spectr.native import NativeCausalLM, auto_compile, check_compile, native_supported
+from spectr.native import (
+    NativeCausalLM,
+    auto_compile,
+    check_compile,
+    compile_seconds_so_far,
+    native_supported,
+)
 from spectr.records import DRAFT_NONFINITE, STOP, TARGET_NONFINITE, Records, SlotResult
 from spectr.rng import row_keys
 from spectr.rows import RowState, prefill
@@ -372,7 +378,12 @@ class ContinuousBatcher:
     def snapshot(self) -> GenerationStats:
         """The run's batch-level statistics so far (iterations, widths, seconds); rows are not included."""
         self.loop.timer.write(self.stats)
+        self.stats.compile_seconds = self.compile_seconds()
         return self.stats
+
+    def compile_seconds(self) -> float:
+        """Compiled mode: what this process compiled since this batcher's first step (dynamo's timer; 0 eager)."""
+        return max(0.0, compile_seconds_so_far() - self._compile_base) if self.compiled else 0.0
 
     def _decide_compile(self) -> None:
         """Compile the native models now (compile=True), never (False), or when the queued work pays for it
@@ -387,6 +398,7 @@ class ContinuousBatcher:
             model.set_compiled(self.compiled)
         self.loop.compiled = self.compiled
         self.stats.compiled = self.compiled
+        self._compile_base = compile_seconds_so_far()
 
     # -- admission -----------------------------------------------------------------------
     def fill(self) -> None:

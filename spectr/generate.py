@@ -173,6 +173,7 @@ class Generation:
     def finish(self) -> None:
         """Put the rows in prompt order and close the timers (reads nothing more from the device)."""
         self.batcher.loop.timer.finish(self.stats)
+        self.stats.compile_seconds = self.batcher.compile_seconds()
         rows = [self.finished[i] for i in range(len(self.prompts))]
         self.tokens = [row.tokens for row in rows]
         if rows and rows[0].logprobs is not None:

@@ -123,6 +123,14 @@ ATTENTIONS = ("masked", "flex")
 ATTENTION = "masked"
 
 
+def compile_seconds_so_far() -> float:
+    """Seconds this process has spent in torch.compile so far (dynamo's `_compile.compile_inner` timer:
+    tracing, inductor and its C++ or Triton builds; CUDA graph recording at a first replay is not in it)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return float(sum(compilation_time_metrics.get("_compile.compile_inner", ())))
+
+
 def check_compile(compile) -> bool | str:
     """`compile` as given (False, True or "auto"), or ValueError naming it."""
     if not any(compile is choice or (isinstance(choice, str) and compile == choice) for choice in COMPILE_CHOICES):

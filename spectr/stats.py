@@ -72,6 +72,7 @@ class GenerationStats:
     draft_catch_ups: int = 0
     plan: str = ""  # method="auto": what the planner chose and predicted
     compiled: bool = False  # the forwards ran compiled (spectr.native)
+    compile_seconds: float = 0.0  # compiled: seconds spent compiling (dynamo + inductor), inside the phases' seconds
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
     selection_seconds: float = 0.0

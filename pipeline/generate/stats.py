@@ -32,6 +32,7 @@ _SUMMED = (
     "selection_seconds",
     "other_seconds",
     "wall_seconds",
+    "compile_seconds",  # compiled mode (spectr.compile): seconds compiling, inside the phases' seconds
 )
 _SUMMED_LISTS = ("accepted_per_position", "tokens_per_call_histogram")
 _SUMMED_DICTS = ("tokens_by_config", "seconds_by_config")  # method=auto: configuration label -> value

@@ -119,6 +119,7 @@ class JobSummary:
     planner_wasted_s: float = 0.0  # method=auto: generation seconds whose tokens were not kept (goal: 0)
     tokens_by_config: dict[str, int] = field(default_factory=dict)  # method=auto: label -> tokens
     planner_values: dict[str, float] = field(default_factory=dict)  # method=auto: `planner_metrics`
+    compile_s: float = 0.0  # spectr.compile: seconds the actors spent compiling (summed), inside generation
 
     @classmethod
     def build(
@@ -175,6 +176,7 @@ class JobSummary:
             planner_wasted_s=float(total.get("wasted_seconds", 0.0)),
             tokens_by_config=dict(total.get("tokens_by_config") or {}),
             planner_values=planner_metrics(total),
+            compile_s=float(total.get("compile_seconds", 0.0)),
         )
 
     @property
@@ -200,6 +202,7 @@ class JobSummary:
             "generation_s",
             "startup_s",
             "overhead_s",
+            "compile_s",
         )
         values = {name: float(getattr(self, name)) for name in names}
         for i, rate in enumerate(acceptance_by_position(self.accepted_per_position, self.target_calls)):
@@ -238,6 +241,8 @@ class JobSummary:
             ("throughput", f"{self.throughput_tokens_per_s:.1f} tokens/s over {self._throughput_covers()}"),
             ("wall time", self._wall_time_line()),
             ("inside generate", split),
+            *([("compiling", f"{self.compile_s:.1f} s of the actors' generation time (spectr.compile)")]
+              if self.compile_s > 0 else []),
             ("actors", f"{self.num_actors} on {self.actor_device}"),
             ("output", f"{self.output_dir} ({self.num_shards} shards)"),
         ]

@@ -31,7 +31,8 @@ the cycle are rejected.
 
 Compiled mode (`compile=True`: `spectr.native`'s forward under torch.compile, fullgraph, dynamic
 shapes): rows admitted mid-run follow the same law, and the commit without path gather is rejected
-there too. In the default suite the graphs are traced by dynamo and run as traced (a counting
+there too; with `SELECTION_RULE = "all"` the K-draft selection itself runs compiled (K-SEQ follows the
+target; K-SEQ with rho = 1 for every draft is rejected). In the default suite the graphs are traced by dynamo and run as traced (a counting
 backend: the compiled path's shapes, slicing and cache writes, without inductor's minutes of
 kernel compilation on this CPU); the slow variants compile with inductor.
 
@@ -336,7 +337,6 @@ def traced_graphs():
     torch._dynamo.reset()
 
 
-@pytest.mark.slow  # the default suite's budget (8 min on 2 cores); see the README's Tests section
 def test_compiled_mode_rows_admitted_mid_run_follow_the_target(pair, exact_laws, traced_graphs):
     out = run(pair, "spectr", 3, 2, "warped", 6000, batch_size=MID_RUN_BATCH, compile=True)
     assert traced_graphs.frame_count > 0
@@ -344,7 +344,6 @@ def test_compiled_mode_rows_admitted_mid_run_follow_the_target(pair, exact_laws,
     assert chi_square_pvalue(out.tokens, exact_laws["warped"]) > ACCEPT_P
 
 
-@pytest.mark.slow  # the default suite's budget (8 min on 2 cores); see the README's Tests section
 def test_compiled_mode_negative_control_a_commit_without_path_gather_is_rejected(pair, exact_laws, traced_graphs,
                                                                                   monkeypatch):
     monkeypatch.setattr(RowKVCache, "keep_path", lambda self, source, dest, rows=None: None)
@@ -366,4 +365,27 @@ def test_inductor_compiled_negative_control_skipping_the_residual_is_rejected(pa
     monkeypatch.setattr(native, "COMPILE_BACKEND", "inductor")
     monkeypatch.setitem(selection.TOKEN_SELECTORS, "skip_residual", _skip_residual)
     out = run(pair, "skip_residual", 1, 2, "warped", 6000, batch_size=MID_RUN_BATCH, compile=True)
+    assert chi_square_pvalue(out.tokens, exact_laws["warped"]) < REJECT_P
+
+
+def _kseq_rho_one(draft_tokens, alive, draft_probs, target_probs, uniforms):
+    """Broken K-SEQ: every alive draft tested with rho = 1 (each at min(1, q/p)), as if it were the only one."""
+    rho = torch.ones(draft_tokens.shape[0], dtype=torch.float64, device=draft_tokens.device)
+    return selection._test_in_order_then_correct(draft_tokens, alive, draft_probs, target_probs, uniforms, rho)
+
+
+def test_compiled_k_draft_selection_follows_the_target(pair, exact_laws, traced_graphs, monkeypatch):
+    """SELECTION_RULE "all": K-SEQ's token rule itself runs compiled (on the CPU it stays eager by default)."""
+    monkeypatch.setattr(native, "SELECTION_RULE", "all")
+    out = run(pair, "spectr", 3, 2, "warped", 6000, batch_size=MID_RUN_BATCH, compile=True)
+    assert ("token", "spectr", id(traced_graphs)) in native._SELECTION
+    assert chi_square_pvalue(out.tokens, exact_laws["warped"]) > ACCEPT_P
+
+
+def test_compiled_k_draft_selection_negative_control_rho_one_is_rejected(pair, exact_laws, traced_graphs,
+                                                                         monkeypatch):
+    monkeypatch.setattr(native, "SELECTION_RULE", "all")
+    monkeypatch.setitem(selection.TOKEN_SELECTORS, "kseq_rho_one", _kseq_rho_one)
+    out = run(pair, "kseq_rho_one", 3, 2, "warped", 6000, batch_size=MID_RUN_BATCH, compile=True)
+    assert ("token", "kseq_rho_one", id(traced_graphs)) in native._SELECTION
     assert chi_square_pvalue(out.tokens, exact_laws["warped"]) < REJECT_P

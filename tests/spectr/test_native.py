@@ -137,6 +137,22 @@ def test_compiled_greedy_equals_hugging_face_greedy(counter, greedy_pair, method
     assert out.tokens == [hf_greedy(target, p, 8) for p in prompts]
 
 
+def test_compile_seconds_are_reported(counter):
+    """stats.compile_seconds: 0 eager; the seconds dynamo spent on a new model's graphs; 0 when they are reused."""
+    target = tiny_model("llama", vocab_size=64, num_layers=1, init_std=0.2, seed=11)
+    draft = noisy_copy(target, noise_std=0.05, seed=12)
+    prompts = [[3, 17, 42], [9, 8]]
+
+    def stats(compile):
+        return spectr.generate(target, draft, prompts, method="speculative", draft_length=2, max_new_tokens=5,
+                               seed=[0, 1], compile=compile).stats
+
+    assert stats(False).compile_seconds == 0.0
+    first = stats(True)
+    assert first.compiled and first.compile_seconds > 0
+    assert stats(True).compile_seconds == 0.0  # same shapes: every graph reused
+
+
 def _run(batcher, prompts, budgets, seed):
     batcher.admit(prompts[:2], max_new_tokens=budgets[:2], seed=seed)
     rows = list(batcher.step())

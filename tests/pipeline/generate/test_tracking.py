@@ -179,6 +179,20 @@ def test_planner_prediction_mix_and_waste_in_the_summary():
     assert not any(name.startswith("planner_") for name in fixed.metrics())
 
 
+def test_compile_seconds_are_summed_into_the_summary():
+    """spectr.compile: the actors' compile seconds (each shard's `compile_seconds`) become `compile_s`, a
+    final metric (0 in eager jobs) and, when non-zero, a line of the table."""
+    common = dict(num_prompts=8, startup_s=1.0, num_actors=2, actor_device="cpu", output_dir="o", num_shards=2)
+    first, second = shard(4, 60, 20, [10, 5], 25), shard(4, 40, 20, [12, 6], 26)
+    first.update(compile_seconds=30.5)
+    second.update(compile_seconds=1.5)
+    compiled = JobSummary.build([first, second], [first, second], wall_time_s=12.0, generation_s=10.0, **common)
+    assert compiled.compile_s == 32.0 and compiled.metrics()["compile_s"] == 32.0
+    assert "compiling         32.0 s of the actors' generation time" in compiled.table()
+    eager = JobSummary.build([shard(4, 60, 20, [10, 5], 25)], [], wall_time_s=1.0, generation_s=1.0, **common)
+    assert eager.metrics()["compile_s"] == 0.0 and "compiling" not in eager.table()
+
+
 def test_run_record_round_trip_and_a_broken_file(tmp_path):
     assert read_run_record(tmp_path) is None
     write_run_record(tmp_path, RunRecord("r1", "0", "http://x", 12.5, 30.0, 2))
