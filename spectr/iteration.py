@@ -127,7 +127,7 @@ def speculative_step(loop: Loop, rows: RowState) -> None:
         real = torch.arange(width, device=logits.device) < tree.num_nodes[:, None]  # [R, W]
         target_nonfinite = (nonfinite_rows(logits) & real).any(1)  # [R]
         target_probs = loop.warp.probs(logits)  # [R, W, V]
-        if loop.compiled and selection_compiles(loop.method, tree.tokens.shape[1], logits.device):
+        if loop.compiled and selection_compiles(logits.device):
             selection = compiled_select_tree(tree.tokens, tree.draft_probs, target_probs, tree.node_of,
                                              selection_uniforms, method=loop.method)
         else:

@@ -444,28 +444,30 @@ def _shape_config():
 #   speculative: 1 row 0.8 -> 0.5 ms (1.64x), 16 rows 2.8 -> 1.7 ms (1.69x); compile 7-8 s;
 #   block:       1 row 0.6 -> 0.5 ms (1.29x), 16 rows 3.9 -> 1.8 ms (2.22x); compile 5-6 s;
 #   spectr K=4:  1 row 1.7 -> 1.5 ms (1.15x), 16 rows 5.9 -> 5.4 ms (1.09x); compile 10-21 s per shape.
-# The rule (`SELECTION_RULE`): the single-draft walks compile wherever the models do (with the models' own
-# saving per iteration, compiled mode's break-even stays under CPU_MIN_ITERATIONS); the K-draft token rules
-# (spectr, specinfer) only on CUDA, where a K-SEQ position is ~25 bisection steps x ~8 kernel launches. On the
-# CPU the engine's eager call already sends rows without shared prefixes through the one-draft path, so the
-# compiled rule saves 0.2-0.5 ms per iteration for 10-21 s of compile per (K, L) shape (break-even 40,000-
-# 50,000 iterations, x the K-draft shapes `auto` may explore). The selection is 1-5% of a CPU iteration.
+# The rule (`SELECTION_RULE = "auto"`): the selection compiles on CUDA, where a K-SEQ position alone is ~25
+# bisection steps x ~8 kernel launches; on the CPU it stays eager. There each (method, K, L) shape compiles
+# its own graphs (5-21 s, above), `auto` explores several, and an iteration saves at most ~1-2 ms of 30-60:
+# in a whole compiled job (make run defaults, spectr.compile=true, warm inductor cache, 2026-12-04,
+# benchmarks/results/compile/jobs/) the selection phase took 22% of the time inside generation, against 5-6%
+# in the eager jobs of the same run, the selection graphs of each explored candidate compiling. The engine's
+# eager call already sends rows without shared prefixes through the one-draft path, which is why K-SEQ gains
+# least. The selection is 1-5% of a CPU iteration.
 # A sort-based exact rho* (ratios sorted, prefix sums, the root between breakpoints) measured 6-11x slower than
 # the bisection on this CPU in a scratch probe (the sort of V dominates; not kept), so the bisection stays.
 # The rows are a dynamic dimension (traced as in the core: without duck sizing, one row specialised);
 # plain inductor on every device (no CUDA graphs for the selection).
-SELECTION_RULE = "auto"  # "auto" (the rule above), "all" (every rule, every device), "none" (eager)
+SELECTION_RULE = "auto"  # "auto" (the rule above: CUDA), "all" (every device), "none" (eager everywhere)
 SELECTION_RULES = ("auto", "all", "none")
 _SELECTION: dict = {}
 
 
-def selection_compiles(method: str, num_drafts: int, device: torch.device) -> bool:
-    """Whether compiled mode compiles `method`'s selection at `num_drafts` drafts on `device` (above)."""
+def selection_compiles(device: torch.device) -> bool:
+    """Whether compiled mode compiles the selection on `device` (above)."""
     if SELECTION_RULE not in SELECTION_RULES:
         raise ValueError(f"SELECTION_RULE must be one of {SELECTION_RULES}, got {SELECTION_RULE!r}")
     if SELECTION_RULE != "auto":
         return SELECTION_RULE == "all"
-    return num_drafts == 1 or method in SEQUENCE_RULES or device.type == "cuda"
+    return device.type == "cuda"
 
 
 def compiled_select_tree(draft_tokens, draft_probs, node_target_probs, node_of, uniforms, *,
