@@ -167,3 +167,6 @@ class AutoBatcher:
         stats = self.batcher.snapshot()
         stats.plan = self.chooser.describe()
         return stats
+
+    def compile_seconds(self) -> float:
+        return self.batcher.compile_seconds()
