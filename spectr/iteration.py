@@ -36,10 +36,11 @@ This module does not admit, retire or order rows (`spectr.batching`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from spectr import native
 from spectr.drafting import nonfinite_rows
 from spectr.hf import HFCausalLM
 from spectr.kv_cache import tree_attention
@@ -74,7 +75,8 @@ class Loop:
     target_longest: int = 0  # max target cache length
     draft_extent: tuple[int, int] = (0, 1)  # max(draft lengths + pending), max pending
     draft_lag: int = 0  # autoregressive iterations the draft cache has not seen
-    compiled: bool = False  # compiled mode: the selection may compile too (`spectr.native.selection_compiles`)
+    compiled: bool = False  # compiled mode: the selection may compile too (`_selection_compiled`)
+    selection_runs: dict = field(default_factory=dict)  # (method, K, L) -> speculative iterations run so far
 
     def configure(self, method: str, num_drafts: int, draft_length: int) -> None:
         self.method, self.num_drafts, self.draft_length = method, num_drafts, draft_length
@@ -82,6 +84,17 @@ class Loop:
     @property
     def slots(self) -> IterationSlots:
         return IterationSlots(self.num_drafts, self.draft_length)
+
+
+def _selection_compiled(loop: Loop, device: torch.device) -> bool:
+    """Compiled mode: the selection runs compiled where `spectr.native.selection_compiles` says, for a
+    configuration once it has run `SELECTION_COMPILE_AFTER` iterations of this loop eagerly: the planner's
+    trials stay eager, the configuration it keeps (or a fixed method's) compiles."""
+    if not (loop.compiled and selection_compiles(device)):
+        return False
+    key = (loop.method, loop.num_drafts, loop.draft_length)
+    loop.selection_runs[key] = runs = loop.selection_runs.get(key, 0) + 1
+    return runs > native.SELECTION_COMPILE_AFTER
 
 
 def autoregressive_step(loop: Loop, rows: RowState) -> None:
@@ -127,7 +140,7 @@ def speculative_step(loop: Loop, rows: RowState) -> None:
         real = torch.arange(width, device=logits.device) < tree.num_nodes[:, None]  # [R, W]
         target_nonfinite = (nonfinite_rows(logits) & real).any(1)  # [R]
         target_probs = loop.warp.probs(logits)  # [R, W, V]
-        if loop.compiled and selection_compiles(logits.device):
+        if _selection_compiled(loop, logits.device):
             selection = compiled_select_tree(tree.tokens, tree.draft_probs, target_probs, tree.node_of,
                                              selection_uniforms, method=loop.method)
         else:

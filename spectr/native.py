@@ -457,6 +457,12 @@ def _shape_config():
 # The rows are a dynamic dimension (traced as in the core: without duck sizing, one row specialised);
 # plain inductor on every device (no CUDA graphs for the selection).
 SELECTION_RULE = "auto"  # "auto" (the rule above: CUDA), "all" (every device), "none" (eager everywhere)
+# Exploration and compilation must not fight: the planner tries a candidate for a handful of iterations
+# (spectr.planner.chooser.TRIAL = 4, after one warm-up), and each (method, K, L) compiles graphs of its own.
+# So a configuration's selection compiles only once it has run this many iterations of one batcher eagerly:
+# the trials stay eager, the configuration the chooser keeps (or a fixed method's) compiles. Not measured on
+# a GPU yet: 64 is ~13 trials of one candidate, and 1-2% of a 5,000-iteration job's iterations.
+SELECTION_COMPILE_AFTER = 64
 SELECTION_RULES = ("auto", "all", "none")
 _SELECTION: dict = {}
 

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_tiny import noisy_copy, tiny_model
 from torch._dynamo.testing import CompileCounter
 
 from spectr import native
+from spectr.batching import ContinuousBatcher
 from spectr.rng import sample_categorical
 from spectr.sequence import select_tree
+from spectr.steps import StepConfig
 from spectr.tree import compact_nodes, prefix_leaders
 
 FIELDS = ("tokens", "num_tokens", "num_accepted", "draft_index", "accepted_per_position")
@@ -81,6 +84,24 @@ def test_where_the_selection_compiles(monkeypatch):
     monkeypatch.setattr(native, "SELECTION_RULE", "sometimes")
     with pytest.raises(ValueError, match="SELECTION_RULE"):
         native.selection_compiles(cpu)
+
+
+def test_a_configuration_compiles_its_selection_only_after_it_ran_eagerly(counting, monkeypatch):
+    """The planner's trials stay eager: a configuration's selection compiles once it has run
+    SELECTION_COMPILE_AFTER iterations of the batcher (each configuration counted on its own)."""
+    monkeypatch.setattr(native, "SELECTION_RULE", "all")
+    monkeypatch.setattr(native, "SELECTION_COMPILE_AFTER", 3)
+    target = tiny_model("llama", vocab_size=64, num_layers=1, init_std=0.2, seed=3)
+    batcher = ContinuousBatcher(target, noisy_copy(target, noise_std=0.05, seed=4), batch_size=2, max_length=64,
+                                method="speculative", num_drafts=1, draft_length=2, compile=True)
+    batcher.admit([[1, 2, 3], [4, 5]], max_new_tokens=40, seed=0)
+    for _ in range(3):
+        batcher.step()
+    assert not native._SELECTION  # three eager iterations
+    batcher.step()
+    assert ("tree", "speculative", id(counting)) in native._SELECTION
+    batcher.step(StepConfig.of("speculative", 1, 1))  # another configuration counts from zero
+    assert len(native._SELECTION) == 1
 
 
 @pytest.mark.slow  # inductor compiles for real (~1 min in all on 2 cores)

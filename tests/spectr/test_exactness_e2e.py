@@ -377,6 +377,7 @@ def _kseq_rho_one(draft_tokens, alive, draft_probs, target_probs, uniforms):
 def test_compiled_k_draft_selection_follows_the_target(pair, exact_laws, traced_graphs, monkeypatch):
     """SELECTION_RULE "all": K-SEQ's token rule itself runs compiled (on the CPU it stays eager by default)."""
     monkeypatch.setattr(native, "SELECTION_RULE", "all")
+    monkeypatch.setattr(native, "SELECTION_COMPILE_AFTER", 0)  # every iteration's selection compiled
     out = run(pair, "spectr", 3, 2, "warped", 6000, batch_size=MID_RUN_BATCH, compile=True)
     assert ("token", "spectr", id(traced_graphs)) in native._SELECTION
     assert chi_square_pvalue(out.tokens, exact_laws["warped"]) > ACCEPT_P
@@ -385,6 +386,7 @@ def test_compiled_k_draft_selection_follows_the_target(pair, exact_laws, traced_
 def test_compiled_k_draft_selection_negative_control_rho_one_is_rejected(pair, exact_laws, traced_graphs,
                                                                          monkeypatch):
     monkeypatch.setattr(native, "SELECTION_RULE", "all")
+    monkeypatch.setattr(native, "SELECTION_COMPILE_AFTER", 0)  # every iteration's selection compiled
     monkeypatch.setitem(selection.TOKEN_SELECTORS, "kseq_rho_one", _kseq_rho_one)
     out = run(pair, "kseq_rho_one", 3, 2, "warped", 6000, batch_size=MID_RUN_BATCH, compile=True)
     assert ("token", "kseq_rho_one", id(traced_graphs)) in native._SELECTION

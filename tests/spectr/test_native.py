@@ -168,6 +168,7 @@ def test_no_new_graph_after_warm_up(counter, greedy_pair, method, k, monkeypatch
     run, a second run with other prompt lengths and budgets compiles nothing new, the selection's graphs
     included (SELECTION_RULE "all": compiled as on CUDA)."""
     monkeypatch.setattr(native, "SELECTION_RULE", "all")
+    monkeypatch.setattr(native, "SELECTION_COMPILE_AFTER", 0)
     target, draft = greedy_pair
     batcher = ContinuousBatcher(target, draft, batch_size=4, max_length=40, method=method, num_drafts=k,
                                 draft_length=3, eos_token_id=list(range(0, 64, 3)), compile=True)
