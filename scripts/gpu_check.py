@@ -598,7 +598,7 @@ class SpeedRun:
     num_drafts: int = 1
     draft_length: int = 1
     compiled: bool = False
-    attention: str = "masked"  # compiled runs: `spectr.native.ATTENTION` ("flex": FlexAttention's tree block mask)
+    attention: str = ""  # compiled runs: `spectr.native.ATTENTION` set ("masked" / "flex", in the name); "": as is
 
     @property
     def name(self) -> str:
@@ -608,7 +608,7 @@ class SpeedRun:
             return "HF generate static cache + compile"
         if self.kind == "hf_assisted":
             return f"HF assisted L={self.draft_length}"
-        mode = (" compiled" if self.compiled else "") + (f" {self.attention}" if self.attention != "masked" else "")
+        mode = (" compiled" if self.compiled else "") + (f" {self.attention}" if self.attention else "")
         if self.method == AUTOREGRESSIVE:
             return f"ours autoregressive{mode}"
         if self.method == "speculative":
@@ -636,10 +636,13 @@ def left_padded(prompts: list[list[int]], device: torch.device) -> tuple[torch.T
 
 @contextlib.contextmanager
 def attention(kind: str):
-    """`spectr.native.ATTENTION` = kind for the duration (compiled runs build their core with it)."""
+    """`spectr.native.ATTENTION` = kind for the duration (compiled runs build their core with it); "": as is."""
     import spectr.native as native
 
-    if kind != "masked" and not hasattr(native, "ATTENTION"):
+    if not kind:
+        yield
+        return
+    if not hasattr(native, "ATTENTION"):
         raise RuntimeError(f"this engine has no attention {kind!r} (spectr.native.ATTENTION)")
     before = getattr(native, "ATTENTION", "masked")
     native.ATTENTION = kind
@@ -759,7 +762,7 @@ def ours_row(pair, prompts, run: SpeedRun, plan: Plan, device: torch.device, lon
     short = run_ours(pair, prompts, run, 1, device)
     stats = long["stats"]
     row = dict(name=run.name, kind=run.kind, batch=run.batch, method=stats.method, compiled=run.compiled,
-               num_drafts=stats.num_drafts, draft_length=stats.draft_length, new_tokens=plan.speed_new_tokens,
+               attention=run.attention, num_drafts=stats.num_drafts, draft_length=stats.draft_length, new_tokens=plan.speed_new_tokens,
                tokens_per_s=statistics.median(r["tokens_per_s"] for r in long_runs),
                wall_s=long["wall_s"], generated_tokens=long["tokens"], iterations=long["iterations"],
                block_efficiency=stats.block_efficiency, acceptance_rate=stats.acceptance_rate,
@@ -852,7 +855,7 @@ def speed_units(plan: Plan, methods: list[str], compiles: bool) -> list[SpeedUni
     if compiles:  # last (it runs if time is left): the compiled core's attention, masked vs FlexAttention
         k, length = plan.headline_spectr
         for batch in plan.speed_batches:
-            units.append(((SpeedRun("ours", batch, "spectr", k, length, True),
+            units.append(((SpeedRun("ours", batch, "spectr", k, length, True, "masked"),
                            SpeedRun("ours", batch, "spectr", k, length, True, "flex")), plan.headline_repeats))
     return units
 
@@ -1016,7 +1019,11 @@ def add_ratios(rows: list[dict]) -> None:
         row["speedup_vs_our_autoregressive"] = ratio(row, SpeedRun("ours", 1).name)
         if row.get("compiled"):
             row["speedup_vs_our_compiled_autoregressive"] = ratio(row, SpeedRun("ours", 1, compiled=True).name)
-            row["compiled_vs_eager"] = ratio(row, row["name"].removesuffix(" compiled"))
+            attention = row.get("attention") or ""
+            base = row["name"].removesuffix(f" {attention}") if attention else row["name"]  # "... compiled"
+            row["compiled_vs_eager"] = ratio(row, base.removesuffix(" compiled"))
+            if attention == "flex":  # the compiled core's attention: FlexAttention vs masked, same unit
+                row["flex_vs_masked"] = ratio(row, f"{base} masked")
         hf = SpeedRun("hf_assisted", 1, draft_length=row["draft_length"]) if row["method"] == "speculative" \
             else SpeedRun("hf", 1)
         if ratio(row, hf.name) is not None:
@@ -1140,9 +1147,11 @@ def markdown_speed(section: dict) -> list[str]:
                      r.get("compiled_vs_eager"), r.get("block_efficiency"), r.get("acceptance_rate"),
                      r.get("iteration_ms"), split, r.get("host_syncs_per_iteration"),
                      r.get("cuda_syncs_per_iteration"), r.get("peak_memory_mib"), r.get("warmup_s")])
+    flex = [f"- B={r['batch']} {r['name']}: flex / masked attention {r['flex_vs_masked']:.2f}x"
+            for r in section.get("rows", []) if r.get("flex_vs_masked") is not None]
     return _table(["B", "run", "tokens/s", "vs HF", "vs HF static+compile", "vs our AR", "compiled vs eager",
                    "block eff.", "acceptance", "iter ms", "draft/target/select/other ms", "host syncs/iter",
-                   "CUDA syncs/iter", "peak MiB", "warm-up s"], rows)
+                   "CUDA syncs/iter", "peak MiB", "warm-up s"], rows) + ([""] + flex if flex else [])
 
 
 def markdown_predictions(section: dict) -> list[str]:

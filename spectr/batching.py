@@ -218,6 +218,7 @@ class ContinuousBatcher:
         self.target, self.draft = load_models(target, draft, s, speculative=self.bounds[1] > 0,
                                               native=self.compile is not False)
         self.compiled: bool | None = None  # decided at the first step (compile="auto": by the queued work)
+        self._compile_base = 0.0  # `compile_seconds_so_far()` when the compile decision was taken
         self.batch_size = batch_size
         self.max_length = self._max_length(max_length)
         self.device = self.target.device
@@ -391,14 +392,13 @@ class ContinuousBatcher:
         models = [m for m in (self.target, self.draft) if isinstance(m, NativeCausalLM)]
         if self.compile == "auto":
             queued = sum(r.budget for r in self._waiting) + sum(r.budget for r in self._in_slot if r is not None)
-            self.compiled = bool(models) and auto_compile(self.device, queued, self.batch_size)
+            compiled = bool(models) and auto_compile(self.device, queued, self.batch_size)
         else:
-            self.compiled = bool(models) and self.compile
-        for model in models:
-            model.set_compiled(self.compiled)
-        self.loop.compiled = self.compiled
-        self.stats.compiled = self.compiled
+            compiled = bool(models) and self.compile
         self._compile_base = compile_seconds_so_far()
+        for model in models:
+            model.set_compiled(compiled)  # may refuse (ValueError): then nothing is decided, nothing half set
+        self.compiled = self.loop.compiled = self.stats.compiled = compiled
 
     # -- admission -----------------------------------------------------------------------
     def fill(self) -> None:

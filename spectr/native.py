@@ -24,7 +24,7 @@ slots (those slots of the view are stale this forward and masked); per layer the
 cache view and over the new tokens are joined before one float32 softmax, so nothing is copied
 or concatenated along the cache. The wrapper then scatters `new_kv` into the buffer in one op for
 every layer of a group (one op per device). Compiled, the attention may instead be FlexAttention over a
-block mask of the same pattern (`ATTENTION = "flex"`, CUDA only; see there). Grouped-query attention folds the G query heads of a KV head into the query axis, as
+block mask of the same pattern (`ATTENTION = "flex"`; refused on the CPU under inductor, see there). Grouped-query attention folds the G query heads of a KV head into the query axis, as
 `spectr.hf.grouped_query_attention` does: each K/V head is read once.
 
 Compilation (`compiled=True`): the core goes through `torch.compile(fullgraph=True)` (no graph
@@ -125,7 +125,8 @@ ATTENTION = "masked"
 
 def compile_seconds_so_far() -> float:
     """Seconds this process has spent in torch.compile so far (dynamo's `_compile.compile_inner` timer:
-    tracing, inductor and its C++ or Triton builds; CUDA graph recording at a first replay is not in it)."""
+    tracing, inductor and its C++ or Triton builds; CUDA graph recording at a first replay is not in it).
+    Process-wide (every compile, whoever asked), and `torch._dynamo.reset()` clears it."""
     from torch._dynamo.utils import compilation_time_metrics
 
     return float(sum(compilation_time_metrics.get("_compile.compile_inner", ())))
@@ -314,7 +315,7 @@ def split_pattern(allowed: torch.Tensor, write_slots: torch.Tensor) -> tuple[tor
     return cache_part, new_part
 
 
-# Per HF model: its NativeCore and (backend, compiled core), shared by every NativeCausalLM over it, so that a
+# Per HF model: its NativeCore and (backend, variant, attention, compiled core), shared by every NativeCausalLM over it, so that a
 # new batcher over the same model (a worker rebuilding its pool, a test) reuses the graphs already compiled.
 _CORES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -337,16 +338,16 @@ class NativeCausalLM(HFCausalLM):
     def set_compiled(self, compiled: bool, variant: str | None = None) -> None:
         """Switch between the compiled core (built on first use) and HF's eager forward. `variant`: on the
         CPU, a key of `CPU_VARIANTS` (default `CPU_VARIANT`); ignored on CUDA and by non-inductor backends."""
-        self.compiled = bool(compiled)
         variant = CPU_VARIANT if variant is None else variant
         if variant not in CPU_VARIANTS:
             raise ValueError(f"variant must be one of {sorted(CPU_VARIANTS)}, got {variant!r}")
         if ATTENTION not in ATTENTIONS:
             raise ValueError(f"ATTENTION must be one of {ATTENTIONS}, got {ATTENTION!r}")
-        if self.compiled and ATTENTION == "flex" and not self.cuda and COMPILE_BACKEND == "inductor":
+        if compiled and ATTENTION == "flex" and not self.cuda and COMPILE_BACKEND == "inductor":
             raise ValueError("ATTENTION='flex' compiles on CUDA only: inductor's CPU FlexAttention template "
                              "does not compile under the core's dynamic shapes (C++ error, torch 2.13), and with "
                              "static shapes it measured slower than 'masked' (see spectr/native.py)")
+        self.compiled = bool(compiled)  # after the checks: a refused call changes nothing
         key = (COMPILE_BACKEND, "cuda" if self.cuda else variant, ATTENTION)
         if self.compiled and (self._compiled_core is None or self._compiled_core[:3] != key):
             import torch._dynamo.config as dynamo_config
@@ -484,9 +485,10 @@ def compiled_select_tree(draft_tokens, draft_probs, node_target_probs, node_of, 
     its positions eager)."""
     tensors = (draft_tokens, draft_probs, node_target_probs, node_of, uniforms)
     if draft_tokens.shape[1] == 1 or method in SEQUENCE_RULES:
-        whole = _compiled(("tree", method), functools.partial(_select_tree_fields, method=method))
+        rule = SEQUENCE_RULES.get(method) or get_token_selector(method)  # in the key: a replaced rule recompiles
+        whole = _compiled(("tree", method, rule), functools.partial(_select_tree_fields, method=method))
         return SequenceSelection(*_run_rows_dynamic(whole, tensors))
-    rule = _compiled(("token", method), get_token_selector(method))
+    rule = _compiled(("token", method, get_token_selector(method)), get_token_selector(method))
     return select_tree(*tensors, method=method, selector=lambda *args: _run_rows_dynamic(rule, args))
 
 
@@ -497,7 +499,7 @@ def _select_tree_fields(*tensors, method: str) -> tuple:
 
 def _compiled(key: tuple, function):
     """`function` under torch.compile(fullgraph=True), built once per key and backend."""
-    key = (*key, id(COMPILE_BACKEND))
+    key = (*key, COMPILE_BACKEND)
     if key not in _SELECTION:
         from torch._dynamo import config as dynamo_config
 

@@ -256,7 +256,9 @@ def test_compiled_runs_appear_only_when_the_engine_takes_compile_and_are_timed_i
 
 def test_the_last_compiled_units_time_masked_against_flex_attention_and_restore_it():
     """Where the engine compiles, the last speed units (run only if time is left) compare the compiled core's
-    attention, masked against FlexAttention, interleaved; the run sets `spectr.native.ATTENTION` and restores it."""
+    attention, masked against FlexAttention, interleaved, under names of their own; their rows get
+    `flex_vs_masked` and a `compiled_vs_eager` against the eager run; the runs set `spectr.native.ATTENTION`
+    and restore it."""
     import spectr.native as native
 
     gpu_check = load_script()
@@ -264,8 +266,16 @@ def test_the_last_compiled_units_time_masked_against_flex_attention_and_restore_
     tail = units[-len(gpu_check.SMOKE.speed_batches):]
     for (masked, flex), _ in tail:
         assert masked.compiled and flex.compiled and (masked.attention, flex.attention) == ("masked", "flex")
-        assert flex.name == masked.name + " flex"
-    assert not any(run.attention == "flex" for group, _ in units[:-len(tail)] for run in group)
+        assert (masked.name, flex.name) == ("ours spectr K=2 L=2 compiled masked", "ours spectr K=2 L=2 compiled flex")
+    names = [(run.batch, run.name) for group, _ in units for run in group]
+    assert len(names) == len(set(names))  # no row twice
+    rows = [dict(name=name, kind="ours", batch=2, method="spectr", draft_length=2, tokens_per_s=tps,
+                 compiled="compiled" in name, attention=name.split()[-1] if "compiled " in name else "")
+            for name, tps in [("ours autoregressive", 100.0), ("ours spectr K=2 L=2", 50.0),
+                              ("ours spectr K=2 L=2 compiled masked", 80.0), ("ours spectr K=2 L=2 compiled flex", 60.0)]]
+    gpu_check.add_ratios(rows)
+    assert rows[3]["flex_vs_masked"] == pytest.approx(0.75) and rows[3]["compiled_vs_eager"] == pytest.approx(1.2)
+    assert "flex / masked attention 0.75x" in "\n".join(gpu_check.markdown_speed({"rows": rows}))
     with gpu_check.attention("flex"):
         assert native.ATTENTION == "flex"
     assert native.ATTENTION == "masked"

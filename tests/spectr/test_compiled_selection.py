@@ -99,9 +99,10 @@ def test_a_configuration_compiles_its_selection_only_after_it_ran_eagerly(counti
         batcher.step()
     assert not native._SELECTION  # three eager iterations
     batcher.step()
-    assert ("tree", "speculative", id(counting)) in native._SELECTION
-    batcher.step(StepConfig.of("speculative", 1, 1))  # another configuration counts from zero
-    assert len(native._SELECTION) == 1
+    assert [key[:2] for key in native._SELECTION] == [("tree", "speculative")]
+    graphs = counting.frame_count
+    batcher.step(StepConfig.of("speculative", 1, 1))  # another configuration counts from zero: eager
+    assert counting.frame_count == graphs and batcher.loop.selection_runs[("speculative", 1, 1)] == 1
 
 
 @pytest.mark.slow  # inductor compiles for real (~1 min in all on 2 cores)
@@ -112,3 +113,19 @@ def test_inductor_selection_equals_eager(monkeypatch, method, num_drafts):
     torch._dynamo.reset()
     for rows, seed in [(1, 0), (3, 1), (6, 2)]:
         assert_same(method, num_drafts, 3, rows=rows, seed=seed)
+
+
+def test_a_replaced_rule_is_compiled_anew(counting, monkeypatch):
+    """The compiled rule is keyed by the function itself: a rule replaced under the same name (a negative
+    control, a patched selector) compiles again instead of running the old one."""
+    from spectr import selection
+
+    inputs = tree_inputs(2, 1, 3, seed=5)
+    before = native.compiled_select_tree(*inputs, method="speculative")
+
+    def first_draft_always(draft_tokens, alive, draft_probs, target_probs, uniforms):
+        return draft_tokens[:, 0], torch.ones_like(draft_tokens[:, 0], dtype=torch.bool)
+
+    monkeypatch.setitem(selection.TOKEN_SELECTORS, "speculative", first_draft_always)
+    after = native.compiled_select_tree(*inputs, method="speculative")
+    assert torch.equal(after.num_accepted, torch.full((2,), 3)) and not torch.equal(after.tokens, before.tokens)

@@ -379,7 +379,7 @@ def test_compiled_k_draft_selection_follows_the_target(pair, exact_laws, traced_
     monkeypatch.setattr(native, "SELECTION_RULE", "all")
     monkeypatch.setattr(native, "SELECTION_COMPILE_AFTER", 0)  # every iteration's selection compiled
     out = run(pair, "spectr", 3, 2, "warped", 6000, batch_size=MID_RUN_BATCH, compile=True)
-    assert ("token", "spectr", id(traced_graphs)) in native._SELECTION
+    assert ("token", "spectr") in {key[:2] for key in native._SELECTION if key[-1] is traced_graphs}
     assert chi_square_pvalue(out.tokens, exact_laws["warped"]) > ACCEPT_P
 
 
@@ -389,5 +389,5 @@ def test_compiled_k_draft_selection_negative_control_rho_one_is_rejected(pair, e
     monkeypatch.setattr(native, "SELECTION_COMPILE_AFTER", 0)  # every iteration's selection compiled
     monkeypatch.setitem(selection.TOKEN_SELECTORS, "kseq_rho_one", _kseq_rho_one)
     out = run(pair, "kseq_rho_one", 3, 2, "warped", 6000, batch_size=MID_RUN_BATCH, compile=True)
-    assert ("token", "kseq_rho_one", id(traced_graphs)) in native._SELECTION
+    assert ("token", "kseq_rho_one") in {key[:2] for key in native._SELECTION if key[-1] is traced_graphs}
     assert chi_square_pvalue(out.tokens, exact_laws["warped"]) < REJECT_P
