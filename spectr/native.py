@@ -350,9 +350,7 @@ class NativeCausalLM(HFCausalLM):
         self.compiled = bool(compiled)  # after the checks: a refused call changes nothing
         key = (COMPILE_BACKEND, "cuda" if self.cuda else variant, ATTENTION)
         if self.compiled and (self._compiled_core is None or self._compiled_core[:3] != key):
-            import torch._dynamo.config as dynamo_config
-
-            dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
+            _raise_recompile_limit()
             compiled = torch.compile(self.core, fullgraph=True, dynamic=False, backend=COMPILE_BACKEND,
                                      **compile_options(self.cuda, variant))
             self._compiled_core = (*key, compiled)  # (backend, variant, attention, compiled core)
@@ -488,7 +486,8 @@ def compiled_select_tree(draft_tokens, draft_probs, node_target_probs, node_of, 
         rule = SEQUENCE_RULES.get(method) or get_token_selector(method)  # in the key: a replaced rule recompiles
         whole = _compiled(("tree", method, rule), functools.partial(_select_tree_fields, method=method))
         return SequenceSelection(*_run_rows_dynamic(whole, tensors))
-    rule = _compiled(("token", method, get_token_selector(method)), get_token_selector(method))
+    selector = get_token_selector(method)
+    rule = _compiled(("token", method, selector), selector)
     return select_tree(*tensors, method=method, selector=lambda *args: _run_rows_dynamic(rule, args))
 
 
@@ -501,12 +500,15 @@ def _compiled(key: tuple, function):
     """`function` under torch.compile(fullgraph=True), built once per key and backend."""
     key = (*key, COMPILE_BACKEND)
     if key not in _SELECTION:
-        from torch._dynamo import config as dynamo_config
+        _raise_recompile_limit()
+        _SELECTION[key] = torch.compile(function, fullgraph=True, dynamic=False, backend=COMPILE_BACKEND)
+    return _SELECTION[key]
 
-        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
-        _SELECTION[key] = (COMPILE_BACKEND, torch.compile(function, fullgraph=True, dynamic=False,
-                                                          backend=COMPILE_BACKEND))
-    return _SELECTION[key][1]
+
+def _raise_recompile_limit() -> None:
+    from torch._dynamo import config as dynamo_config
+
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
 
 
 def _run_rows_dynamic(compiled, tensors: tuple):
