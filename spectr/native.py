@@ -42,8 +42,9 @@ length to a multiple of `CUDA_VIEW_BUCKET` slots (masked columns; the batcher pa
 of 2) so that the number of recordings stays small; its outputs are cloned (a later replay
 overwrites the graph's output memory). On the CPU, inductor's options are `CPU_VARIANTS[CPU_VARIANT]`:
 frozen weights (constants of the graph, prepacked; the engine runs in inference mode, where freezing
-applies) and, per the measurements, inductor's own GEMM template for the linears over a few tokens (a
-verify that reads the weights about once). Prefill (a forward over a `RowView`: newly admitted rows)
+applies) and, per the measurements, inductor's own GEMM template for the linears over a few tokens. On
+the CPU the compiled core multiplies by copies of its own (`LINEAR_LAYOUT`: fused q|k|v and gate|up, [K, N]
+contiguous, and oneDNN-packed over 2..32 rows: a verify that reads the weights about once). Prefill (a forward over a `RowView`: newly admitted rows)
 always runs eager, so a new prompt length never compiles a graph. `compiled=False` runs the HF
 model itself (`HFCausalLM.forward`), bit for bit the engine's eager path.
 
@@ -82,7 +83,12 @@ COMPILE_CHOICES = (False, True, "auto")
 # speculative L=3 iteration saves ~24 ms and an autoregressive one ~8 ms: break-even 218 s / 24 ms = 9,200
 # iterations (speculative), 90 s / 8.4 ms = 10,700 (autoregressive), before the B>1 graphs a batched job
 # also compiles (about as many again). 20,000 covers both: a 64-prompt job of 64 tokens at 8 slots (512
-# iterations) stays eager; compiling pays from ~2,500 such prompts per worker.
+# iterations) stays eager; compiling pays from ~2,500 such prompts per worker. Re-measured with the kmajor
+# layout on the Intel machine (2026-12-04, scripts/bench_compile.py --sections engine,compile, cold cache;
+# benchmarks/results/compile/engine_b{1,16}_kmajor): B=1 25 s for 4.6 ms saved per autoregressive
+# iteration (5,500), 29 s for 8.0 ms per speculative L=3 one (3,700); B=16 30 s / 6.4 ms (4,700) and
+# 89 s / 10.3 ms (8,700). A batched job pays the B>1 graphs and, at its tail, the B=1 ones: ~14,000-18,000
+# iterations, still under 20,000.
 CPU_MIN_ITERATIONS = 20000
 
 # How inductor compiles on the CPU (issue 22, item 4: a verify that reads the weights once). Eager, the
@@ -121,6 +127,52 @@ CPU_VARIANT = "plain"
 # speed units, compiled SpecTr masked vs flex) so that one GPU run decides.
 ATTENTIONS = ("masked", "flex")
 ATTENTION = "masked"
+
+# How the compiled core multiplies by its linear weights (issue 22, item 4: a verify that reads the weights
+# once). "module": the HF modules themselves (`F.linear`, weight [N, K]). "kmajor": the core's own copies, made
+# when it first compiles, transposed to [K, N] contiguous and fused per layer (q|k|v and gate|up: one product
+# each), multiplied as `x @ w`. The same weights and arithmetic up to float summation order. On this CPU MKL's
+# GEMM over a transposed [N, K] operand costs about twice one token's as soon as a row brings 4 tokens or more,
+# while over the [K, N] layout it stays near the one-token cost (one thread, embedded target's shapes,
+# `x @ w` against `F.linear`, 2026-12-04, Intel Xeon AVX-512: q|k|v 512 -> 1536 over 5 tokens 130 against
+# 209 us, gate|up 512 -> 2816 266 against 439, down 1408 -> 512 110 against 186; one token: the same within
+# 3%). "auto": kmajor on the CPU; on CUDA the modules (cuBLAS takes either layout, and the copies would cost
+# GPU memory). The copies cost the model's linear weights once more in host memory, and like frozen weights
+# they do not see a later in-place change of the model's weights.
+LINEAR_LAYOUTS = ("auto", "module", "kmajor")
+LINEAR_LAYOUT = "auto"
+# ...and over 2 to ONEDNN_MAX_ROWS rows (tokens of the batch) the kmajor layout multiplies float32 by a third copy,
+# oneDNN's packed one (`torch.ops.mkldnn`): MKL's GEMM reads the weights about once per 4 rows there, oneDNN's
+# about once. Embedded target, all its linears in sequence, 1 thread, same run (2026-12-04, Intel): rows 1 / 2 /
+# 5 / 16 / 64: MKL kmajor 5.1 / 8.5 / 10.8 / 17.7 / 22.4 ms, oneDNN 7.4 / 7.4 / 8.6 / 13.4 / 29.6 ms. A whole
+# eager core over 5 tokens of one row: 14.4 ms with oneDNN against 17.3 without (one token: 10.0-10.4).
+ONEDNN_MAX_ROWS = 32
+
+
+def onednn_packs(weight: torch.Tensor) -> bool:
+    """Whether the kmajor layout keeps a oneDNN-packed copy of `weight` (float32 on a CPU with oneDNN)."""
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+@torch.library.custom_op("spectr::onednn_linear", mutates_args=())
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [..., K] @ a weight [N, K] that `torch.ops.mkldnn._reorder_linear_weight` packed -> [..., N]: an opaque
+    call under torch.compile (inductor lowers oneDNN's linear only for frozen constants)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+@onednn_linear.register_fake
+def _onednn_linear_fake(x, packed, out_features):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+def linear_layout(device: torch.device) -> str:
+    """The layout (`LINEAR_LAYOUT`, resolved for `device`) a core compiled there multiplies with."""
+    if LINEAR_LAYOUT not in LINEAR_LAYOUTS:
+        raise ValueError(f"LINEAR_LAYOUT must be one of {LINEAR_LAYOUTS}, got {LINEAR_LAYOUT!r}")
+    if LINEAR_LAYOUT != "auto":
+        return LINEAR_LAYOUT
+    return "module" if device.type == "cuda" else "kmajor"
 
 
 def compile_seconds_so_far() -> float:
@@ -187,6 +239,42 @@ class NativeCore(torch.nn.Module):
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
         self.scaling = self.head_dim ** -0.5
         self.max_position = getattr(config, "max_position_embeddings", None)
+        self.packed = None  # "kmajor" layout: per layer (q|k|v, o, gate|up, down), and the head; each (w, bias, oneDNN w)
+
+    @torch.no_grad()
+    def pack(self) -> None:
+        """Build the "kmajor" copies of the linear weights (see `LINEAR_LAYOUT`); the layers then multiply by
+        them. Idempotent. Each copy lives on its layer's device."""
+        if self.packed is not None:
+            return
+
+        def kmajor(*linears):  # [K, sum N] contiguous, the fused bias (None when no part has one), oneDNN's copy
+            fused = torch.cat([linear.weight for linear in linears], 0)  # [sum N, K]
+            onednn = torch.ops.mkldnn._reorder_linear_weight(fused, None) if onednn_packs(fused) else None
+            if all(linear.bias is None for linear in linears):
+                return fused.t().contiguous(), None, onednn
+            bias = torch.cat([linear.bias if linear.bias is not None else linear.weight.new_zeros(linear.out_features)
+                              for linear in linears])
+            return fused.t().contiguous(), bias, onednn
+
+        layers = []
+        for layer in self.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            if getattr(mlp, "up_proj", None) is None or getattr(mlp, "gate_proj", None) is None:
+                return  # not the gated MLP this layout fuses: keep the modules
+            qkv = kmajor(attention.q_proj, attention.k_proj, attention.v_proj)
+            out, gate_up, down = kmajor(attention.o_proj), kmajor(mlp.gate_proj, mlp.up_proj), kmajor(mlp.down_proj)
+            layers.append((qkv, out, gate_up, down))
+        self.packed = (tuple(layers), kmajor(self.head))
+
+    def _linear(self, x, weight, bias, onednn=None):
+        """x [..., K] times a "kmajor" weight [K, N] (+ bias [N]); over 2..`ONEDNN_MAX_ROWS` rows of x, by its
+        oneDNN-packed copy `onednn` where there is one (see `LINEAR_LAYOUT`)."""
+        rows = x.numel() // x.shape[-1]
+        if onednn is not None and 2 <= rows <= ONEDNN_MAX_ROWS:
+            out = torch.ops.spectr.onednn_linear(x, onednn, weight.shape[1])
+            return out if bias is None else out + bias
+        return x @ weight if bias is None else torch.addmm(bias, x.flatten(0, -2), weight).view(*x.shape[:-1], -1)
 
     def forward(self, slots, pools, allowed, last_only: bool = False, attention: str = "masked"):
         """slots [3, B, T] (input ids, positions, write slots); pools: per group of layers [n, 2, P >= B, Hkv,
@@ -212,7 +300,8 @@ class NativeCore(torch.nn.Module):
         if last_only:
             hidden = hidden[:, -1:]
         hidden = self.norm(moved(hidden, self.norm.weight.device))
-        logits = self.head(moved(hidden, self.head.weight.device))  # [B, T, V]
+        hidden = moved(hidden, self.head.weight.device)
+        logits = self.head(hidden) if self.packed is None else self._linear(hidden, *self.packed[1])  # [B, T, V]
         return moved(logits, slots.device), tuple(stored)  # [B, T, V], per group [n, 2, B, Hkv, T, D]
 
     def _group(self, start, stop, hidden, kv, cos, sin, cache_allowed, new_allowed, block=None):
@@ -224,10 +313,17 @@ class NativeCore(torch.nn.Module):
         for index in range(start, stop):
             layer = self.layers[index]
             attention = layer.self_attn
+            packed = None if self.packed is None else self.packed[0][index]
             normed = layer.input_layernorm(hidden)
-            query = attention.q_proj(normed).view(batch, new, self.heads, self.head_dim).transpose(1, 2)
-            key = attention.k_proj(normed).view(batch, new, self.kv_heads, self.head_dim).transpose(1, 2)
-            value = attention.v_proj(normed).view(batch, new, self.kv_heads, self.head_dim).transpose(1, 2)
+            if packed is None:
+                query, key, value = attention.q_proj(normed), attention.k_proj(normed), attention.v_proj(normed)
+            else:  # one product for q|k|v
+                width = self.kv_heads * self.head_dim
+                query, key, value = self._linear(normed, *packed[0]).split(
+                    [self.heads * self.head_dim, width, width], -1)
+            query = query.view(batch, new, self.heads, self.head_dim).transpose(1, 2)
+            key = key.view(batch, new, self.kv_heads, self.head_dim).transpose(1, 2)
+            value = value.view(batch, new, self.kv_heads, self.head_dim).transpose(1, 2)
             query = query * cos + _rotate_half(query) * sin  # [B, Hq, T, D]
             key = (key * cos + _rotate_half(key) * sin).to(kv.dtype)  # [B, Hkv, T, D]
             value = value.to(kv.dtype)
@@ -237,8 +333,13 @@ class NativeCore(torch.nn.Module):
                 mixed = self._attend(query, kv[local, 0], kv[local, 1], key, value, cache_allowed, new_allowed)
             else:
                 mixed = self._attend_flex(query, kv[local, 0], kv[local, 1], key, value, block)
-            hidden = hidden + attention.o_proj(mixed)
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            if packed is None:
+                hidden = hidden + attention.o_proj(mixed)
+                hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            else:  # o, then one product for gate|up, then down: HF's gated MLP, down(act(gate) * up)
+                hidden = hidden + self._linear(mixed, *packed[1])
+                gate, up = self._linear(layer.post_attention_layernorm(hidden), *packed[2]).chunk(2, -1)
+                hidden = hidden + self._linear(layer.mlp.act_fn(gate) * up, *packed[3])
         return hidden, torch.stack(stored)  # [B, T, E], [n, 2, B, Hkv, T, D]
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -347,13 +448,19 @@ class NativeCausalLM(HFCausalLM):
             raise ValueError("ATTENTION='flex' compiles on CUDA only: inductor's CPU FlexAttention template "
                              "does not compile under the core's dynamic shapes (C++ error, torch 2.13), and with "
                              "static shapes it measured slower than 'masked' (see spectr/native.py)")
+        layout = linear_layout(self.device)
         self.compiled = bool(compiled)  # after the checks: a refused call changes nothing
-        key = (COMPILE_BACKEND, "cuda" if self.cuda else variant, ATTENTION)
-        if self.compiled and (self._compiled_core is None or self._compiled_core[:3] != key):
+        if self.compiled:
+            if layout == "kmajor":
+                self.core.pack()
+            else:
+                self.core.packed = None
+        key = (COMPILE_BACKEND, "cuda" if self.cuda else variant, ATTENTION, self.core.packed is not None)
+        if self.compiled and (self._compiled_core is None or self._compiled_core[:4] != key):
             _raise_recompile_limit()
             compiled = torch.compile(self.core, fullgraph=True, dynamic=False, backend=COMPILE_BACKEND,
                                      **compile_options(self.cuda, variant))
-            self._compiled_core = (*key, compiled)  # (backend, variant, attention, compiled core)
+            self._compiled_core = (*key, compiled)  # (backend, variant, attention, kmajor, compiled core)
             _CORES[self.model] = (self.core, self._compiled_core)
 
     def forward(self, input_ids, position_ids, allowed, cache, write_slots, last_only: bool = False):

@@ -82,13 +82,21 @@ def _forwards(lm, forward, cache):
     return out
 
 
+@pytest.mark.parametrize("layout", ["module", "kmajor", "kmajor_mkl"])
 @pytest.mark.parametrize("arch,kv_heads", [("llama", 2), ("qwen2", 2), ("llama", 4), ("qwen2", 1)])
 @torch.inference_mode()
-def test_native_forward_equals_the_hf_path(arch, kv_heads):
+def test_native_forward_equals_the_hf_path(arch, kv_heads, layout, monkeypatch):
+    """layout: the HF modules' weights; "kmajor" (fused [K, N] copies, oneDNN's packed copy over 2..32 rows:
+    every forward here has 3 to 15 rows); "kmajor_mkl" (no oneDNN: `x @ w` and, with Qwen2's q|k|v bias, addmm)."""
     model = tiny_model(arch, vocab_size=64, num_heads=4, num_kv_heads=kv_heads, init_std=0.2, seed=5)
     assert native_supported(model) is None
     hf = HFCausalLM(model)
     lm = NativeCausalLM(model)
+    if layout != "module":
+        if layout == "kmajor_mkl":
+            monkeypatch.setattr(native, "ONEDNN_MAX_ROWS", 0)
+        lm.core.pack()
+        assert lm.core.packed is not None
     hf_cache, native_cache = hf.new_cache(3, 32), lm.new_cache(3, 32)
     expected = _forwards(hf, hf.forward, hf_cache)
     got = _forwards(lm, lm.native_forward, native_cache)
@@ -97,6 +105,85 @@ def test_native_forward_equals_the_hf_path(arch, kv_heads):
         torch.testing.assert_close(have, want, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(native_cache.rows.buffer, hf_cache.rows.buffer, rtol=1e-4, atol=1e-5)
     assert torch.equal(native_cache.rows.lengths, hf_cache.rows.lengths)
+
+
+@torch.inference_mode()
+def test_a_wrong_kmajor_packing_is_caught():
+    """Negative control of the layout test above: the same forwards with gate and up swapped in the fused
+    copy differ from the HF path (so the equality there is not vacuous)."""
+    model = tiny_model("llama", vocab_size=64, num_heads=4, num_kv_heads=2, init_std=0.2, seed=5)
+    hf, lm = HFCausalLM(model), NativeCausalLM(model)
+    lm.core.pack()
+    layers, head = lm.core.packed
+    swapped = []
+    for qkv, out, (gate_up, bias, _), down in layers:
+        gate, up = gate_up.chunk(2, -1)
+        wrong = torch.cat([up, gate], -1).contiguous()
+        swapped.append((qkv, out, (wrong, bias, torch.ops.mkldnn._reorder_linear_weight(wrong.t().contiguous(), None)),
+                        down))
+    lm.core.packed = (tuple(swapped), head)
+    expected = _forwards(hf, hf.forward, hf.new_cache(3, 32))
+    got = _forwards(lm, lm.native_forward, lm.new_cache(3, 32))
+    assert not torch.allclose(got[0], expected[0], rtol=1e-4, atol=1e-5)
+
+
+def test_linear_layout_per_device(monkeypatch, greedy_pair):
+    """auto: kmajor on the CPU (packed when the core compiles), the modules on CUDA; "module" drops the copies;
+    an unknown layout is refused; only float32 gets oneDNN's copy."""
+    monkeypatch.setattr(native, "COMPILE_BACKEND", CompileCounter())
+    assert native.linear_layout(torch.device("cpu")) == "kmajor"
+    assert native.linear_layout(torch.device("cuda")) == "module"
+    model = tiny_model("llama", vocab_size=64, seed=11)
+    lm = NativeCausalLM(model)
+    assert lm.core.packed is None  # eager: no copies
+    lm.set_compiled(True)
+    assert lm.core.packed is not None and lm._compiled_core[3]
+    assert all(weight.is_contiguous() for layer in lm.core.packed[0] for weight, _, _ in layer)
+    monkeypatch.setattr(native, "LINEAR_LAYOUT", "module")
+    lm.set_compiled(True)
+    assert lm.core.packed is None and not lm._compiled_core[3]
+    monkeypatch.setattr(native, "LINEAR_LAYOUT", "rowmajor")
+    with pytest.raises(ValueError, match="LINEAR_LAYOUT"):
+        lm.set_compiled(True)
+    assert native.onednn_packs(torch.ones(2, 2)) == torch.backends.mkldnn.is_available()
+    assert not native.onednn_packs(torch.ones(2, 2, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("batch,new,onednn_calls", [(1, 1, 0), (1, 5, 5), (3, 1, 5), (3, 17, 0)])
+@torch.inference_mode()
+def test_compiled_core_multiplies_by_onednn_over_2_to_32_rows(batch, new, onednn_calls):
+    """Structural count: the compiled core's graph calls oneDNN's packed linear once per fused product (q|k|v,
+    o, gate|up, down per layer, and the head: 4 x 1 + 1) when the batch brings 2..32 rows, and none for one row
+    or more than 32 (MKL over the kmajor copy there)."""
+    from torch._dynamo.testing import EagerAndRecordGraphs
+
+    graphs = EagerAndRecordGraphs()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(native, "COMPILE_BACKEND", graphs)
+        model = tiny_model("llama", vocab_size=64, num_layers=1, num_heads=4, num_kv_heads=2, seed=12)
+        lm = NativeCausalLM(model, compiled=True)
+        cache = lm.new_cache(batch, 40)
+        prefill(lm, cache, [[3, 4, 5]] * batch, torch.device("cpu"), rows=torch.arange(batch))  # eager
+        lengths = cache.rows.lengths
+        slots = lengths[:, None] + torch.arange(new)
+        causal = torch.ones(new, new, dtype=torch.bool).tril()
+        allowed = tree_attention(lengths, causal, int(lengths.max()) + new)
+        ids = torch.full((batch, new), 7)
+        torch.testing.assert_close(lm.forward(ids, slots, allowed, cache, slots),
+                                   HFCausalLM(model).forward(ids, slots, allowed, _hf_copy(lm, cache), slots),
+                                   rtol=1e-4, atol=1e-5)
+    assert len(graphs.graphs) == 1
+    calls = [node for node in graphs.graphs[0].graph.nodes 
+             if node.target in (torch.ops.spectr.onednn_linear, torch.ops.spectr.onednn_linear.default)]
+    assert len(calls) == onednn_calls
+
+
+def _hf_copy(lm, cache):
+    """A cache for the HF path holding the same prefix as `cache` (built by the same prefill)."""
+    hf = HFCausalLM(lm.model)
+    copy = hf.new_cache(cache.rows.lengths.shape[0], 40)
+    prefill(hf, copy, [[3, 4, 5]] * cache.rows.lengths.shape[0], torch.device("cpu"))
+    return copy
 
 
 @pytest.mark.parametrize("kv_heads", [2, pytest.param(4, marks=pytest.mark.slow)])
