@@ -457,7 +457,6 @@ class NativeCausalLM(HFCausalLM):
                 self.core.packed = None
         key = (COMPILE_BACKEND, "cuda" if self.cuda else variant, ATTENTION, self.core.packed is not None)
         if self.compiled and (self._compiled_core is None or self._compiled_core[:4] != key):
-            _raise_recompile_limit()
             compiled = torch.compile(self.core, fullgraph=True, dynamic=False, backend=COMPILE_BACKEND,
                                      **compile_options(self.cuda, variant))
             self._compiled_core = (*key, compiled)  # (backend, variant, attention, kmajor, compiled core)
@@ -535,9 +534,19 @@ def _shape_config():
     one row or one new token): with it, inductor (torch 2.13, CPU) compiled the core into wrong code for
     two rows or more: the embedded pair's autoregressive tokens differed from eager at the first
     position of every row at B = 2, 4 and 16, and most rows sampled EOS within a few tokens (the eager
-    and aot_eager backends were right; `tests/spectr/test_native_inductor.py`)."""
+    and aot_eager backends were right; `tests/spectr/test_native_inductor.py`).
+
+    It also raises dynamo's per-code-object recompile limit to `RECOMPILE_LIMIT`, here, before every
+    compiled call: torch's config values are per thread (ContextVars, torch 2.13), and the thread that
+    calls a compiled core need not be the one that built it (a Ray actor's generation thread). Set in
+    `set_compiled` only, the limit stayed at dynamo's 8 in the job's actors, whose 9th graph of
+    `NativeCore.forward` failed (FailOnRecompileLimitHit under fullgraph) and sent the batch down the
+    one-row-at-a-time fallback (`test_the_recompile_limit_holds_in_any_thread`)."""
+    from torch._dynamo import config as dynamo_config
     from torch.fx.experimental import _config as fx_config
 
+    if dynamo_config.recompile_limit < RECOMPILE_LIMIT:
+        dynamo_config.recompile_limit = RECOMPILE_LIMIT
     return fx_config.patch(use_duck_shape=False)
 
 
@@ -607,15 +616,10 @@ def _compiled(key: tuple, function):
     """`function` under torch.compile(fullgraph=True), built once per key and backend."""
     key = (*key, COMPILE_BACKEND)
     if key not in _SELECTION:
-        _raise_recompile_limit()
         _SELECTION[key] = torch.compile(function, fullgraph=True, dynamic=False, backend=COMPILE_BACKEND)
     return _SELECTION[key]
 
 
-def _raise_recompile_limit() -> None:
-    from torch._dynamo import config as dynamo_config
-
-    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
 
 
 def _run_rows_dynamic(compiled, tensors: tuple):

@@ -14,6 +14,8 @@ with `fullgraph=True` (a graph break would raise); the selection's graphs
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from hf_tiny import hf_greedy, noisy_copy, tiny_model
@@ -238,6 +240,41 @@ def test_compile_seconds_are_reported(counter):
     first = stats(True)
     assert first.compiled and first.compile_seconds > 0
     assert stats(True).compile_seconds == 0.0  # same shapes: every graph reused
+
+
+def test_the_recompile_limit_holds_in_any_thread(greedy_pair, monkeypatch):
+    """torch's config values are per thread: a compiled engine driven from a thread that did not build it (a
+    job's actor generates in a thread of its own) still compiles under `RECOMPILE_LIMIT`, not dynamo's 8, so
+    a core's 9th graph does not fail. Recorded at every graph the backend receives, the core's and the
+    selection's; the control is the fresh thread's own limit, dynamo's default, before any compiled call."""
+    monkeypatch.setattr(native, "SELECTION_RULE", "all")
+    monkeypatch.setattr(native, "SELECTION_COMPILE_AFTER", 0)
+    seen, before = [], []
+
+    def backend(graph, inputs):
+        seen.append(torch._dynamo.config.recompile_limit)
+        return graph.forward
+
+    monkeypatch.setattr(native, "COMPILE_BACKEND", backend)
+    target, draft = greedy_pair
+    batcher = ContinuousBatcher(target, draft, batch_size=2, max_length=24, method="speculative", draft_length=2,
+                                compile=True)
+    failures = []
+
+    def generate():
+        before.append(torch._dynamo.config.recompile_limit)
+        try:
+            batcher.admit([[1, 2, 3], [4, 5]], max_new_tokens=[6, 4], seed=0)
+            list(batcher.finished())
+        except Exception as error:  # re-raised below, in the test's thread
+            failures.append(error)
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    thread.join()
+    assert not failures, failures
+    assert before == [8] and native.RECOMPILE_LIMIT > 8  # the thread starts at dynamo's default...
+    assert seen and min(seen) == native.RECOMPILE_LIMIT  # ...and compiles every graph under the raised limit
 
 
 def _run(batcher, prompts, budgets, seed):
