@@ -88,7 +88,11 @@ COMPILE_CHOICES = (False, True, "auto")
 # benchmarks/results/compile/engine_b{1,16}_kmajor): B=1 25 s for 4.6 ms saved per autoregressive
 # iteration (5,500), 29 s for 8.0 ms per speculative L=3 one (3,700); B=16 30 s / 6.4 ms (4,700) and
 # 89 s / 10.3 ms (8,700). A batched job pays the B>1 graphs and, at its tail, the B=1 ones: ~14,000-18,000
-# iterations, still under 20,000.
+# iterations, still under 20,000. Reruns (2026-12-05, same command, engine_kmajor_2026-12-05 and
+# engine_b16_2026-12-05): B=16 speculative L=3 paid 133 and 151 s for 5.3 and 2.3 ms saved (25,000 and
+# 65,000 iterations), autoregressive 31-48 s for 8.3-11.4 ms (3,700-4,200): the saving of a batched
+# speculative iteration is within the machine's noise, so its break-even is not known better than "tens
+# of thousands"; 20,000 stays, the loss it risks bounded by one compile (~200 s per worker).
 CPU_MIN_ITERATIONS = 20000
 
 # How inductor compiles on the CPU (issue 22, item 4: a verify that reads the weights once). Eager, the
