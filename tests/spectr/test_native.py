@@ -175,7 +175,7 @@ def test_compiled_core_multiplies_by_onednn_over_2_to_32_rows(batch, new, onednn
                                    HFCausalLM(model).forward(ids, slots, allowed, _hf_copy(lm, cache), slots),
                                    rtol=1e-4, atol=1e-5)
     assert len(graphs.graphs) == 1
-    calls = [node for node in graphs.graphs[0].graph.nodes 
+    calls = [node for node in graphs.graphs[0].graph.nodes
              if node.target in (torch.ops.spectr.onednn_linear, torch.ops.spectr.onednn_linear.default)]
     assert len(calls) == onednn_calls
 
