@@ -318,9 +318,10 @@ def predicted_throughput(total: dict[str, Any], num_actors: int) -> float:
 
 
 def batch_throughput(total: dict[str, Any], num_actors: int) -> float:
-    """The actors' tokens per second of batch time (`wall_seconds`), times the number of actors: what the
-    chooser predicts, measured; 0 without a prediction."""
-    seconds = total.get("wall_seconds", 0.0)
+    """The actors' tokens per second of batch time (`wall_seconds`) less the seconds spent compiling in it
+    (spectr.compile: the chooser predicts steady iterations, not graphs being built), times the number of
+    actors: what the chooser predicts, measured; 0 without a prediction."""
+    seconds = total.get("wall_seconds", 0.0) - total.get("compile_seconds", 0.0)
     if total.get("predicted_seconds", 0.0) <= 0 or seconds <= 0:
         return 0.0
     return num_actors * total["generated_tokens"] / seconds
