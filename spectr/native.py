@@ -624,8 +624,6 @@ def _compiled(key: tuple, function):
     return _SELECTION[key]
 
 
-
-
 def _run_rows_dynamic(compiled, tensors: tuple):
     for tensor in tensors:
         torch._dynamo.mark_dynamic(tensor, 0)  # the rows
