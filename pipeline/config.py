@@ -22,6 +22,7 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DATA_FORMATS = ("auto", "parquet", "jsonl", "csv", "hf_disk")
+MAX_RECORD_BYTES = 4 << 20  # data.max_record_bytes' default
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class DataConfig:
     sampling_params_column: str | None = None  # per-row settings: a struct or JSON object (see pipeline.row_columns)
     chat_template: str | None = None  # chat mode: a Jinja template (a file path or the template itself)
     chat_template_kwargs: Any = None  # chat mode: extra variables for the template, e.g. {enable_thinking: false}
+    max_record_bytes: int = MAX_RECORD_BYTES  # JSONL/CSV: a longer record is an error row, never read whole
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,8 @@ def check_data(d: DataConfig) -> None:
         raise out_of_range("data.format", f"one of {', '.join(DATA_FORMATS)}", d.format)
     if d.limit is not None and d.limit < 1:
         raise out_of_range("data.limit", ">= 1 or null (all rows)", d.limit)
+    if d.max_record_bytes < 1:
+        raise out_of_range("data.max_record_bytes", ">= 1", d.max_record_bytes)
     if d.max_new_tokens_column is not None:
         others = {d.id_column, d.messages_column if d.chat else d.prompt_column}
         if not d.max_new_tokens_column.strip() or d.max_new_tokens_column in others:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from pipeline.config import (
+    MAX_RECORD_BYTES,
     DataConfig,
     MlflowConfig,
     ModelConfig,
@@ -211,6 +212,8 @@ def generation_settings(c: GenerateConfig) -> dict[str, Any]:
                 "chat_template_kwargs"):
         if data[key] is None:
             data.pop(key)  # unset, the hash is the one output dirs written before the key existed
+    if data["max_record_bytes"] == MAX_RECORD_BYTES:
+        data.pop("max_record_bytes")  # likewise at its default
     for key, default in (("num_samples", 1), ("stop", None), ("logprobs", False)):
         if spectr[key] == default:
             spectr.pop(key)
