@@ -49,6 +49,9 @@ kept (`wasted_seconds` is 0).
 Per iteration it costs a few dict lookups and sums over at most a few dozen entries (priors are
 cached): no device read, nothing on the engine's hot path. Not here: running iterations
 (`spectr.planner.batcher.AutoBatcher`), the cost model's formula (`spectr.planner.predict`).
+
+Measurements (whole jobs and one process against every fixed configuration, the offline replay that set
+the constants): docs/performance.md#the-planner-methodauto.
 """
 
 from __future__ import annotations

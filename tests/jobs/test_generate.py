@@ -315,7 +315,7 @@ def test_failing_rows_are_written_and_fail_the_job(tiny_pair, tmp_path, ray_loca
     assert kept.exit_code == 0 and (tmp_path / "out" / "_SUCCESS").exists()  # nothing regenerated: no Ray
 
 
-@pytest.mark.slow  # the default suite's budget (8 min on 2 cores); see the README's Tests section
+@pytest.mark.slow  # the default suite's budget (8 min on 2 cores); see docs/testing.md
 def test_rows_do_not_depend_on_how_the_actor_batches_them(tiny_pair, tmp_path, ray_local):
     """Per-row budgets alternating 2 and 30 from a data column, 4 shards on one actor: with 1 shard queued
     and 2 rows in flight, or 2 shards queued (batched together) and 8 rows in flight, every row has the
@@ -456,7 +456,7 @@ def test_an_actor_that_stops_answering_is_given_up_and_its_shards_redone(tiny_pa
     assert (tmp_path / "out" / "_SUCCESS").exists()
 
 
-@pytest.mark.slow  # the default suite's budget (8 min on 2 cores); see the README's Tests section
+@pytest.mark.slow  # the default suite's budget (8 min on 2 cores); see docs/testing.md
 def test_progress_moves_batch_by_batch_inside_a_shard(tiny_pair, prompts_jsonl, tmp_path, ray_local):
     """One shard of 40 prompts, batches of 1: the driver's polled progress shows prompts inside the shard
     before it ends, never goes back, and ends at 40."""

@@ -144,7 +144,7 @@ def test_unreachable_server_is_refused_up_front(tiny_pair, prompts_jsonl, tmp_pa
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.slow  # the default suite's budget (8 min on 2 cores); see the README's Tests section
+@pytest.mark.slow  # the default suite's budget (8 min on 2 cores); see docs/testing.md
 def test_a_run_left_running_is_marked_killed_and_continued_on_resume(
     mlflow_server, tiny_pair, tmp_path, ray_local, caplog
 ):

@@ -215,7 +215,7 @@ def s3_prompts(tmp_path_factory):
         yield url
 
 
-@pytest.mark.slow  # the default suite's budget (8 min on 2 cores); see the README's Tests section
+@pytest.mark.slow  # the default suite's budget (8 min on 2 cores); see docs/testing.md
 def test_read_parquet_from_s3_stage_write_parquet(ray_local, s3_prompts, stage, tiny_pair, tmp_path):
     import ray
 
@@ -265,7 +265,7 @@ def test_ray_data_llm_build_processor_takes_the_config(tiny_pair):
 
 @pytest.mark.slow
 def test_chat_example_on_two_actors(ray_local, tiny_pair, tmp_path):
-    """The README's chat example: messages + chat_template_kwargs, two actors, local Parquet in and out (the
+    """The chat example of docs/ray-data.md: messages + chat_template_kwargs, two actors, local Parquet in and out (the
     actors take half a CPU each: Ray Data's read and write tasks need the local Ray's other CPU). The file is
     one block as read; the processor cuts it into batches of `batch_size` rows for the actors."""
     import ray

@@ -171,7 +171,7 @@ def test_chat_template_override_and_its_kwargs(tiny_pair):
 
 
 def test_a_newline_stop_string_through_hydra(tiny_pair):
-    """What the README says to type in bash, $'spectr.stop=["\\n"]', reaches the config as one newline."""
+    """What docs/sampling.md says to type in bash, $'spectr.stop=["\\n"]', reaches the config as one newline."""
     from hydra import compose, initialize_config_dir
 
     from pipeline.config import PROJECT_ROOT
