@@ -268,6 +268,7 @@ def _commit_record(result: ShardResult, run_token: str) -> dict[str, Any]:
         "rows": result.num_rows,
         "bytes": result.bytes,
         "failed": result.failed,
+        "failed_input": result.failed_input,
         "attempt": result.attempt,
         "stats": result.stats,
         "worker": result.worker,

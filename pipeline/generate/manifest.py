@@ -5,8 +5,9 @@ decide the rows (the input files' identity and the models' identity among them),
 counts. `check_output_dir` decides, before anything is written, whether a run starts fresh, resumes, or
 is refused: another config's results, an input file or a model that changed since, a non-empty directory
 without a manifest. `load_state` reads the commit log and says which shards are done: listed, and the part
-file there with the listed size (and, with `retry_failed`, without error rows). Its memory is a few bytes
-per shard; the statistics of done shards are summed as they are read.
+file there with the listed size (and, with `retry_failed`, without error rows other than those that failed
+for their input: an unreadable record fails again on the same input). Its memory is a few bytes per shard;
+the statistics of done shards are summed as they are read.
 
 Not here: writing part files (`pipeline.generate.output`), the log format (`pipeline.generate.commit_log`).
 """
@@ -185,7 +186,9 @@ def load_state(output: fs.Location, num_shards: int, retry_failed: bool) -> Outp
     for position, record in enumerate(read_commit_records(output)):
         shard = record["shard"]
         if 0 <= shard < num_shards:
-            latest[shard], sizes[shard], failed[shard] = position, record["bytes"], record.get("failed", 0)
+            # rows that failed for their input fail again: retry_failed does not regenerate them
+            failed[shard] = record.get("failed", 0) - record.get("failed_input", 0)
+            latest[shard], sizes[shard] = position, record["bytes"]
             names[shard] = record["file"]
     state = OutputState(done=bytearray(num_shards), has_success=fs.exists(output.child(SUCCESS_NAME)))
     if not names:

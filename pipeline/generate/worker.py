@@ -46,6 +46,7 @@ class ShardResult:
     worker: dict[str, Any] = field(default_factory=dict)  # node, pid, device: where it ran
     num_rows: int = 0
     failed: int = 0  # rows with finish_reason=error
+    failed_input: int = 0  # of which the input's own (unreadable record, unusable prompt): a retry fails them again
     file: str = ""  # the part file's name in the output directory
     bytes: int = 0  # and its size
     plan: dict[str, Any] | None = None  # method=auto: the configurations that generated the shard (`with_plan`)
@@ -231,6 +232,7 @@ class ShardGenerator:
             worker=self.ready(),
             num_rows=len(out),
             failed=stats["prompts_failed"],
+            failed_input=samples * sum(bool(shard.problem(i)) for i in range(len(shard))),
             plan=run.plan,
             planner_state=self._planner_state(),
         )
