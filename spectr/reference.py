@@ -356,3 +356,140 @@ def block_output_distribution(
                 key = (*draft[:tau], token)
                 outcomes[key] = outcomes.get(key, 0.0) + chance * mass / total
     return outcomes
+
+
+# ---------------------------------------------------------------------------------------
+# Traversal verification (K >= 1 drafts as one prefix tree)
+# ---------------------------------------------------------------------------------------
+
+CHILD_ORDERS = ("draft", "token")
+
+
+class _TraversalTree:
+    """One row's prefix tree for traversal verification, with its mutable state (p draft, q target).
+
+    A node is a prefix; its leader is the smallest draft index through it, its children the distinct
+    next tokens of its drafts, visited in the order the drafts first reached them ("draft": by leader) or,
+    for the tests' negative control only, by token id ("token"). Node state: w, q (target; becomes a
+    residual), p (draft; loses the tokens of deleted children).
+    """
+
+    def __init__(self, draft_tokens, draft_probs, target_probs, child_order: str = "draft"):
+        if child_order not in CHILD_ORDERS:
+            raise ValueError(f"child_order must be one of {CHILD_ORDERS}, got {child_order!r}")
+        self.length = len(draft_tokens[0])
+        self.leader: dict[tuple[int, ...], int] = {}
+        self.children: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+        self.q: dict[tuple[int, ...], list[float]] = {}
+        self.p: dict[tuple[int, ...], list[float]] = {}
+        for k, draft in enumerate(draft_tokens):
+            for depth in range(self.length + 1):
+                node = tuple(draft[:depth])
+                if node in self.leader:
+                    continue
+                self.leader[node] = k
+                self.children[node] = []
+                self.q[node] = list(target_probs[k][depth])
+                if depth < self.length:
+                    self.p[node] = list(draft_probs[k][depth])
+                if depth > 0:
+                    self.children[node[:-1]].append(node)
+        if child_order == "token":
+            for kids in self.children.values():
+                kids.sort(key=lambda node: node[-1])
+        self.w: dict[tuple[int, ...], float] = {(): 1.0}
+        self._weigh_below(())
+
+    def _weigh_below(self, node) -> None:
+        """w(c) = min(1, w(parent) * q_parent(c) / p_parent(c)) top-down under `node` (p = 0: ratio inf)."""
+        for child in self.children[node]:
+            x, w = child[-1], self.w[node]
+            p, q = self.p[node][x], self.q[node][x]
+            if w <= 0:
+                self.w[child] = 0.0
+            else:
+                self.w[child] = min(1.0, w * q / p) if p > 0 else 1.0
+            self._weigh_below(child)
+
+    def first_leaf(self) -> tuple[int, ...]:
+        node: tuple[int, ...] = ()
+        while self.children[node]:
+            node = self.children[node][0]
+        return node
+
+    def delete(self, leaf) -> None:
+        """Reject `leaf`: its parent b gets w = S / (S + 1 - w), q = norm((w q - p)+), p without the leaf's token."""
+        parent = leaf[:-1]
+        self.children[parent].remove(leaf)
+        w, q, p = self.w[parent], self.q[parent], self.p[parent]
+        residual = [max(w * qx - px, 0.0) for qx, px in zip(q, p)]
+        mass = sum(residual)
+        if mass > 0:
+            self.w[parent] = mass / (mass + (1.0 - w))
+            self.q[parent] = [r / mass for r in residual]
+        else:
+            self.w[parent] = 0.0
+        kept = [0.0 if x == leaf[-1] else px for x, px in enumerate(p)]
+        total = sum(kept)
+        self.p[parent] = [px / total for px in kept] if total > 0 else kept
+        self._weigh_below(parent)
+
+    def uniform_slot(self, node) -> tuple[int, int]:
+        """The test of node (leader k, depth d) reads uniforms[d - 1][k]."""
+        return len(node) - 1, self.leader[node]
+
+
+def reference_traversal_sequence(
+    draft_tokens: Sequence[Sequence[int]],  # [K][L]
+    draft_probs: Sequence[Sequence[Probs]],  # [K][L][V]
+    target_probs: Sequence[Sequence[Probs]],  # [K][L + 1][V]
+    uniforms: Sequence[Sequence[float]],  # [L + 1][K + 1]
+    child_order: str = "draft",
+) -> tuple[list[int], int]:
+    """One row of traversal verification: (produced tokens, the accepted node's leader draft).
+
+    Repeatedly take the first leaf a in post-order: the root ends it (its token from the root's q, a
+    residual by then); else a is accepted iff uniforms[depth(a) - 1][leader(a)] < w(a), ending with a
+    token from a's q (the target's own at depth L, a residual above); else a is deleted (`delete`).
+    """
+    tree = _TraversalTree(draft_tokens, draft_probs, target_probs, child_order)
+    num_drafts = len(draft_tokens)
+    while True:
+        node = tree.first_leaf()
+        if node:
+            depth, k = tree.uniform_slot(node)
+            if not uniforms[depth][k] < tree.w[node]:
+                tree.delete(node)
+                continue
+        token = reference_sample(tree.q[node], uniforms[len(draft_tokens[0])][num_drafts])
+        return [*node, token], tree.leader[node]
+
+
+def traversal_output_distribution(
+    draft_tokens: Sequence[Sequence[int]],  # [K][L]
+    draft_probs: Sequence[Sequence[Probs]],  # [K][L][V]
+    target_probs: Sequence[Sequence[Probs]],  # [K][L + 1][V]
+    child_order: str = "draft",
+) -> dict[tuple[int, ...], float]:
+    """Exact law of the tokens one call of traversal verification produces for this draft set.
+
+    The order of the tests does not depend on their outcomes (post-order of the tree; an acceptance
+    ends the call), so the law is one pass: test t is reached with prob(all earlier tests rejected).
+    """
+    tree = _TraversalTree(draft_tokens, draft_probs, target_probs, child_order)
+    outcomes: dict[tuple[int, ...], float] = {}
+    reach = 1.0
+    while reach > 0:
+        node = tree.first_leaf()
+        accept = tree.w[node] if node else 1.0
+        if accept > 0:
+            total = sum(tree.q[node])
+            for token, mass in enumerate(tree.q[node]):
+                if mass > 0:
+                    key = (*node, token)
+                    outcomes[key] = outcomes.get(key, 0.0) + reach * accept * mass / total
+        if not node:
+            break
+        reach *= 1.0 - accept
+        tree.delete(node)
+    return outcomes

@@ -44,6 +44,7 @@ from spectr.block import block_rule, block_stop_probabilities
 from spectr.outcome import PAD_TOKEN, SequenceSelection
 from spectr.rng import sample_categorical
 from spectr.selection import TOKEN_SELECTORS, TokenSelector, get_token_selector
+from spectr.traversal import select_traversal
 from spectr.tree import prefix_leaders, shared_depths
 from spectr.validation import check_probabilities, check_shape, check_token_ids, check_uniforms
 
@@ -52,7 +53,7 @@ __all__ = ["PAD_TOKEN", "SEQUENCE_RULES", "SequenceSelection", "row_splits", "se
 
 # Sequence-level rules that are not a walk of a token-level rule; same signature as the walk
 # (draft_tokens, draft_probs, node_target_probs, node_of, uniforms) -> SequenceSelection.
-SEQUENCE_RULES = {"block": block_rule(block_stop_probabilities)}
+SEQUENCE_RULES = {"block": block_rule(block_stop_probabilities), "traversal": select_traversal}
 SINGLE_DRAFT_METHODS = ("speculative", "block")
 
 
