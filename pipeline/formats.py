@@ -96,14 +96,126 @@ def jsonl_record(
     raw: bytes, where: str, line: int | None = None, offset: int | None = None
 ) -> dict[str, Any]:
     """One JSON-lines record as a dict; raises JobInputError naming the line (or byte offset)."""
-    at = f"line {line}" if line is not None else f"the line at byte {offset}"
-    try:
-        record = json.loads(raw)
-    except ValueError as err:
-        raise JobInputError(f"data.path: {where} {at} is not valid JSON: {err}") from None
-    if not isinstance(record, dict):
-        raise JobInputError(f"data.path: {where} {at} is a JSON {type(record).__name__}, expected an object")
+    record, problem = parse_jsonl_record(raw)
+    if problem:
+        raise JobInputError(record_problem(where, line if line is not None else f"at byte {offset}", problem))
     return record
+
+
+def record_problem(where: str, line: int | str, problem: str) -> str:
+    """The words of every unreadable-record message: 'data.path: p.jsonl line 17 is not valid UTF-8 (...)'."""
+    return f"data.path: {where} line {line} {problem}"
+
+
+def parse_jsonl_record(raw: bytes) -> tuple[dict[str, Any] | None, str | None]:
+    """(record, None) for a usable JSON-lines record, else (what could be read of it, or None; what is wrong):
+    not UTF-8 (the record is then read with the bad bytes as lone surrogates, so that a clean id still
+    names it: `usable_id`), not JSON, not an object, or text holding a lone surrogate escape ("\\ud800"),
+    which no UTF-8 file can store."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        problem = f"is not valid UTF-8 (byte 0x{raw[err.start]:02x} at column {err.start + 1})"
+        try:
+            record = json.loads(raw.decode("utf-8", "surrogateescape"))
+        except ValueError:
+            record = None
+        return (record if isinstance(record, dict) else None), problem
+    try:
+        record = json.loads(text)
+    except ValueError as err:
+        return None, f"is not valid JSON: {err}"
+    if not isinstance(record, dict):
+        return None, f"is a JSON {type(record).__name__}, expected an object"
+    if "\\u" in text and not _is_unicode(record):
+        return record, "holds a lone surrogate escape (\\ud800-\\udfff): not valid Unicode text"
+    return record, None
+
+
+def _is_unicode(value: Any) -> bool:
+    """No string in `value` (keys included) holds a lone surrogate."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+        return True
+    if isinstance(value, dict):
+        return all(_is_unicode(k) and _is_unicode(v) for k, v in value.items())
+    if isinstance(value, list):
+        return all(_is_unicode(v) for v in value)
+    return True
+
+
+def usable_id(record: dict[str, Any] | None, column: str | None) -> Any:
+    """The id of a record that could be read at least in part: an int, or a clean string; else None."""
+    if record is None or column is None:
+        return None
+    value = record.get(column)
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or not _is_unicode(value):
+        return None
+    return value
+
+
+def read_csv_records(data: bytes, read: Any, parse: Any, convert: Any) -> tuple[pa.Table, dict[int, str]]:
+    """pyarrow's read of whole CSV records (`csv_options`): (the table of the readable records, {index of an
+    unreadable record among `split_records(data, quoted=True)`: what is wrong}). Unreadable: a record with
+    another number of fields than the header, or one that is not UTF-8."""
+    import pyarrow.csv as pacsv
+
+    from pipeline.linescan import split_records
+
+    invalid: list[Any] = []
+
+    def skip(row: Any) -> str:
+        invalid.append(row)
+        return "skip"
+
+    parse = pacsv.ParseOptions(
+        delimiter=parse.delimiter, quote_char=parse.quote_char, double_quote=parse.double_quote,
+        escape_char=parse.escape_char, newlines_in_values=parse.newlines_in_values,
+        ignore_empty_lines=parse.ignore_empty_lines, invalid_row_handler=skip,
+    )  # fmt: skip
+    try:
+        table = pacsv.read_csv(pa.BufferReader(data), read_options=read, parse_options=parse, convert_options=convert)
+    except pa.ArrowInvalid as err:
+        if "utf8" not in str(err).lower():
+            raise
+        return _without_bad_utf8(data, read, parse, convert)
+    if not invalid:
+        return table, {}
+    records = split_records(data, quoted=True)
+    wanted: dict[str, list[Any]] = {}
+    for row in invalid:
+        wanted.setdefault(row.text, []).append(row)
+    problems = {}
+    for index, record in enumerate(records):
+        text = record.decode("utf-8", "replace")
+        found = wanted.get(text) or wanted.get(text.rstrip("\r"))
+        if found:
+            row = found.pop()
+            problems[index] = f"has {row.actual_columns} fields, expected {row.expected_columns}"
+    if len(problems) != len(invalid):
+        raise ValueError(f"pyarrow skipped {len(invalid)} CSV records, {len(problems)} of which were found again")
+    return table, problems
+
+
+def _without_bad_utf8(data: bytes, read: Any, parse: Any, convert: Any) -> tuple[pa.Table, dict[int, str]]:
+    """`read_csv_records` of a block that holds records which are not UTF-8: those are set aside first."""
+    from pipeline.linescan import split_records
+
+    records = split_records(data, quoted=True)
+    problems: dict[int, str] = {}
+    good: list[int] = []
+    for index, record in enumerate(records):
+        try:
+            record.decode("utf-8")
+            good.append(index)
+        except UnicodeDecodeError as err:
+            problems[index] = f"is not valid UTF-8 (byte 0x{record[err.start]:02x} at column {err.start + 1})"
+    table, others = read_csv_records(b"".join(records[i] + b"\n" for i in good), read, parse, convert)
+    problems.update({good[i]: problem for i, problem in others.items()})
+    return table, problems
 
 
 def csv_options(

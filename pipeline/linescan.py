@@ -10,6 +10,11 @@ only, empty CSV lines. For every record whose global index (`first_row` + its in
 `every`, the byte offset where it starts is kept: that is where a worker seeks to read a shard. Each block's
 whole records also go to `on_block` (the caller's validation parses them there), so the file is read once.
 
+A record longer than `max_record_bytes` is never held: the scan reads on to its end without keeping it (in
+memory O(block), time linear) and lists it in `long_records` (its row, bytes and line); it is still a row,
+and never reaches `on_block`: the worker writes an error row for it without reading it. A file that has no
+line break at all and is longer than `max_record_bytes` is not one record per line: `ScanError`.
+
 Not here: parsing records (`pipeline.prompts`), validating them (`pipeline.idcheck`).
 """
 
@@ -44,6 +49,25 @@ class RecordScan:
     data_end: int  # byte offset just past the last of them (its newline included)
     offsets: np.ndarray  # int64: start of every record whose global index is a multiple of `every`
     header: bytes | None  # CSV: the header record, without its line ending
+    lines: np.ndarray | None = None  # int64: the (1-based) line of each of `offsets`
+    first_line: int = 1  # the line of the record at `data_start`
+    long_records: tuple[LongRecord, ...] = ()  # records over max_record_bytes, in order
+
+
+@dataclass(frozen=True)
+class LongRecord:
+    """A record over `max_record_bytes`, skipped unread: bytes [start, stop) (its line ending excluded),
+    starting on line `line`, the next record on line `next_line` (a CSV record may hold line breaks)."""
+
+    row: int  # global index (the caller makes it local to its file)
+    start: int
+    stop: int
+    line: int
+    next_line: int
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
 
 
 class ScanError(ValueError):
@@ -60,9 +84,10 @@ def scan_records(
     header: bool = False,
     on_block: Callable[[Block], None] | None = None,
     block_bytes: int = BLOCK_BYTES,
+    max_record_bytes: int | None = None,
 ) -> RecordScan:
     """Scan a readable binary stream (`.read(n)`); see the module docstring."""
-    state = _ScanState(every, first_row, limit, quoted, header, on_block)
+    state = _ScanState(every, first_row, limit, quoted, header, on_block, max_record_bytes)
     carry, eof = b"", False
     while not eof and not state.full:
         chunk = stream.read(block_bytes)
@@ -74,17 +99,23 @@ def scan_records(
         carry = buf[consumed:]
         if eof and carry and quoted:
             raise ScanError(f"a double quote opened near byte {state.position} is never closed")
+        if max_record_bytes is not None and len(carry) > max_record_bytes and not state.full:
+            carry, eof = state.skip_long(carry, stream, block_bytes)
     return state.result()
 
 
 class _ScanState:
-    def __init__(self, every, first_row, limit, quoted, header, on_block):
+    def __init__(self, every, first_row, limit, quoted, header, on_block, max_record_bytes=None):
         self.every, self.first_row, self.limit = every, first_row, limit
+        self.max_record_bytes = max_record_bytes
         self.quoted, self.want_header, self.on_block = quoted, header, on_block
         self.rows = 0
         self.position = 0  # absolute offset of the current buffer's first byte
         self.lines = 0  # newlines before the current buffer
         self.offsets: list[np.ndarray] = []
+        self.lines_of: list[np.ndarray] = []  # the line of each offset
+        self.first_line = 1
+        self.long: list[LongRecord] = []
         self.header: bytes | None = None
         self.data_start: int | None = None
         self.data_end = 0
@@ -107,7 +138,12 @@ class _ScanState:
             keep = keep[1:]
         if self.limit is not None:
             keep = keep[: self.limit - self.rows]
-        if len(keep):
+        long = np.zeros(len(keep), dtype=bool)
+        if self.max_record_bytes is not None:
+            long = ends[keep] - starts[keep] > self.max_record_bytes
+        if long.any():
+            self._take_runs(buf, newlines, starts[keep], ends[keep], long, final)
+        elif len(keep):
             self._take(buf, newlines, starts[keep], ends[keep])
         if self.full and len(keep):
             consumed = int(ends[keep[-1]]) + 1
@@ -127,9 +163,12 @@ class _ScanState:
     def _take(self, buf: bytes, newlines: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> None:
         count = len(starts)
         indices = self.first_row + self.rows + np.arange(count, dtype=np.int64)
-        self.offsets.append(self.position + starts[indices % self.every == 0].astype(np.int64))
+        kept = starts[indices % self.every == 0].astype(np.int64)
+        self.offsets.append(self.position + kept)
+        self.lines_of.append(self.lines + np.searchsorted(newlines, kept).astype(np.int64) + 1)
         if self.data_start is None:
             self.data_start = self.position + int(starts[0])
+            self.first_line = self.lines + int(np.searchsorted(newlines, starts[0])) + 1
         stop = min(int(ends[-1]) + 1, len(buf))
         self.data_end = self.position + stop
         if self.on_block is not None:
@@ -138,10 +177,85 @@ class _ScanState:
             self.on_block(Block(buf[first:stop], self.first_row + self.rows, line, count))
         self.rows += count
 
+    def _take_runs(
+        self, buf: bytes, newlines: np.ndarray, starts: np.ndarray, ends: np.ndarray, long: np.ndarray, final: bool
+    ) -> None:
+        """Records of one buffer some of which are over max_record_bytes: those are listed, the runs of
+        others between them taken as usual."""
+        if final and self.lines == 0 and not len(newlines):
+            raise ScanError(self._no_line_break(int(ends[0] - starts[0])))
+        run = 0
+        for i in np.flatnonzero(long).tolist():
+            if i > run:
+                self._take(buf, newlines, starts[run:i], ends[run:i])
+            start, end = int(starts[i]), int(ends[i])
+            line = self.lines + int(np.searchsorted(newlines, start)) + 1
+            next_line = self.lines + int(np.searchsorted(newlines, end)) + 2
+            ending = 1 if end < len(buf) else 0
+            self._take_long(self.position + start, self.position + end, line, next_line, ending)
+            run = i + 1
+        if run < len(starts):
+            self._take(buf, newlines, starts[run:], ends[run:])
+
+    def _take_long(self, start: int, stop: int, line: int, next_line: int, ending: int) -> None:
+        """One record over max_record_bytes, bytes [start, stop) of the file, as a row no block holds."""
+        row = self.first_row + self.rows
+        if row % self.every == 0:
+            self.offsets.append(np.array([start], dtype=np.int64))
+            self.lines_of.append(np.array([line], dtype=np.int64))
+        if self.data_start is None:
+            self.data_start, self.first_line = start, line
+        self.long.append(LongRecord(row, start, stop, line, next_line))
+        self.data_end = stop + ending
+        self.rows += 1
+
+    def _no_line_break(self, size: int) -> str:
+        return f"no line break in its {size} bytes, over data.max_record_bytes={self.max_record_bytes}: not one record per line"
+
+    def skip_long(self, head: bytes, stream: Any, block_bytes: int) -> tuple[bytes, bool]:
+        """The record `head` starts is over max_record_bytes: read on to its end, keeping none of it; list it
+        as a row. Returns (the bytes after its line ending, end of file)."""
+        if self.want_header and self.header is None:
+            raise ScanError(f"the header record is longer than data.max_record_bytes={self.max_record_bytes}")
+        start, line = self.position, self.lines + 1
+        size = newlines = quotes = 0
+        chunk, rest, eof = head, b"", False
+        while True:
+            arr = np.frombuffer(chunk, dtype=np.uint8)
+            breaks = np.flatnonzero(arr == _NEWLINE)
+            ends = breaks
+            if self.quoted and len(breaks):
+                parity = (np.cumsum(arr == _QUOTE, dtype=_count_type(arr)) + quotes) & 1
+                ends = breaks[parity[breaks] == 0]
+            if len(ends):
+                end = int(ends[0])
+                newlines += int(np.searchsorted(breaks, end))
+                size, rest = size + end, chunk[end + 1 :]
+                break
+            size, newlines = size + len(chunk), newlines + len(breaks)
+            quotes += int(np.count_nonzero(arr == _QUOTE)) if self.quoted else 0
+            chunk = bytes(stream.read(block_bytes))
+            if not chunk:
+                eof = True
+                break
+        if eof and self.quoted and quotes & 1:
+            raise ScanError(f"a double quote opened near byte {start} is never closed")
+        if eof and self.lines == 0 and newlines == 0:
+            raise ScanError(self._no_line_break(size))
+        ending = 0 if eof else 1
+        self._take_long(start, start + size, line, line + newlines + ending, ending)
+        self.position = start + size + ending
+        self.lines += newlines + ending
+        return rest, eof
+
     def result(self) -> RecordScan:
         offsets = np.concatenate(self.offsets) if self.offsets else np.zeros(0, dtype=np.int64)
+        lines = np.concatenate(self.lines_of) if self.lines_of else np.zeros(0, dtype=np.int64)
         start = self.data_start if self.data_start is not None else self.position
-        return RecordScan(self.rows, start, max(self.data_end, start), offsets, self.header)
+        return RecordScan(
+            self.rows, start, max(self.data_end, start), offsets, self.header, lines, self.first_line,
+            tuple(self.long),
+        )
 
 
 def _records(
@@ -173,9 +287,19 @@ def _strip_cr(record: bytes) -> bytes:
 
 def split_records(data: bytes, quoted: bool = False) -> list[bytes]:
     """The non-blank records of `data` (whole records, as a worker reads one shard's byte range)."""
+    return [record for record, _ in split_records_with_lines(data, quoted)]
+
+
+def split_records_with_lines(data: bytes, quoted: bool = False) -> list[tuple[bytes, int]]:
+    """The non-blank records of `data`, each with the line it starts on (0: the first line of `data`)."""
     arr = np.frombuffer(data, dtype=np.uint8)
     newlines = np.flatnonzero(arr == _NEWLINE)
     starts, ends, _ = _records(arr, newlines, quoted, final=True)
     state = _ScanState(1, 0, None, quoted, False, None)
     blank = state._blank(arr, starts, ends) if len(starts) else np.zeros(0, bool)
-    return [data[s:e] for s, e, b in zip(starts.tolist(), ends.tolist(), blank.tolist()) if not b]
+    lines = np.searchsorted(newlines, starts).tolist()
+    return [
+        (data[s:e], line)
+        for s, e, b, line in zip(starts.tolist(), ends.tolist(), blank.tolist(), lines)
+        if not b
+    ]

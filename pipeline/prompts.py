@@ -8,7 +8,9 @@ driver's scan found where the range starts; a compressed file is decompressed in
 `pipeline.formats`), or the Parquet row groups / Arrow file that hold it, kept in a
 small per-worker cache (`ReadCache`) because neighbouring shards share row groups. A row whose prompt or
 chat messages cannot be used gets a problem ("row 3 (id 'b') of p.parquet: prompt is null, expected a
-string"): the worker writes it as an error row, `read_prompts` raises it as a `JobInputError`.
+string"), as does a record that cannot be read ("p.jsonl line 17 is not valid UTF-8 (...)"; its id is its
+row number when it has no clean one): the worker writes it as an error row, `read_prompts` raises it as a
+`JobInputError`.
 
 Each format's read of a piece is its reader's (`pipeline.readers.READERS`, the table the plan uses too).
 It does not tokenize (`pipeline.models`), plan (`pipeline.source`, `pipeline.scanners`) or write anything.
@@ -105,21 +107,29 @@ def read_rows(source: Source, start: int, stop: int, cache: ReadCache | None = N
     budgets: list[Any] = []
     extras: dict[str, list[Any]] = {c: [] for c in source.columns.read}
     wheres: list[str] = []
+    unreadable: list[str | None] = []
     for piece in source.pieces(start, stop):
-        piece_ids, piece_values, piece_budgets, piece_extras = reader.read(source, piece, cache)
+        piece_ids, piece_values, piece_budgets, piece_extras, piece_problems = reader.read(source, piece, cache)
         if len(piece_values) != piece.stop - piece.start:
             raise InputChangedError(
                 f"data.path: {source.files[piece.file].uri}: expected {piece.stop - piece.start} rows from row "
                 f"{piece.start}, found {len(piece_values)}; the input changed since the job was planned"
             )
         first = source.files[piece.file].first_row + piece.start
-        ids.extend(piece_ids if piece_ids is not None else range(first, first + len(piece_values)))
+        positions = range(first, first + len(piece_values))
+        if piece_ids is None:
+            ids.extend(positions)
+        else:  # an unreadable record without a clean id: its row number (as text for string ids)
+            kind = int if source.id_kind == "int" else str
+            ids.extend(kind(row) if row_id is None else row_id for row_id, row in zip(piece_ids, positions))
+        unreadable.extend(piece_problems or [None] * len(piece_values))
         values.extend(piece_values)
         budgets.extend(piece_budgets or [])
         for column, values_read in piece_extras.items():
             extras[column].extend(values_read)
         wheres.extend([source.files[piece.file].uri] * len(piece_values))
     rows = _checked(source, start, ids, values, wheres)
+    rows.problems = [found or problem for found, problem in zip(unreadable, rows.problems)]
     if source.budget_column is not None:
         rows.budgets = _checked_budgets(source, start, rows, budgets, wheres)
     rows.extras = extras if extras else None

@@ -10,6 +10,11 @@ worker's read of one piece of a shard (`read`: a JSON-lines or CSV byte range, d
 for a compressed file; the Parquet row groups or the Arrow file that hold it). A new format is one
 entry of `FORMATS` and one `FormatReader` here.
 
+A JSON-lines or CSV record that cannot be read (not UTF-8, not JSON, another number of CSV fields, or over
+`data.max_record_bytes`: then the worker never reads its bytes, the scan listed where it is) is a row
+whose problem names the file and the line; its id is its clean id where one can be read, else None (the
+row number stands in: `pipeline.prompts`).
+
 Imports point one way, `prompts -> readers -> scanners -> source -> formats`: nothing below imports
 this module. Not here: listing files (`pipeline.source`), the per-format scans themselves
 (`pipeline.scanners`), checking and shaping rows (`pipeline.prompts`), the formats' names, extensions
@@ -27,8 +32,17 @@ import pyarrow as pa
 
 from pipeline.config import DataConfig
 from pipeline.errors import JobInputError
-from pipeline.formats import FORMATS, InputFormat, csv_options, jsonl_record
-from pipeline.linescan import split_records
+from pipeline.formats import (
+    FORMATS,
+    InputFormat,
+    csv_options,
+    jsonl_record,
+    parse_jsonl_record,
+    read_csv_records,
+    record_problem,
+    usable_id,
+)
+from pipeline.linescan import split_records_with_lines
 from pipeline.row_columns import RowColumns, resolve_columns
 from pipeline.rowcheck import BudgetCheck
 from pipeline.scanners import (
@@ -42,8 +56,9 @@ from pipeline.scanners import (
 )
 from pipeline.source import Piece, ScanResult, Source, SourceListing, text_column
 
-# (ids or None, prompt values, budget values or None, the extra columns' values) of one piece
-PieceValues = tuple[list[Any] | None, list[Any], list[Any] | None, dict[str, list[Any]]]
+# (ids or None, prompt values, budget values or None, the extra columns' values, each row's problem or None
+# when none has one) of one piece
+PieceValues = tuple[list[Any] | None, list[Any], list[Any] | None, dict[str, list[Any]], list[str | None] | None]
 
 
 @dataclass(frozen=True)
@@ -65,16 +80,59 @@ class FormatReader:
 # --- the workers' reads ---------------------------------------------------------------------------------
 
 
+def _piece_records(
+    source: Source, piece: Piece, cache: Any, quoted: bool
+) -> tuple[list[bytes | None], list[int], list[str | None]]:
+    """The piece's records in order, the line each starts on, and the problem of each record over
+    data.max_record_bytes (its bytes are never read: None in the records)."""
+    f = source.files[piece.file]
+    records: list[bytes | None] = []
+    lines: list[int] = []
+    problems: list[str | None] = []
+    position, line = piece.byte_start, piece.first_line
+    for long in [r for r in f.long_records if piece.start <= r.row < piece.stop] + [None]:
+        stop = piece.byte_stop if long is None else long.start
+        data = cache.text_range(f.uri, position, stop) if stop > position else b""
+        for raw, offset in split_records_with_lines(data, quoted):
+            records.append(raw)
+            lines.append(line + offset)
+            problems.append(None)
+        if long is not None:
+            records.append(None)
+            lines.append(long.line)
+            problems.append(record_problem(f.uri, long.line, f"is {long.size} bytes long, over data.max_record_bytes"))
+            position, line = long.stop + 1, long.next_line
+    return records, lines, problems
+
+
 def _read_jsonl(source: Source, piece: Piece, cache: Any) -> PieceValues:
     uri = source.files[piece.file].uri
-    data = cache.text_range(uri, piece.byte_start, piece.byte_stop)
-    records = [jsonl_record(raw, uri, offset=piece.byte_start) for raw in split_records(data)]
+    raws, lines, problems = _piece_records(source, piece, cache, quoted=False)
+    records: list[dict[str, Any]] = []
+    for i, raw in enumerate(raws):
+        record, problem = parse_jsonl_record(raw) if raw is not None else (None, None)
+        if problem:
+            problems[i] = record_problem(uri, lines[i], problem)
+        if problems[i]:  # an unreadable record: only a clean id of it is kept
+            record = {source.id_column: usable_id(record, source.id_column)} if source.id_column else None
+        records.append(record or {})
     values = [record.get(source.text_column) for record in records]
     ids = [record.get(source.id_column) for record in records] if source.id_column else None
     budgets = [record.get(source.budget_column) for record in records] if source.budget_column else None
     extras = {c: [record.get(c) for record in records] for c in source.columns.read}
-    extras.update(_typed_jsonl_columns(source, data, len(records), uri))
-    return ids, values, budgets, extras
+    good = [i for i, problem in enumerate(problems) if not problem]
+    typed = _typed_jsonl_columns(source, b"".join(raws[i] + b"\n" for i in good), len(good), uri) if good else {}
+    for column, values_read in typed.items():
+        extras[column] = _spread(values_read, good, len(records))
+    return ids, values, budgets, extras, problems if len(good) < len(records) else None
+
+
+def _spread(values: list[Any], positions: list[int], size: int) -> list[Any]:
+    """`values` at `positions` of a list of `size` Nones (the readable rows among all of a piece's)."""
+    spread: list[Any] = [None] * size
+    for position, value in zip(positions, values):
+        spread[position] = value
+    return spread
 
 
 def _typed_jsonl_columns(source: Source, data: bytes, rows: int, where: str) -> dict[str, list[Any]]:
@@ -95,19 +153,30 @@ def _typed_jsonl_columns(source: Source, data: bytes, rows: int, where: str) -> 
 
 
 def _read_csv(source: Source, piece: Piece, cache: Any) -> PieceValues:
-    import pyarrow.csv as pacsv
-
     uri = source.files[piece.file].uri
-    data = cache.text_range(uri, piece.byte_start, piece.byte_stop)
+    raws, lines, problems = _piece_records(source, piece, cache, quoted=True)
     id_type = pa.int64() if source.id_kind == "int" else pa.string()
     read, parse, convert = csv_options(
         source.csv_header or (), source.text_column, source.id_column, id_type, source.budget_column,
         source.columns.read, dict(source.columns.kept),
     )
-    table = pacsv.read_csv(
-        pa.BufferReader(data), read_options=read, parse_options=parse, convert_options=convert
-    )
-    return _split(source, table)
+    good = [i for i, raw in enumerate(raws) if raw is not None]
+    if not good:  # every record is over max_record_bytes
+        nothing = [None] * len(raws)
+        return (nothing if source.id_column else None), nothing, (nothing if source.budget_column else None), {
+            c: nothing for c in source.columns.read}, problems
+    table, unreadable = read_csv_records(b"".join(raws[i] + b"\n" for i in good), read, parse, convert)
+    for index, problem in unreadable.items():
+        problems[good[index]] = record_problem(uri, lines[good[index]], problem)
+    ids, values, budgets, extras, _ = _split(source, table)
+    read_rows = [i for i, problem in enumerate(problems) if not problem]
+    if len(read_rows) == len(raws):
+        return ids, values, budgets, extras, None
+    return (
+        None if ids is None else _spread(ids, read_rows, len(raws)), _spread(values, read_rows, len(raws)),
+        None if budgets is None else _spread(budgets, read_rows, len(raws)),
+        {c: _spread(v, read_rows, len(raws)) for c, v in extras.items()}, problems,
+    )  # fmt: skip
 
 
 def _columns(source: Source) -> list[str]:
@@ -138,7 +207,7 @@ def _split(source: Source, table: pa.Table) -> PieceValues:
     ids = table.column(source.id_column).to_pylist() if source.id_column else None
     budgets = table.column(source.budget_column).to_pylist() if source.budget_column else None
     extras = {c: table.column(c).to_pylist() for c in source.columns.read}
-    return ids, table.column(source.text_column).to_pylist(), budgets, extras
+    return ids, table.column(source.text_column).to_pylist(), budgets, extras, None
 
 
 # --- a file's columns ----------------------------------------------------------------------------------

@@ -7,8 +7,12 @@
   the id column streamed.
 - JSON lines: one streaming pass (`pipeline.linescan`) keeps every `shard_size`-th record's byte offset
   and hands each block to pyarrow's JSON reader for the ids and prompts; a block pyarrow rejects (or
-  counts differently) is read again line by line in Python, which names the exact line and row.
+  counts differently, or that is not UTF-8) is read again line by line in Python, which names the exact
+  line and row.
 - CSV: the same, quote-aware, with pyarrow's CSV reader; the header is the first record of each file.
+- An unreadable record (not UTF-8, not JSON, a CSV record with another number of fields, one over
+  `data.max_record_bytes`) is still a row, left out of the checks: the worker writes it as an error row
+  naming the file and the line (`pipeline.readers`). Only a file with no line break at all is refused.
 - With `data.keep_columns`: the kept columns' types for the whole job (`pipeline.row_columns.KeptTypes`):
   each Parquet / Arrow file's schema; for JSON lines and CSV, what the same readers infer for them on each
   block (the JSON reader then infers every field the explicit schema does not name), merged.
@@ -31,7 +35,15 @@ import pyarrow.compute as pc
 from pipeline import fs
 from pipeline.config import DataConfig
 from pipeline.errors import JobInputError
-from pipeline.formats import csv_options, jsonl_record, open_text_stream, read_arrow_table
+from pipeline.formats import (
+    csv_options,
+    jsonl_record,
+    open_text_stream,
+    parse_jsonl_record,
+    read_arrow_table,
+    read_csv_records,
+    usable_id,
+)
 from pipeline.linescan import Block, ScanError, scan_records
 from pipeline.row_columns import KeptTypes, kept_names
 from pipeline.rowcheck import (
@@ -230,12 +242,33 @@ def _arrow_table(uri: str) -> pa.Table:
 # --- JSON lines and CSV --------------------------------------------------------------------------------
 
 
-def _first_record(uri: str, quoted: bool) -> Block | None:
+class _Found(Exception):
+    pass
+
+
+def _first_record(uri: str, quoted: bool, max_record_bytes: int | None = None) -> Block | None:
+    """The file's first record: in JSON lines, the first that reads as a JSON object (unreadable ones
+    are error rows, not the file's columns)."""
     found: list[Block] = []
+
+    def take(block: Block) -> None:
+        if quoted:  # the header
+            found.append(block)
+            raise _Found
+        row = block.first_row
+        for offset, raw in enumerate(block.data.split(b"\n")):
+            if raw.strip() and parse_jsonl_record(raw)[1] is None:
+                found.append(Block(raw + b"\n", row, block.first_line + offset, 1))
+                raise _Found
+            row += bool(raw.strip())
+
     location = fs.resolve(uri, "data.path")
     with open_text_stream(location) as stream:
         try:
-            scan_records(stream, every=1, limit=1, quoted=quoted, on_block=found.append, block_bytes=1 << 16)
+            scan_records(stream, every=1, limit=1 if quoted else None, quoted=quoted, on_block=take,
+                         block_bytes=1 << 16, max_record_bytes=max_record_bytes)  # fmt: skip
+        except _Found:
+            pass
         except ScanError as err:
             raise scan_error(uri, err) from None
     return found[0] if found else None
@@ -260,28 +293,31 @@ def _scan_text_files(
             try:
                 scan = scan_records(
                     stream, every=shard_size, first_row=total, limit=remaining, quoted=quoted, header=quoted,
-                    on_block=lambda block, uri=f.uri: check(block, uri),
+                    on_block=lambda block, uri=f.uri: check(block, uri), max_record_bytes=data.max_record_bytes,
                 )  # fmt: skip
             except ScanError as err:
                 raise scan_error(f.uri, err) from None
+        long_records = tuple(dataclasses.replace(r, row=r.row - total) for r in scan.long_records)
         files.append(
             dataclasses.replace(
                 f, num_rows=scan.rows, first_row=total, data_start=scan.data_start, data_end=scan.data_end,
-                offsets=scan.offsets,
+                offsets=scan.offsets, lines=scan.lines, first_line=scan.first_line, long_records=long_records,
             )
         )  # fmt: skip
         total += scan.rows
     return files, total
 
 
-def _reread_text(files: list[InputFile], quoted: bool, ids_of: Callable[[Block, str], pa.Array]):
+def _reread_text(
+    files: list[InputFile], quoted: bool, ids_of: Callable[[Block, str], pa.Array], max_record_bytes: int
+):
     """The id batches of every file again (only after a duplicate hash: the error path)."""
     for f in files:
         blocks: list[Block] = []
         location = fs.resolve(f.uri, "data.path")
         with open_text_stream(location) as stream:
             scan_records(stream, every=1 << 40, first_row=f.first_row, limit=f.num_rows, quoted=quoted,
-                         header=quoted, on_block=blocks.append)  # fmt: skip
+                         header=quoted, on_block=blocks.append, max_record_bytes=max_record_bytes)  # fmt: skip
         for block in blocks:
             yield ids_of(block, f.uri), block.first_row
 
@@ -304,8 +340,13 @@ class JsonlChecker:
         self.schema = pa.schema(fields)
 
     def parse(self, block: Block) -> pa.Table | None:
+        """The block through pyarrow, or None (then `python_ids`): pyarrow's reader does not check UTF-8."""
         import pyarrow.json as pj
 
+        try:
+            block.data.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
         try:
             table = pj.read_json(
                 pa.BufferReader(block.data),
@@ -344,14 +385,22 @@ class JsonlChecker:
         )
 
     def python_ids(self, block: Block, where: str) -> pa.Array:
-        """The block line by line, with the exact line and row of the first problem."""
+        """The block line by line, with the exact line and row of the first problem. A record that cannot be
+        read is left out (the worker writes its error row); its id, when it has a clean one, is counted."""
         ids: list[Any] = []
         kept: dict[str, list[Any]] = {name: [] for name in (self.kept.types if self.kept else ())}
         row = block.first_row
-        for offset, raw in enumerate(block.data.split(b"\n")):
+        for raw in block.data.split(b"\n"):
             if not raw.strip():
                 continue
-            record = jsonl_record(raw, where, line=block.first_line + offset)
+            record, unreadable = parse_jsonl_record(raw)
+            if unreadable:
+                row_id = usable_id(record, self.data.id_column if self.has_id else None)
+                if row_id is not None:
+                    self._check_id(row_id, row, where)
+                    ids.append(row_id)
+                row += 1
+                continue
             for name, values in kept.items():
                 values.append(record.get(name))
             row_id = record.get(self.data.id_column) if self.has_id else row
@@ -389,9 +438,9 @@ def check_id_value(value: Any, row: int, where: str, column: str) -> str:
 def scan_jsonl(
     data: DataConfig, listing: SourceListing, shard_size: int, budgets: BudgetCheck | None = None
 ) -> ScanResult:
-    first = _first_record(listing.files[0].uri, quoted=False)
+    first = _first_record(listing.files[0].uri, quoted=False, max_record_bytes=data.max_record_bytes)
     if first is None:
-        raise JobInputError(f"data.path: {listing.path} holds no rows")
+        raise JobInputError(f"data.path: {listing.path} holds no rows (none that reads as a JSON object)")
     record = jsonl_record(first.data.rstrip(b"\r\n"), listing.files[0].uri, line=first.first_line)
     has_id = check_columns(list(record), None, data, listing.files[0].uri)
     id_kind = None
@@ -404,7 +453,7 @@ def scan_jsonl(
     check = JsonlChecker(data, checker, has_id, id_kind, budgets, kept)
     files, total = _scan_text_files(data, listing, shard_size, quoted=False, check=check)
     if has_id:
-        checker.finish(lambda: _reread_text(files, False, check.ids))
+        checker.finish(lambda: _reread_text(files, False, check.ids, data.max_record_bytes))
     return ScanResult(files, total, has_id, id_kind or "int", kept_types=kept and kept.result())
 
 
@@ -422,24 +471,20 @@ class CsvChecker:
         self.id_type: pa.DataType | None = None
 
     def table(self, block: Block, where: str) -> pa.Table:
-        import pyarrow.csv as pacsv
-
         id_column = self.data.id_column if self.has_id else None
         budget_column = None if self.budgets is None else self.budgets.column
         inferred = tuple(self.kept.types) if self.kept else ()
         read, parse, convert = csv_options(self.header, self.column, id_column, self.id_type, budget_column,
                                            inferred, dict.fromkeys(inferred))
         try:
-            table = pacsv.read_csv(
-                pa.BufferReader(block.data), read_options=read, parse_options=parse, convert_options=convert
-            )
-        except pa.ArrowInvalid as err:
+            table, unreadable = read_csv_records(block.data, read, parse, convert)  # error rows: the worker's
+        except (pa.ArrowInvalid, ValueError) as err:
             if self.id_type is not None and "conversion error" in str(err).lower():
                 self.checker.mixed()
             raise JobInputError(
                 f"data.path: cannot read {where} as CSV near line {block.first_line}: {err}"
             ) from None
-        if table.num_rows != block.rows:
+        if table.num_rows + len(unreadable) != block.rows:
             raise JobInputError(
                 f"data.path: cannot read {where} as CSV near line {block.first_line}: pyarrow read {table.num_rows} "
                 f"rows where {block.rows} records were found"
@@ -464,10 +509,10 @@ class CsvChecker:
         return self.table(block, where).column(self.data.id_column).combine_chunks()
 
 
-def _csv_header(uri: str) -> tuple[str, ...]:
+def _csv_header(uri: str, max_record_bytes: int | None = None) -> tuple[str, ...]:
     import pyarrow.csv as pacsv
 
-    first = _first_record(uri, quoted=True)
+    first = _first_record(uri, quoted=True, max_record_bytes=max_record_bytes)
     if first is None:
         raise JobInputError(f"data.path: {uri} holds no rows")
     try:
@@ -482,9 +527,9 @@ def _csv_header(uri: str) -> tuple[str, ...]:
 def scan_csv(
     data: DataConfig, listing: SourceListing, shard_size: int, budgets: BudgetCheck | None = None
 ) -> ScanResult:
-    header = _csv_header(listing.files[0].uri)
+    header = _csv_header(listing.files[0].uri, data.max_record_bytes)
     for f in listing.files[1:]:
-        if _csv_header(f.uri) != header:
+        if _csv_header(f.uri, data.max_record_bytes) != header:
             raise JobInputError(f"data.path: {f.uri} has other CSV columns than {listing.files[0].uri}")
     has_id = check_columns(list(header), None, data, listing.files[0].uri)
     checker = IdChecker(data.id_column, listing.path)
@@ -492,6 +537,6 @@ def scan_csv(
     check = CsvChecker(data, checker, header, has_id, budgets, kept)
     files, total = _scan_text_files(data, listing, shard_size, quoted=True, check=check)
     if has_id:
-        checker.finish(lambda: _reread_text(files, True, check.ids))
+        checker.finish(lambda: _reread_text(files, True, check.ids, data.max_record_bytes))
     return ScanResult(files, total, has_id, checker.kind or "int", csv_header=header,
                       kept_types=kept and kept.result())

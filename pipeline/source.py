@@ -14,9 +14,12 @@ O(number of shards) plus those 8 bytes per row; no prompt text is kept.
 
 Checks here, before anything is written: a missing file or bucket, an unknown format, an empty input, a
 missing prompt or messages column, a prompt column that is not text, null/typed/mixed/duplicate ids, for
-JSONL and CSV every row's JSON and prompt, and with `data.max_new_tokens_column` every row's budget (an
+JSONL and CSV every readable row's prompt, a file with no line break over `data.max_record_bytes`, and with
+`data.max_new_tokens_column` every row's budget (an
 integer >= 1 within the models' positions, `pipeline.rowcheck.BudgetCheck`). Left to the workers (error rows): Parquet prompts that are
-null when the file has no statistics, chat messages that are malformed, and prompts the model cannot take.
+null when the file has no statistics, chat messages that are malformed, prompts the model cannot take, and
+records that cannot be read (not UTF-8, not JSON, another number of CSV fields, over `data.max_record_bytes`:
+the scan lists where those are, `InputFile.long_records`, so that no worker reads them whole).
 
 This module holds the listing and the types; the per-format scans that fill in a `Source` are in
 `pipeline.scanners`. Not here: reading a shard's rows (`pipeline.prompts`).
@@ -38,7 +41,7 @@ from pipeline import fs
 from pipeline.config import DataConfig
 from pipeline.errors import JobInputError
 from pipeline.formats import format_of, kind_of
-from pipeline.linescan import ScanError
+from pipeline.linescan import LongRecord, ScanError
 from pipeline.row_columns import RowColumns
 from pipeline.rowcheck import id_kind_of_type, is_text_type
 
@@ -56,6 +59,9 @@ class InputFile:
     data_start: int = 0  # JSONL/CSV: byte offset of its first record
     data_end: int = 0  # JSONL/CSV: just past its last record used
     offsets: np.ndarray | None = None  # JSONL/CSV: start of each record whose global index % shard_size == 0
+    lines: np.ndarray | None = None  # JSONL/CSV: the line each of `offsets` starts on (1-based)
+    first_line: int = 1  # JSONL/CSV: the line of its first record
+    long_records: tuple[LongRecord, ...] = ()  # JSONL/CSV: records over data.max_record_bytes (local rows)
 
     def identity(self) -> dict[str, Any]:
         return {"path": self.uri, "size": self.size, "mtime_ns": self.mtime_ns}
@@ -63,13 +69,15 @@ class InputFile:
 
 @dataclass(frozen=True)
 class Piece:
-    """Rows [start, stop) of files[file] (local row numbers); bytes [byte_start, byte_stop) for JSONL/CSV."""
+    """Rows [start, stop) of files[file] (local row numbers); bytes [byte_start, byte_stop) for JSONL/CSV,
+    the first of which is on line `first_line`."""
 
     file: int
     start: int
     stop: int
     byte_start: int = 0
     byte_stop: int = 0
+    first_line: int = 1
 
 
 @dataclass(frozen=True)
@@ -116,9 +124,9 @@ class Source:
             i += 1
         return found
 
-    def _bytes(self, f: InputFile, start: int, stop: int) -> tuple[int, int]:
+    def _bytes(self, f: InputFile, start: int, stop: int) -> tuple[int, int, int]:
         if f.offsets is None:
-            return 0, 0
+            return 0, 0, 1
         first = (-f.first_row) % self.shard_size  # the local row of offsets[0]
 
         def offset(row: int) -> int:
@@ -128,7 +136,8 @@ class Source:
                 return f.data_end
             return int(f.offsets[(row - first) // self.shard_size])
 
-        return offset(start), offset(stop)
+        line = f.first_line if start == 0 or f.lines is None else int(f.lines[(start - first) // self.shard_size])
+        return offset(start), offset(stop), line
 
 
 def with_shard_size(source: Source, size: int) -> Source:
@@ -143,7 +152,8 @@ def with_shard_size(source: Source, size: int) -> Source:
         if f.offsets is not None:
             first = (-f.first_row) % source.shard_size  # the local row of offsets[0]
             rows = f.first_row + first + source.shard_size * np.arange(len(f.offsets), dtype=np.int64)
-            f = dataclasses.replace(f, offsets=f.offsets[rows % size == 0])
+            keep = rows % size == 0
+            f = dataclasses.replace(f, offsets=f.offsets[keep], lines=None if f.lines is None else f.lines[keep])
         files.append(f)
     return dataclasses.replace(source, files=tuple(files), shard_size=size)
 

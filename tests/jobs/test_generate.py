@@ -181,6 +181,10 @@ BAD_INPUTS = {
     "non-string prompt": ({"data.path": "{tmp}/numbers.jsonl"}, "prompt is int 5, expected a string"),
     "duplicate ids": ({"data.path": "{tmp}/dupes.jsonl"}, "duplicate ids"),
     "empty dataset": ({"data.path": "{tmp}/empty.jsonl"}, "holds no rows"),
+    "no line break": (  # issue #40: one record over data.max_record_bytes, refused once, not scanned again per block
+        {"data.path": "{tmp}/one_line.jsonl", "data.max_record_bytes": 1024},
+        r"no line break in its 5023 bytes, over data.max_record_bytes=1024: not one record per line",
+    ),
     "tokenizers differ": ({"model.draft": "{tmp}/other_draft"}, "draft tokenizer .* differs"),
     "K out of range": ({"spectr.num_drafts": 0}, "spectr.num_drafts"),
     "L out of range": ({"spectr.draft_length": -1}, "spectr.draft_length"),
@@ -225,6 +229,7 @@ def bad_input_files(tiny_pair, tmp_path_factory):
     for name, budget in (("text", "many"), ("zero", 0), ("long", 64)):
         _write(tmp / f"budget_{name}.jsonl", [{"id": 1, "prompt": "def", "budget": 8}, {"id": 2, "prompt": "x", "budget": budget}])
     (tmp / "empty.jsonl").write_text("")
+    (tmp / "one_line.jsonl").write_text(json.dumps({"id": 1, "prompt": "x" * 5000}))
     other = build_tokenizer(WORDS[::-1] + ["user", "assistant", ":"], tmp / "other_draft")
     build_llama(tmp / "other_draft", len(other), hidden=16, layers=1, seed=3)
     shutil.copytree(tiny_pair["draft"], tmp / "pickled")

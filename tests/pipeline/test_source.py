@@ -51,6 +51,27 @@ def test_record_offsets_match_a_line_by_line_reference():
         assert len(split_records(data[scan.data_start : scan.data_end])) == scan.rows
 
 
+def test_records_over_the_limit_are_listed_with_their_lines_whatever_the_block_size():
+    rng = random.Random(1)
+    for _ in range(200):
+        lines = [rng.choice(["", "x" * rng.randint(1, 12), "y" * rng.randint(13, 40)]) for _ in range(20)]
+        data = ("a\n" + "\n".join(lines)).encode() + rng.choice([b"", b"\n"])
+        every, limit = rng.randint(1, 4), rng.choice([None, rng.randint(1, 15)])
+        scan = scan_records(io.BytesIO(data), every=every, limit=limit, block_bytes=rng.randint(1, 64), max_record_bytes=12)
+        records, position = [], 0  # (start, length, line) of every non-blank record
+        for line, raw in enumerate(data.split(b"\n"), start=1):
+            if raw.strip():
+                records.append((position, len(raw), line))
+            position += len(raw) + 1
+        records = records[:limit]
+        assert scan.rows == len(records)
+        assert scan.offsets.tolist() == [r[0] for k, r in enumerate(records) if k % every == 0]
+        assert scan.lines.tolist() == [r[2] for k, r in enumerate(records) if k % every == 0]
+        assert [(r.row, r.start, r.size, r.line) for r in scan.long_records] == [
+            (k, start, size, line) for k, (start, size, line) in enumerate(records) if size > 12
+        ]
+
+
 def test_csv_records_keep_quoted_newlines_and_an_unclosed_quote_is_refused():
     data = b'id,prompt\n1,"a\nb"\n\n2,"say ""hi""\n"\n3,c'
     scan = scan_records(io.BytesIO(data), every=1, quoted=True, header=True, block_bytes=3)
@@ -122,11 +143,88 @@ def test_jsonl_problems_are_found_up_front_with_line_and_row(tmp_path):
         return str(caught.value)
 
     good = "".join(json.dumps({"id": i, "prompt": "x"}) + "\n" for i in range(50))
-    assert "line 52 is not valid JSON" in error(good + "\n{oops\n")
+    (tmp_path / "p.jsonl").write_text(good + "\n{oops\n")  # not JSON: an error row, not the job's end (#40)
+    assert "line 52 is not valid JSON" in read_rows(plan(tmp_path / "p.jsonl"), 48, 51).problems[2]
     assert "row 50 (id 50)" in error(good + '{"id": 50, "prompt": 7}\n') and "prompt is int 7" in error(good + '{"id": 50, "prompt": 7}\n')
     assert re.search(r"row 50 of .*p.jsonl has a null id", error(good + '{"id": null, "prompt": "x"}\n'))
     assert "mixes int and string ids" in error(good + '{"id": "50", "prompt": "x"}\n')
     assert "id 1.5 is float" in error(good + '{"id": 1.5, "prompt": "x"}\n')
+
+
+UNREADABLE = {  # record (1-based, the line but for a blank line after line 6) -> (its bytes, its problem's words)
+    3: (b'{"id": "r02", "prompt": "a\xff\xfe b"}', "is not valid UTF-8 (byte 0xff at column 27)"),
+    5: (b'{"id": "r04", "prompt": "a \\ud800 b"}', "holds a lone surrogate escape"),
+    8: (b'{"id": "r07", "prompt": oops}', "is not valid JSON"),
+    9: (b'["r08", "a list"]', "is a JSON list, expected an object"),
+    12: (b'{"id": "r11", "prompt": "' + b"long " * 100 + b'"}', "is 527 bytes long, over data.max_record_bytes"),
+}
+
+
+@pytest.mark.parametrize("name", ["p.jsonl", "p.jsonl.gz"])
+def test_unreadable_jsonl_records_are_rows_whose_problem_names_file_and_line(tmp_path, name):
+    """Issue #40: bad UTF-8, a lone surrogate escape, not JSON, not an object, or a record over
+    data.max_record_bytes: a row of its own (its id if it has a clean one, else its row number) with a
+    problem naming the file and the line; the scan refuses nothing, every other row reads as usual."""
+    import gzip
+
+    lines = [json.dumps({"id": f"r{i:02d}", "prompt": f"p{i}"}).encode() for i in range(14)]
+    for line, (record, _) in UNREADABLE.items():
+        lines[line - 1] = record
+    data = b"\n".join(lines[:6] + [b"  "] + lines[6:]) + b"\n"  # a blank line: lines after it move down one
+    (tmp_path / name).write_bytes(gzip.compress(data) if name.endswith(".gz") else data)
+    source = plan(tmp_path / name, shard_size=4, max_record_bytes=200)
+    rows = [read_rows(source, s, min(s + 4, source.num_rows)) for s in range(0, source.num_rows, 4)]
+    ids = [i for r in rows for i in r.ids]
+    problems = [p for r in rows for p in r.problems]
+    # no id to read in lines 8 and 9 (not JSON, not an object) nor in a record never read (over the limit)
+    assert ids == [f"r{i:02d}" for i in range(7)] + ["7", "8", "r09", "r10", "11", "r12", "r13"]
+    for line, (_, words) in UNREADABLE.items():
+        problem = problems[line - 1]
+        assert problem.startswith(f"data.path: {tmp_path / name} line {line + (line > 6)} ") and words in problem
+    assert sum(p is not None for p in problems) == len(UNREADABLE)
+    assert [t for r in rows for t in r.texts][13] == "p13"
+
+
+def test_unreadable_csv_records_are_rows_and_input_without_line_breaks_is_refused(tmp_path):
+    rows = [f"{i},p{i}".encode() for i in range(8)]
+    rows[2] = b"2,p2,extra"  # another number of fields
+    rows[4] = b'4,"two\nlines \xff"'  # not UTF-8, over two lines
+    rows[6] = b"6," + b"q" * 300  # over max_record_bytes
+    (tmp_path / "p.csv").write_bytes(b"id,prompt\n" + b"\n".join(rows) + b"\n")
+    source = plan(tmp_path / "p.csv", shard_size=4, max_record_bytes=200)
+    read = [read_rows(source, 0, 4), read_rows(source, 4, 8)]
+    problems = [p for r in read for p in r.problems]
+    assert [i for r in read for i in r.ids] == list(range(8))
+    assert [t for r in read for t in r.texts] == ["p0", "p1", None, "p3", None, "p5", None, "p7"]
+    where = f"data.path: {tmp_path / 'p.csv'}"
+    assert problems[2] == f"{where} line 4 has 3 fields, expected 2"
+    assert problems[4].startswith(f"{where} line 6 is not valid UTF-8")
+    assert problems[6] == f"{where} line 9 is 302 bytes long, over data.max_record_bytes"
+
+    # one long record with no line break at all: refused up front (one line), read once, not again per block
+    (tmp_path / "one.jsonl").write_bytes(b'{"id": 1, "prompt": "' + b"z" * 5000 + b'"}')
+    with pytest.raises(JobInputError, match=r"no line break in its 5023 bytes, over data.max_record_bytes=200"):
+        plan(tmp_path / "one.jsonl", max_record_bytes=200)
+    assert plan(tmp_path / "one.jsonl").num_rows == 1  # under the default 4 MiB it is one record
+
+
+def test_a_long_record_is_skipped_in_time_linear_in_its_size():
+    """A record over max_record_bytes is read on to its end block by block, never held nor scanned again."""
+    class Counting(io.BytesIO):
+        served = 0
+
+        def read(self, n=-1):
+            chunk = super().read(n)
+            Counting.served += len(chunk)
+            return chunk
+
+    scanned = []
+    data = b"a\n" + b"x" * (1 << 20) + b"\nb\n"
+    stream = Counting(data)
+    scan = scan_records(stream, every=1, block_bytes=1 << 10, max_record_bytes=1 << 12,
+                        on_block=lambda block: scanned.append(len(block.data)))  # fmt: skip
+    assert scan.rows == 3 and [(r.row, r.start, r.stop, r.line) for r in scan.long_records] == [(1, 2, 2 + (1 << 20), 2)]
+    assert Counting.served == len(data) and sum(scanned) < 16  # the long record reaches no block
 
 
 def test_chat_messages_are_checked_per_row_by_the_reader(tmp_path):
