@@ -342,7 +342,8 @@ def _failure_messages(plan: JobPlan, summary: JobSummary) -> list[str]:
             f"{summary.prompts_failed} of {summary.num_prompts} prompts failed "
             f"({100 * summary.failed_fraction:.1f}%), more than max_failed_fraction="
             f"{plan.config.max_failed_fraction:g}; their rows have finish_reason=error and the message in column "
-            f"'error' of {plan.output_dir} (a re-run regenerates them: retry_failed={plan.config.retry_failed})"
+            f"'error' of {plan.output_dir} (a re-run regenerates those that did not fail for their input: "
+            f"retry_failed={plan.config.retry_failed})"
         )
     return messages
 
