@@ -77,6 +77,7 @@ from spectr.native import (
     check_compile,
     compile_seconds_so_far,
     native_supported,
+    shape_rules,
 )
 from spectr.records import DRAFT_NONFINITE, STOP, TARGET_NONFINITE, Records, SlotResult
 from spectr.rng import row_keys
@@ -366,6 +367,8 @@ class ContinuousBatcher:
             tokens, accepted, tested = self._sync()
             finished = self._retire(before - self.rows_running) if self.rows_running < before else []
             self.loop.timer.collect()
+        if self.compiled:
+            self._count_fallbacks()
         self.last_step = StepReport(config=config, rows=before, tokens=tokens, seconds=time.perf_counter() - filled,
                                     prefill_seconds=filled - started, accepted=accepted, tested=tested,
                                     finished=len(finished))
@@ -381,6 +384,11 @@ class ContinuousBatcher:
         self.loop.timer.write(self.stats)
         self.stats.compile_seconds = self.compile_seconds()
         return self.stats
+
+    def _count_fallbacks(self) -> None:
+        """GenerationStats.compile_fallbacks: compiled model calls and selections answered eagerly (host ints)."""
+        models = [m for m in (self.target, self.draft) if isinstance(m, NativeCausalLM)]
+        self.stats.compile_fallbacks = sum(m.compile_fallbacks for m in models) + self.loop.selection_fallbacks
 
     def compile_seconds(self) -> float:
         """Compiled mode: what this process compiled since this batcher's first step (dynamo's timer; 0 eager)."""
@@ -482,7 +490,7 @@ class ContinuousBatcher:
         if self._top > live and live <= self.pack_below * self.batch_size:
             self._pack()
         top = self._top
-        if self.compiled and self.device.type == "cuda":  # CUDA graphs: rows in power-of-2 buckets (masked)
+        if self.compiled and shape_rules(self.device):  # CUDA graphs: rows in power-of-2 buckets (masked)
             top = min(self.batch_size, 1 << (top - 1).bit_length())
         if top == self.batch_size:
             step(self.loop, self.rows)

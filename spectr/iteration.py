@@ -36,6 +36,7 @@ This module does not admit, retire or order rows (`spectr.batching`).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -77,6 +78,7 @@ class Loop:
     draft_lag: int = 0  # autoregressive iterations the draft cache has not seen
     compiled: bool = False  # compiled mode: the selection may compile too (`_selection_compiled`)
     selection_runs: dict = field(default_factory=dict)  # (method, K, L) -> speculative iterations run so far
+    selection_fallbacks: int = 0  # compiled selections that raised (answered eagerly; that configuration stays eager)
 
     def configure(self, method: str, num_drafts: int, draft_length: int) -> None:
         self.method, self.num_drafts, self.draft_length = method, num_drafts, draft_length
@@ -93,8 +95,29 @@ def _selection_compiled(loop: Loop, device: torch.device) -> bool:
     if not (loop.compiled and selection_compiles(device)):
         return False
     key = (loop.method, loop.num_drafts, loop.draft_length)
-    loop.selection_runs[key] = runs = loop.selection_runs.get(key, 0) + 1
-    return runs > native.SELECTION_COMPILE_AFTER
+    runs = loop.selection_runs.get(key, 0)
+    if runs < 0:  # its compiled selection failed: eager for good
+        return False
+    loop.selection_runs[key] = runs + 1
+    return runs + 1 > native.SELECTION_COMPILE_AFTER
+
+
+def _select(loop: Loop, compiled: bool, tree, target_probs, uniforms, splits):
+    """The iteration's selection: compiled where `_selection_compiled` said so, and eager (the same rule on the
+    same inputs, so the same tokens) when the compiled one raises: one warning, `selection_fallbacks` += 1, and
+    that configuration's selection stays eager."""
+    if compiled:
+        try:
+            return compiled_select_tree(tree.tokens, tree.draft_probs, target_probs, tree.node_of, uniforms,
+                                        method=loop.method)
+        except Exception as error:  # noqa: BLE001 - any failure of the compiler or its code: eager, loudly
+            loop.selection_runs[(loop.method, loop.num_drafts, loop.draft_length)] = -1
+            loop.selection_fallbacks += 1
+            warnings.warn(f"spectr: the compiled selection of {loop.method} (K={loop.num_drafts}, "
+                          f"L={loop.draft_length}) failed and runs eager from now on "
+                          f"({type(error).__name__}: {error})", RuntimeWarning, stacklevel=2)
+    return select_tree(tree.tokens, tree.draft_probs, target_probs, tree.node_of, uniforms, method=loop.method,
+                       row_splits=splits)
 
 
 def autoregressive_step(loop: Loop, rows: RowState) -> None:
@@ -140,12 +163,8 @@ def speculative_step(loop: Loop, rows: RowState) -> None:
         real = torch.arange(width, device=logits.device) < tree.num_nodes[:, None]  # [R, W]
         target_nonfinite = (nonfinite_rows(logits) & real).any(1)  # [R]
         target_probs = loop.warp.probs(logits)  # [R, W, V]
-        if _selection_compiled(loop, logits.device):
-            selection = compiled_select_tree(tree.tokens, tree.draft_probs, target_probs, tree.node_of,
-                                             selection_uniforms, method=loop.method)
-        else:
-            selection = select_tree(tree.tokens, tree.draft_probs, target_probs, tree.node_of, selection_uniforms,
-                                    method=loop.method, row_splits=splits)
+        selection = _select(loop, _selection_compiled(loop, logits.device), tree, target_probs, selection_uniforms,
+                            splits)
         logprobs = None if loop.records.logprobs is None else _path_logprobs(tree, selection, target_probs)
     errors = target_nonfinite.to(torch.int64) * TARGET_NONFINITE + tree.nonfinite.to(torch.int64) * DRAFT_NONFINITE
     accepted = selection.num_accepted  # [R]

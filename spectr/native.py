@@ -54,7 +54,9 @@ when to compile (`spectr.batching`, `compile="auto"`), sampling and selection.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import warnings
 import weakref
 
 import torch
@@ -69,7 +71,7 @@ from spectr.split import layer_groups, moved
 NATIVE_MODEL_TYPES = ("llama", "qwen2")
 NATIVE_ROPE_TYPES = ("default", "linear", "llama3")  # a fixed inv_freq (dynamic / yarn-style ones: HF's path)
 CUDA_VIEW_BUCKET = 64  # on CUDA the attended view is padded to a multiple of this (fewer CUDA graphs)
-RECOMPILE_LIMIT = 64  # dynamo's per-code-object limit: both models' graphs share NativeCore.forward
+RECOMPILE_LIMIT = 64  # graphs per core; dynamo's limit is per code object (every core's NativeCore.forward): scaled
 COMPILE_BACKEND = "inductor"  # tests set a counting backend here (spectr's tests: graphs, not kernels)
 COMPILE_CHOICES = (False, True, "auto")
 
@@ -420,13 +422,73 @@ def split_pattern(allowed: torch.Tensor, write_slots: torch.Tensor) -> tuple[tor
     return cache_part, new_part
 
 
-# Per HF model: its NativeCore and (backend, variant, attention, compiled core), shared by every NativeCausalLM over it, so that a
-# new batcher over the same model (a worker rebuilding its pool, a test) reuses the graphs already compiled.
+# Per HF model: its NativeCore and (backend, variant, attention, kmajor, weights' versions, compiled core), shared by
+# every NativeCausalLM over it, so that a new batcher over the same model (a worker rebuilding its pool, a test)
+# reuses the graphs already compiled.
 _CORES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Per HF model, on CUDA: the last pool buffers its compiled core read (shape key, buffers, a weak reference to the
+# cache that holds them). CUDA graphs read the pool at a static address; a new batcher of the same shape (a second
+# `spectr.generate` call) takes the same buffers while no live cache holds them, so its graphs replay instead of
+# being recorded (and compiled) again for new addresses.
+_STATIC_POOLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+# The CUDA shape rules (rows padded to a power of 2 by the batcher, new tokens to `width_bucket`, the view to
+# `CUDA_VIEW_BUCKET`, pooled static buffers): "auto" applies them on CUDA; True everywhere (tests count the shapes
+# a CUDA run would record on the CPU).
+CUDA_SHAPE_RULES = "auto"
+
+# The self-check of the compiled core: the first compiled forward of each new shape class (a new graph, or on CUDA a
+# new recorded shape) is compared with HF's eager forward on the same inputs; logits further apart than
+# atol + rtol * max |eager logit| (by dtype) send the model back to eager (`compile_fallbacks`). Costs one eager
+# forward per shape class: a handful per model and job (docs/compile.md).
+SELF_CHECK = True
+SELF_CHECK_TOLERANCE = {torch.float64: (1e-6, 1e-6), torch.float32: (1e-3, 1e-3)}
+SELF_CHECK_LOW_PRECISION = (0.1, 0.05)  # bfloat16 / float16
+
+
+def shape_rules(device: torch.device) -> bool:
+    """Whether the CUDA shape rules (`CUDA_SHAPE_RULES`) apply to compiled calls on `device`."""
+    return device.type == "cuda" if CUDA_SHAPE_RULES == "auto" else bool(CUDA_SHAPE_RULES)
+
+
+def width_bucket(new: int) -> int:
+    """The padded number of new tokens under the CUDA shape rules: 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (powers of 2
+    and 1.5 x powers of 2: at most 1.5x the tokens, 2 log2(W) widths up to W)."""
+    if new <= 4:
+        return max(new, 1)
+    power = 1 << (new - 1).bit_length()  # the next power of 2 >= new
+    return power * 3 // 4 if new <= power * 3 // 4 else power
+
+
+def logits_mismatch(compiled: torch.Tensor, eager: torch.Tensor) -> str | None:
+    """None when the compiled logits agree with the eager ones within the dtype's tolerance, else what differs."""
+    atol, rtol = SELF_CHECK_TOLERANCE.get(eager.dtype, SELF_CHECK_LOW_PRECISION)
+    if compiled.shape != eager.shape:
+        return f"logits of shape {tuple(compiled.shape)} against eager {tuple(eager.shape)}"
+    finite = torch.isfinite(eager)
+    if not torch.equal(finite, torch.isfinite(compiled)):
+        return "non-finite logits where eager's are finite (or the reverse)"
+    if not bool(finite.any()):
+        return None
+    a, b = compiled.float()[finite], eager.float()[finite]
+    worst, scale = float((a - b).abs().max()), float(b.abs().max())  # one read, once per shape class
+    if worst > atol + rtol * scale:
+        return f"logits differ from eager by up to {worst:.3g} (tolerance {atol + rtol * scale:.3g} for {eager.dtype})"
+    return None
+
+
+def weight_versions(model) -> tuple[int, ...]:
+    """The version counters of `model`'s parameters (an in-place change bumps them): read when a batcher
+    decides to compile, never per iteration."""
+    return tuple(0 if p.is_inference() else p._version for p in model.parameters())
 
 
 class NativeCausalLM(HFCausalLM):
-    """An `HFCausalLM` whose forward runs `NativeCore` (compiled or not); see the module docstring."""
+    """An `HFCausalLM` whose forward runs `NativeCore` (compiled or not); see the module docstring.
+
+    Compiled, a call that raises or whose first forward of a new shape class disagrees with the eager one
+    (`SELF_CHECK`) is answered by HF's eager forward, and the model stays eager from then on: one warning
+    naming the error, `compile_fallbacks` += 1 (the batcher adds it to `GenerationStats.compile_fallbacks`)."""
 
     def __init__(self, model, role: str = "model", compiled: bool = False):
         super().__init__(model, role)
@@ -436,13 +498,18 @@ class NativeCausalLM(HFCausalLM):
         self.core, self._compiled_core = _CORES.get(model, (NativeCore(model), None))
         _CORES[model] = (self.core, self._compiled_core)
         self.cuda = self.device.type == "cuda"
-        self._static_pool = None  # ids of the pool buffers marked static for CUDA graphs
+        self.compile_fallbacks = 0  # compiled calls answered by the eager forward (the model is eager since)
+        self.fallback_error: str | None = None
+        self.shape_classes: set = set()  # shape classes the compiled core ran (and the self-check passed)
+        self.shapes: set = set()  # concrete (B, T, S) the compiled core was called with
         self.compiled = False
         self.set_compiled(compiled)
 
     def set_compiled(self, compiled: bool, variant: str | None = None) -> None:
         """Switch between the compiled core (built on first use) and HF's eager forward. `variant`: on the
-        CPU, a key of `CPU_VARIANTS` (default `CPU_VARIANT`); ignored on CUDA and by non-inductor backends."""
+        CPU, a key of `CPU_VARIANTS` (default `CPU_VARIANT`); ignored on CUDA and by non-inductor backends.
+        A weight changed in place since the core was built (its version counter moved) rebuilds the core's
+        weight copies and its compiled function: the compiled core never samples an old law."""
         variant = CPU_VARIANT if variant is None else variant
         if variant not in CPU_VARIANTS:
             raise ValueError(f"variant must be one of {sorted(CPU_VARIANTS)}, got {variant!r}")
@@ -451,62 +518,132 @@ class NativeCausalLM(HFCausalLM):
         if compiled and ATTENTION == "flex" and not self.cuda and COMPILE_BACKEND == "inductor":
             raise ValueError("ATTENTION='flex' compiles on CUDA only: inductor's CPU FlexAttention template "
                              "does not compile under the core's dynamic shapes (C++ error, torch 2.13), and with "
-                             "static shapes it measured slower than 'masked' (see spectr/native.py)")
+                             "static shapes it measured slower than 'masked' (docs/compile.md)")
         layout = linear_layout(self.device)
         self.compiled = bool(compiled)  # after the checks: a refused call changes nothing
-        if self.compiled:
-            if layout == "kmajor":
-                self.core.pack()
-            else:
-                self.core.packed = None
-        key = (COMPILE_BACKEND, "cuda" if self.cuda else variant, ATTENTION, self.core.packed is not None)
-        if self.compiled and (self._compiled_core is None or self._compiled_core[:4] != key):
+        if not self.compiled:
+            return
+        versions = weight_versions(self.model)
+        if self._compiled_core is not None and self._compiled_core[4] != versions:
+            self.core.packed = None  # copies of the old weights: rebuilt below, and the graphs with them
+            self._compiled_core = None
+        if layout == "kmajor":
+            self.core.pack()
+        else:
+            self.core.packed = None
+        key = (COMPILE_BACKEND, "cuda" if self.cuda else variant, ATTENTION, self.core.packed is not None, versions)
+        if self._compiled_core is None or self._compiled_core[:5] != key:
             compiled = torch.compile(self.core, fullgraph=True, dynamic=False, backend=COMPILE_BACKEND,
                                      **compile_options(self.cuda, variant))
-            self._compiled_core = (*key, compiled)  # (backend, variant, attention, kmajor, compiled core)
-            _CORES[self.model] = (self.core, self._compiled_core)
+            self._compiled_core = (*key, compiled)  # (backend, variant, attention, kmajor, versions, compiled)
+        _CORES[self.model] = (self.core, self._compiled_core)
 
     def forward(self, input_ids, position_ids, allowed, cache, write_slots, last_only: bool = False):
-        """Same contract as `HFCausalLM.forward`; compiled: the native core (eager for row subsets: prefill)."""
+        """Same contract as `HFCausalLM.forward`; compiled: the native core (eager for row subsets: prefill),
+        guarded (the class docstring)."""
+        args = (input_ids, position_ids, allowed, cache, write_slots, last_only)
         if not self.compiled:
-            return super().forward(input_ids, position_ids, allowed, cache, write_slots, last_only)
-        return self.native_forward(input_ids, position_ids, allowed, cache, write_slots, last_only)
+            return super().forward(*args)
+        if isinstance(cache.rows, RowView):  # prefill of newly admitted rows: always eager
+            return self.native_forward(*args)
+        try:
+            logits, new_kv, fresh = self._run_compiled(*args)
+        except Exception as error:  # noqa: BLE001 - any failure of the compiler or its code: eager, loudly
+            self._fall_back(f"{type(error).__name__}: {error}")
+            return super().forward(*args)
+        if fresh and SELF_CHECK:
+            eager = super().forward(*args)  # writes its own keys/values at the same slots
+            problem = logits_mismatch(logits, eager)
+            if problem is not None:
+                self._fall_back(f"self-check failed: {problem}")
+                return eager
+        for buffer, group_kv in zip(cache.rows.buffers, new_kv):  # one scatter per group (per device)
+            _store(buffer, group_kv, moved(write_slots, buffer.device), None)
+        return logits
+
+    def _fall_back(self, error: str) -> None:
+        self.compiled = False
+        self.compile_fallbacks += 1
+        self.fallback_error = error
+        warnings.warn(f"spectr: the compiled {self.description} failed and runs eager from now on ({error})",
+                      RuntimeWarning, stacklevel=3)
+
+    def _prepare(self, rows, write_slots, view: int):
+        """Declare the forward to the cache and allocate its buffers on first use (pooled under the CUDA rules)."""
+        rows.begin_forward(write_slots, view)
+        base = rows.cache if isinstance(rows, RowView) else rows
+        if base.buffers[0] is None:
+            sample = torch.empty(1, self.core.kv_heads, 1, self.core.head_dim, dtype=self.dtype, device=self.device)
+            if self.compiled and shape_rules(self.device):
+                self._adopt_static_pool(base.root, sample)
+            else:
+                base._allocate(sample)
+        return base
+
+    def _adopt_static_pool(self, cache, sample) -> None:
+        """Under the CUDA rules: the buffers of this model's last pool of the same shape when no live cache holds
+        them (zeroed), else new ones, which become the model's pool."""
+        key = (cache.batch_size, cache.capacity, cache.groups, sample.dtype)
+        held = _STATIC_POOLS.get(self.model)
+        if held is not None and held[0] == key and held[2]() is None:
+            cache.buffers = list(held[1])
+            for buffer in cache.buffers:
+                buffer.zero_()
+        else:
+            cache._allocate(sample)
+            for buffer in cache.buffers:
+                torch._dynamo.mark_static_address(buffer)  # CUDA graphs read it in place, never copy it
+        _STATIC_POOLS[self.model] = (key, tuple(cache.buffers), weakref.ref(cache))
 
     def native_forward(self, input_ids, position_ids, allowed, cache, write_slots, last_only: bool = False):
-        """The native core over `cache` (compiled unless the cache is a row subset), then one scatter of K/V."""
+        """The native core over `cache`, eager (a row subset: a gathered copy of its slots), then one scatter of
+        K/V per group."""
         rows = cache.rows
         subset = isinstance(rows, RowView)
-        base = rows.cache if subset else rows
         view = allowed.shape[-1]
-        rows.begin_forward(write_slots, view)
-        if base.buffers[0] is None:
-            base._allocate(torch.empty(1, self.core.kv_heads, 1, self.core.head_dim, dtype=self.dtype,
-                                       device=self.device))
+        base = self._prepare(rows, write_slots, view)
         buffers = base.buffers  # per group [n, 2, B, Hkv, C, D] (one: [N, 2, B, Hkv, C, D])
         slots = torch.stack([input_ids, position_ids.expand_as(write_slots), write_slots])  # [3, B, T] fresh
-        if subset or not self.compiled:  # eager: prefill of new rows (a gathered copy of their slots)
-            pools = tuple(b[:, :, :, :, :view].index_select(2, moved(rows.rows, b.device)) for b in buffers) \
-                if subset else tuple(buffers)
-            logits, new_kv = self.core(slots, pools, allowed, last_only)
-        else:
-            logits, new_kv = self._run_compiled(slots, base, allowed.contiguous(), last_only)
+        pools = tuple(b[:, :, :, :, :view].index_select(2, moved(rows.rows, b.device)) for b in buffers) \
+            if subset else tuple(buffers)
+        logits, new_kv = self.core(slots, pools, allowed, last_only)
         for buffer, group_kv in zip(buffers, new_kv):  # one scatter per group (per device)
             rows_here = moved(rows.rows, buffer.device) if subset else None
             _store(buffer, group_kv, moved(write_slots, buffer.device), rows_here)
         return logits
 
-    def _run_compiled(self, slots, cache, allowed, last_only):
-        """The compiled core over the whole pool's buffer (one static input; the rows are its first B)."""
-        pools = tuple(cache.root.buffers)  # per group [n, 2, P, Hkv, C, D]: the same tensors for the batcher's life
-        if self.cuda:
-            if tuple(map(id, pools)) != self._static_pool:
-                for pool in pools:
-                    torch._dynamo.mark_static_address(pool)  # CUDA graphs read it in place, never copy it
-                self._static_pool = tuple(map(id, pools))
-            view = allowed.shape[-1]
-            padded = min(-(-view // CUDA_VIEW_BUCKET) * CUDA_VIEW_BUCKET, cache.capacity)
-            allowed = torch.nn.functional.pad(allowed, (0, padded - view))  # [B, T, padded]: masked columns
-            torch.compiler.cudagraph_mark_step_begin()
+    def _run_compiled(self, input_ids, position_ids, allowed, cache, write_slots, last_only):
+        """The compiled core over the whole pool's buffer (one static input; the rows are its first B) ->
+        (logits [B, T, V], new keys/values per group [n, 2, B, Hkv, T, D], whether this call opened a new shape
+        class). Under the CUDA rules the new tokens are padded in front to `width_bucket` (the pads write
+        nowhere, attend slot 0 and are attended by nobody) and the view to a multiple of `CUDA_VIEW_BUCKET`."""
+        base = self._prepare(cache.rows, write_slots, allowed.shape[-1])
+        pools = tuple(base.root.buffers)  # per group [n, 2, P, Hkv, C, D]: the same tensors for the batcher's life
+        slots = torch.stack([input_ids, position_ids.expand_as(write_slots), write_slots])  # [3, B, T] fresh
+        allowed = allowed.contiguous()
+        batch, new, view = allowed.shape
+        padded_new = new
+        rules = shape_rules(self.device)
+        if rules:
+            padded_new = width_bucket(new)
+            padded_view = min(-(-view // CUDA_VIEW_BUCKET) * CUDA_VIEW_BUCKET, base.capacity)
+            pad = padded_new - new
+            if pad:  # pads first: the last new token stays last (last_only)
+                filler = torch.stack([torch.zeros_like(write_slots[:, :1]), torch.zeros_like(write_slots[:, :1]),
+                                      torch.full_like(write_slots[:, :1], padded_view)])  # [3, B, 1]
+                slots = torch.cat([filler.expand(3, batch, pad), slots], 2)  # [3, B, T']
+                first_slot = torch.zeros(batch, pad, padded_view, dtype=torch.bool, device=allowed.device)
+                first_slot[:, :, 0] = True  # a finite softmax for the pads
+                allowed = torch.nn.functional.pad(allowed, (0, padded_view - view))
+                allowed = torch.cat([first_slot, allowed], 1)  # [B, T', S']
+            else:
+                allowed = torch.nn.functional.pad(allowed, (0, padded_view - view))  # [B, T, S']: masked columns
+            if self.cuda:
+                torch.compiler.cudagraph_mark_step_begin()
+            shape_class = (batch, padded_new, allowed.shape[-1], last_only)
+        else:
+            shape_class = (batch == 1, new == 1, last_only)  # the graphs the dynamic dims specialise
+        self.shapes.add((batch, padded_new, allowed.shape[-1]))
         for dim in (1, 2):
             torch._dynamo.mark_dynamic(slots, dim)  # B, T
         for dim in (0, 1, 2):
@@ -514,11 +651,17 @@ class NativeCausalLM(HFCausalLM):
         for pool in pools:
             for dim in (2, 4):
                 torch._dynamo.mark_dynamic(pool, dim)  # P, C: batchers of other sizes share the graphs
+        compiled_before = compile_seconds_so_far()
         with _shape_config():
             logits, new_kv = self._compiled_core[-1](slots, pools, allowed, last_only, self._compiled_core[2])
         if self.cuda:  # the graph's output memory is reused by the next replay
             logits, new_kv = logits.clone(), tuple(kv.clone() for kv in new_kv)
-        return logits, new_kv
+        if padded_new != new:
+            logits = logits if last_only else logits[:, padded_new - new:]
+            new_kv = tuple(kv[:, :, :, :, padded_new - new:] for kv in new_kv)
+        fresh = shape_class not in self.shape_classes or compile_seconds_so_far() != compiled_before
+        self.shape_classes.add(shape_class)
+        return logits, new_kv, fresh
 
 
 def compile_options(cuda: bool, variant: str) -> dict:
@@ -531,27 +674,26 @@ def compile_options(cuda: bool, variant: str) -> dict:
     return {"options": dict(options)} if options else {}
 
 
+@contextlib.contextmanager
 def _shape_config():
-    """Trace without duck sizing (two dims equal at the first trace are not assumed equal forever).
+    """For the duration of one compiled call: trace without duck sizing (two dims equal at the first trace are not
+    assumed equal forever), and dynamo's per-code-object recompile limit at `RECOMPILE_LIMIT` per live core.
 
     Not `backed_size_oblivious` (sizes of 1 traced like any other, which saved the graphs specialised for
     one row or one new token): with it, inductor (torch 2.13, CPU) compiled the core into wrong code for
-    two rows or more: the embedded pair's autoregressive tokens differed from eager at the first
-    position of every row at B = 2, 4 and 16, and most rows sampled EOS within a few tokens (the eager
-    and aot_eager backends were right; `tests/spectr/test_native_inductor.py`).
+    two rows or more (`tests/spectr/test_native_inductor.py`; docs/compile.md).
 
-    It also raises dynamo's per-code-object recompile limit to `RECOMPILE_LIMIT`, here, before every
-    compiled call: torch's config values are per thread (ContextVars, torch 2.13), and the thread that
-    calls a compiled core need not be the one that built it (a Ray actor's generation thread). Set in
-    `set_compiled` only, the limit stayed at dynamo's 8 in the job's actors, whose 9th graph of
-    `NativeCore.forward` failed (FailOnRecompileLimitHit under fullgraph) and sent the batch down the
-    one-row-at-a-time fallback (`test_the_recompile_limit_holds_in_any_thread`)."""
+    The limit: every core's graphs are graphs of one code object (`NativeCore.forward`), so the limit is scaled by
+    the number of live cores; and it is patched here, around every compiled call, not set once, because torch's
+    config values are per thread and the thread that calls a compiled core need not be the one that built it (a Ray
+    actor's generation thread; `test_the_recompile_limit_holds_in_any_thread`). The thread's own config is left as
+    it was."""
     from torch._dynamo import config as dynamo_config
     from torch.fx.experimental import _config as fx_config
 
-    if dynamo_config.recompile_limit < RECOMPILE_LIMIT:
-        dynamo_config.recompile_limit = RECOMPILE_LIMIT
-    return fx_config.patch(use_duck_shape=False)
+    limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT * max(1, len(_CORES)))
+    with dynamo_config.patch(recompile_limit=limit), fx_config.patch(use_duck_shape=False):
+        yield
 
 
 # -- the step's selection under compile (issue 22, item 3) ------------------------------------------------------

@@ -29,7 +29,9 @@ Definitions:
   of the row's used cache slots each), so that the iterations cover the live rows only;
   draft_catch_ups: speculative iterations that first fed the draft cache, in one forward, the
   tokens committed by autoregressive iterations before them (per-iteration configurations);
-  compiled: the models' forwards ran compiled (`compile=True`, or "auto" decided so; `spectr.native`).
+  compiled: the models' forwards ran compiled (`compile=True`, or "auto" decided so; `spectr.native`);
+  compile_fallbacks: compiled calls that raised or failed the self-check against the eager forward, and
+  compiled selections that raised: each answered eagerly (same tokens), that path eager from then on.
 - seconds: wall time split into draft forwards, target forwards, selection (warps, sampling,
   draft selection) and everything else. On CUDA the phases are timed with CUDA events, so the
   loop needs no extra host syncs; on CPU with perf_counter.
@@ -73,6 +75,7 @@ class GenerationStats:
     plan: str = ""  # method="auto": what the planner chose and predicted
     compiled: bool = False  # the forwards ran compiled (spectr.native)
     compile_seconds: float = 0.0  # compiled: seconds spent compiling (dynamo + inductor), inside the phases' seconds
+    compile_fallbacks: int = 0  # compiled: model calls / selections that failed or disagreed with eager (then eager)
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
     selection_seconds: float = 0.0

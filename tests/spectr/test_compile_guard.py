@@ -1,0 +1,170 @@
+"""The compiled path's guard (`spectr.native.NativeCausalLM.forward`, `spectr.iteration._select`), its shape rules
+under CUDA graphs and its weight copies under change.
+
+Faults are injected from outside the engine, as torch.compile backends: one whose compile raises, one whose graph
+returns perturbed logits. In both, `spectr.generate(..., compile=True)` returns the eager path's greedy tokens and
+counts `compile_fallbacks`; the controls show that the perturbation changes the tokens when the self-check is off,
+so the equality is the guard's doing. The shape rules are counted on the CPU (`CUDA_SHAPE_RULES = True`): the
+concrete (rows, new tokens, view) shapes the compiled core is called with over a job of varied trees stay within
+the buckets' bound.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from hf_tiny import hf_greedy, noisy_copy, tiny_model
+
+import spectr
+import spectr.native as native
+from spectr.batching import ContinuousBatcher
+
+PROMPTS = [[3, 17, 42, 8, 1], [9], [5, 6, 7, 8, 9, 10, 11]]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_model("llama", vocab_size=72, num_layers=1, init_std=0.2, seed=21)
+    return target, noisy_copy(target, noise_std=0.05, seed=22)
+
+
+@pytest.fixture(autouse=True)
+def fresh(monkeypatch):
+    monkeypatch.setattr(native, "_CORES", native.weakref.WeakKeyDictionary())  # no graph of another backend
+    monkeypatch.setattr(native, "_SELECTION", {})
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def broken_compiler(graph, inputs):
+    raise RuntimeError("injected: the compiler is broken")
+
+
+def perturbing_compiler(graph, inputs):
+    """A backend whose graph runs, then flips the vocabulary axis of its first output (the core's logits)."""
+    def run(*args):
+        outputs = list(graph.forward(*args))
+        if outputs[0].dim() == 3:
+            outputs[0] = outputs[0].flip(-1)
+        return tuple(outputs)
+    return run
+
+
+def greedy(pair, method, compile, **kw):
+    target, draft = pair
+    return spectr.generate(target, draft, PROMPTS, method=method, num_drafts=2, draft_length=3, max_new_tokens=8,
+                           temperature=0.0, compile=compile, **kw)
+
+
+@pytest.mark.parametrize("method", ["autoregressive", "speculative"])
+def test_a_compiler_that_raises_falls_back_to_eager_loudly(pair, monkeypatch, method):
+    monkeypatch.setattr(native, "COMPILE_BACKEND", broken_compiler)
+    with pytest.warns(RuntimeWarning, match="injected: the compiler is broken"):
+        out = greedy(pair, method, True)
+    assert out.tokens == [hf_greedy(pair[0], p, 8) for p in PROMPTS] == greedy(pair, method, False).tokens
+    assert out.stats.compiled and out.stats.compile_fallbacks >= 1
+
+
+def test_a_compiled_selection_that_raises_falls_back_and_stays_eager(pair, monkeypatch):
+    """The core compiles (eager backend), the selection's compile raises: one fallback, same tokens."""
+    def selection_breaks(graph, inputs):
+        if any(node.op == "call_module" or "embedding" in str(node.target) for node in graph.graph.nodes):
+            return graph.forward  # the core
+        raise RuntimeError("injected: the selection's compiler is broken")
+
+    monkeypatch.setattr(native, "COMPILE_BACKEND", selection_breaks)
+    monkeypatch.setattr(native, "SELECTION_RULE", "all")
+    monkeypatch.setattr(native, "SELECTION_COMPILE_AFTER", 0)
+    with pytest.warns(RuntimeWarning, match="compiled selection of speculative"):
+        out = greedy(pair, "speculative", True)
+    assert out.tokens == greedy(pair, "speculative", False).tokens
+    assert out.stats.compile_fallbacks == 1  # once: that configuration's selection stays eager
+
+
+def test_a_compiled_core_that_disagrees_with_eager_fails_its_self_check(pair, monkeypatch):
+    monkeypatch.setattr(native, "COMPILE_BACKEND", perturbing_compiler)
+    with pytest.warns(RuntimeWarning, match="self-check failed: logits differ from eager by up to"):
+        out = greedy(pair, "speculative", True)
+    assert out.tokens == greedy(pair, "speculative", False).tokens
+    assert out.stats.compile_fallbacks >= 1
+
+
+def test_control_without_the_self_check_the_perturbed_core_changes_the_tokens(pair, monkeypatch):
+    monkeypatch.setattr(native, "COMPILE_BACKEND", perturbing_compiler)
+    monkeypatch.setattr(native, "SELF_CHECK", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback, no warning
+        out = greedy(pair, "speculative", True)
+    assert out.tokens != greedy(pair, "speculative", False).tokens
+    assert out.stats.compile_fallbacks == 0
+
+
+def test_a_healthy_compiled_core_passes_its_self_check_once_per_shape_class(pair, monkeypatch):
+    checks = []
+    mismatch = native.logits_mismatch
+    monkeypatch.setattr(native, "logits_mismatch", lambda a, b: checks.append(a.shape) or mismatch(a, b))
+    monkeypatch.setattr(native, "COMPILE_BACKEND", "eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = greedy(pair, "speculative", True)
+    assert out.stats.compile_fallbacks == 0 and out.stats.compiled
+    # shape classes on the CPU: (one row?, one new token?, last token only?) per model: a handful, not per call
+    assert 1 <= len(checks) <= 8 < out.stats.iterations * 2
+
+
+@pytest.mark.parametrize("new,bucket", [(1, 1), (2, 2), (3, 3), (4, 4), (5, 6), (6, 6), (7, 8), (9, 12), (13, 16),
+                                        (17, 24), (25, 32), (33, 48)])
+def test_width_buckets(new, bucket):
+    assert native.width_bucket(new) == bucket
+
+
+def test_cuda_shape_rules_bound_the_shapes_of_a_job_with_varied_trees(pair, monkeypatch):
+    """Under the CUDA rules (rows to powers of 2, new tokens to `width_bucket`, the view to CUDA_VIEW_BUCKET) a job
+    of spectr trees whose width varies per iteration calls the compiled core with at most |rows| x |widths| x
+    |views| shapes; its raw widths are more than its padded ones, and the tokens are the unpadded run's."""
+    monkeypatch.setattr(native, "COMPILE_BACKEND", "eager")
+    target, draft = pair
+    prompts = [[(7 * i + j) % 70 + 1 for j in range(1 + i % 5)] for i in range(12)]
+
+    def run(rules):
+        monkeypatch.setattr(native, "CUDA_SHAPE_RULES", rules)
+        batcher = ContinuousBatcher(target, draft, batch_size=4, max_length=40, method="spectr", num_drafts=3,
+                                    draft_length=3, top_k=3, compile=True)  # top-k: drafts often share prefixes
+        batcher.admit(prompts, max_new_tokens=[6 + i % 7 for i in range(12)], seed=5)
+        rows = sorted(batcher.finished(), key=lambda row: row.request)
+        return [row.tokens for row in rows], batcher
+
+    padded_tokens, padded = run(True)
+    raw_tokens, raw = run(False)
+    assert padded_tokens == raw_tokens
+    assert padded.stats.compile_fallbacks == raw.stats.compile_fallbacks == 0
+    shapes = padded.target.shapes | padded.draft.shapes
+    widths = {t for _, t, _ in shapes}
+    assert widths <= {native.width_bucket(t) for t in range(1, 1 + 3 * 3 + 1 + 40)}
+    assert {b for b, _, _ in shapes} <= {1, 2, 4}
+    capacities = {padded.target_cache.rows.capacity, padded.rows.drafter.cache.rows.capacity}
+    assert all(s % native.CUDA_VIEW_BUCKET == 0 or s in capacities for _, _, s in shapes)
+    raw_widths = {t for _, t, _ in raw.target.shapes}
+    assert len(raw_widths) > len({t for _, t, _ in padded.target.shapes})  # the padding merged widths
+    views = {s for _, _, s in shapes}
+    assert len(shapes) <= 3 * len(widths) * len(views)
+
+
+def test_a_weight_changed_in_place_is_used_by_the_next_compiled_run(monkeypatch):
+    """The kmajor copies (and any graph built on them) follow an in-place change of a target weight between two
+    generate calls: the second call samples the new law (its greedy tokens are the changed model's), not the old."""
+    monkeypatch.setattr(native, "COMPILE_BACKEND", "eager")
+    monkeypatch.setattr(native, "LINEAR_LAYOUT", "kmajor")
+    target = tiny_model("llama", vocab_size=72, num_layers=1, init_std=0.2, seed=31)
+    before = spectr.generate(target, None, PROMPTS, method="autoregressive", max_new_tokens=6, temperature=0.0,
+                             compile=True)
+    assert before.tokens == [hf_greedy(target, p, 6) for p in PROMPTS]
+    with torch.no_grad():
+        target.lm_head.weight.copy_(torch.roll(target.lm_head.weight, 1, 0))  # the same law, tokens shifted by one
+    after = spectr.generate(target, None, PROMPTS, method="autoregressive", max_new_tokens=6, temperature=0.0,
+                            compile=True)
+    assert after.tokens == [hf_greedy(target, p, 6) for p in PROMPTS] != before.tokens
+    assert after.stats.compile_fallbacks == 0  # rebuilt, not caught by the self-check
