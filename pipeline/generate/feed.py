@@ -61,7 +61,7 @@ log = logging.getLogger(__name__)
 AUTO_MAX_DRAFTS = 8  # method=auto: the planner's bounds when spectr.max_num_drafts / max_draft_length are null
 AUTO_MAX_LENGTH = 8
 PHASE_FIELDS = ("draft_seconds", "target_seconds", "selection_seconds")
-BATCH_FIELDS = ("iterations", *PHASE_FIELDS, "compile_seconds")
+BATCH_FIELDS = ("iterations", *PHASE_FIELDS, "compile_seconds", "compile_fallbacks")
 
 
 class FeedAborted(RuntimeError):
@@ -447,7 +447,7 @@ class ShardFeed:
 
     @staticmethod
     def _zero_batch() -> dict[str, float]:
-        return {"iterations": 0, **dict.fromkeys(PHASE_FIELDS, 0.0), "compile_seconds": 0.0, "wall_seconds": 0.0,
+        return {"iterations": 0, **dict.fromkeys(PHASE_FIELDS, 0.0), "compile_seconds": 0.0, "compile_fallbacks": 0, "wall_seconds": 0.0,
                 "predicted_seconds": 0.0}
 
     # -- method=auto ----------------------------------------------------------------------------------

@@ -120,6 +120,7 @@ class JobSummary:
     tokens_by_config: dict[str, int] = field(default_factory=dict)  # method=auto: label -> tokens
     planner_values: dict[str, float] = field(default_factory=dict)  # method=auto: `planner_metrics`
     compile_s: float = 0.0  # spectr.compile: seconds the actors spent compiling (summed), inside generation
+    compile_fallbacks: int = 0  # compiled calls that failed or disagreed with eager, answered eagerly (spectr.native)
 
     @classmethod
     def build(
@@ -177,6 +178,7 @@ class JobSummary:
             tokens_by_config=dict(total.get("tokens_by_config") or {}),
             planner_values=planner_metrics(total),
             compile_s=float(total.get("compile_seconds", 0.0)),
+            compile_fallbacks=int(total.get("compile_fallbacks", 0)),
         )
 
     @property
@@ -203,6 +205,7 @@ class JobSummary:
             "startup_s",
             "overhead_s",
             "compile_s",
+            "compile_fallbacks",
         )
         values = {name: float(getattr(self, name)) for name in names}
         for i, rate in enumerate(acceptance_by_position(self.accepted_per_position, self.target_calls)):
@@ -243,6 +246,8 @@ class JobSummary:
             ("inside generate", split),
             *([("compiling", f"{self.compile_s:.1f} s of the actors' generation time (spectr.compile)")]
               if self.compile_s > 0 else []),
+            *([("compile fallbacks", f"{self.compile_fallbacks} compiled calls failed or disagreed with eager and "
+                                     "ran eager instead (warnings above)")] if self.compile_fallbacks else []),
             ("actors", f"{self.num_actors} on {self.actor_device}"),
             ("output", f"{self.output_dir} ({self.num_shards} shards)"),
         ]

@@ -197,6 +197,21 @@ def test_compile_seconds_are_summed_into_the_summary():
     assert eager.metrics()["compile_s"] == 0.0 and "compiling" not in eager.table()
 
 
+def test_compile_fallbacks_are_summed_into_the_summary_and_a_metric():
+    """GenerationStats.compile_fallbacks of each shard: summed, a final metric (0 when none) and a table line."""
+    common = dict(num_prompts=8, startup_s=1.0, num_actors=2, actor_device="cpu", output_dir="o", num_shards=2)
+    first, second = shard(4, 60, 20, [10, 5], 25), shard(4, 40, 20, [12, 6], 26)
+    first.update(compile_fallbacks=1)
+    second.update(compile_fallbacks=2)
+    total = merge_stats(merge_stats(empty_stats(), first), second)
+    assert total["compile_fallbacks"] == 3
+    summary = JobSummary.build([first, second], [first, second], wall_time_s=12.0, generation_s=10.0, **common)
+    assert summary.compile_fallbacks == 3 and summary.metrics()["compile_fallbacks"] == 3.0
+    assert "compile fallbacks 3 compiled calls failed" in " ".join(summary.table().split())
+    clean = JobSummary.build([shard(4, 60, 20, [10, 5], 25)], [], wall_time_s=1.0, generation_s=1.0, **common)
+    assert clean.metrics()["compile_fallbacks"] == 0.0 and "fallbacks" not in clean.table()
+
+
 def test_run_record_round_trip_and_a_broken_file(tmp_path):
     assert read_run_record(tmp_path) is None
     write_run_record(tmp_path, RunRecord("r1", "0", "http://x", 12.5, 30.0, 2))
