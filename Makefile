@@ -37,15 +37,25 @@ lint: setup
 clean:
 	rm -rf $(VENV) .pytest_cache
 
-# The prepared GPU check (scripts/gpu_check.py): exactness, greedy-vs-HF and speed on the accelerator,
-# results under benchmarks/results/gpu/<date>-<device>. Needs only torch and transformers, so it runs with
-# the machine's own python3 when there is no $(VENV). `ARGS=--smoke` runs the CPU smoke mode.
+# The prepared GPU check, one 10-minute window: scripts/gpu_exactness.py (must pass: compiled and eager
+# chi-square with negative controls, greedy vs HF) then scripts/gpu_speed.py (headline ratios first), with
+# budgets of 220 + 300 = 520 s (checked between units; a unit that would not fit is recorded as skipped).
+# Writes exactness.json/.md and speed.json/.md under benchmarks/results/gpu/<date>-<device> (GPU_CHECK_OUT).
+# Speed runs even when exactness failed; the exit status is exactness's, or speed's if it crashed. Needs only
+# torch and transformers, so it runs with the machine's own python3 when there is no $(VENV).
+# `ARGS=--smoke` runs both on the CPU with tiny models (under 2 minutes each).
 .PHONY: gpu-check
 GPU_CHECK_PY = $(if $(wildcard $(PY)),$(PY),python3)
 GPU_NAME = $(or $(shell nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1 | tr -c 'A-Za-z0-9\n' '-'),cpu)
 GPU_CHECK_OUT ?= benchmarks/results/gpu/$(shell date +%Y-%m-%d)-$(GPU_NAME)
+GPU_EXACTNESS_BUDGET_S ?= 220
+GPU_SPEED_BUDGET_S ?= 300
 gpu-check:
-	PYTHONUNBUFFERED=1 $(GPU_CHECK_PY) scripts/gpu_check.py --out $(GPU_CHECK_OUT) $(ARGS)
+	PYTHONUNBUFFERED=1 $(GPU_CHECK_PY) scripts/gpu_exactness.py --budget-s $(GPU_EXACTNESS_BUDGET_S) --out $(GPU_CHECK_OUT) $(ARGS); \
+	exactness=$$?; \
+	PYTHONUNBUFFERED=1 $(GPU_CHECK_PY) scripts/gpu_speed.py --budget-s $(GPU_SPEED_BUDGET_S) --out $(GPU_CHECK_OUT) $(ARGS); \
+	speed=$$?; \
+	if [ $$exactness -ne 0 ]; then exit $$exactness; fi; exit $$speed
 
 # The HF adapter and the GPU check against another transformers than the venv's (default: the GPU machine's
 # 5.17), installed without touching .venv into $(TRANSFORMERS_DIR), first on PYTHONPATH. Its own pins that the
@@ -58,4 +68,5 @@ check-transformers: setup
 	$(PIP) install -q --no-deps --upgrade --target $(TRANSFORMERS_DIR) "transformers==$(TRANSFORMERS)" $(foreach d,$(TRANSFORMERS_DEPS),"$(d)")
 	PYTHONPATH=$(TRANSFORMERS_DIR) $(PY) -c "import transformers; print('transformers', transformers.__version__)"
 	PYTHONPATH=$(TRANSFORMERS_DIR) $(PY) -m pytest -q tests/spectr/test_hf.py
-	PYTHONPATH=$(TRANSFORMERS_DIR) OMP_NUM_THREADS=1 $(PY) scripts/gpu_check.py --smoke --threads 1 --out $(TRANSFORMERS_DIR)/gpu-smoke
+	PYTHONPATH=$(TRANSFORMERS_DIR) OMP_NUM_THREADS=1 $(PY) scripts/gpu_exactness.py --smoke --threads 1 --out $(TRANSFORMERS_DIR)/gpu-smoke
+	PYTHONPATH=$(TRANSFORMERS_DIR) OMP_NUM_THREADS=1 $(PY) scripts/gpu_speed.py --smoke --threads 1 --out $(TRANSFORMERS_DIR)/gpu-smoke

@@ -153,8 +153,9 @@ class UnitRunner:
         (self.out / f"{self.stem}.md").write_text(self.render(self.results))
 
 
-def select_units(units: list[Unit], only: str | None) -> list[Unit]:
-    """The units whose name contains one of the comma-separated substrings of `only` (None: all)."""
+def select_units(units: list, only: str | None) -> list:
+    """The units (anything with a `name`) whose name contains one of the comma-separated substrings of `only`
+    (None: all)."""
     if not only:
         return units
     wanted = [part.strip() for part in only.split(",") if part.strip()]
