@@ -38,7 +38,8 @@ def generate(
     target, draft: Hugging Face causal LMs sharing a vocabulary (`draft` may be None for
     "autoregressive"). prompts: list of token-id lists. method: "autoregressive",
     "speculative" (one draft: num_drafts is taken as 1), "spectr", "specinfer", "block" (block
-    verification of one draft, num_drafts taken as 1), or "auto" (`spectr.planner`: each
+    verification of one draft, num_drafts taken as 1), "traversal" (traversal verification of the K
+    drafts as one tree; K = 1 is block verification), or "auto" (`spectr.planner`: each
     iteration runs an exact configuration with K <= num_drafts and L <= draft_length, chosen
     online by the measured tokens/s of the batch; `stats.plan` says what ran).
     max_new_tokens: an int or one int per prompt. eos_token_id: None, an int or a list of ints.

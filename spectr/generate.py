@@ -69,7 +69,8 @@ def generate(
     target, draft: Hugging Face causal LMs sharing a vocabulary (`draft` may be None for
     "autoregressive"). prompts: list of token-id lists. method: "autoregressive",
     "speculative" (one draft: num_drafts is taken as 1), "spectr", "specinfer", "block" (block
-    verification of one draft, num_drafts taken as 1). The package's `spectr.generate`
+    verification of one draft, num_drafts taken as 1), "traversal" (traversal verification of the K
+    drafts as one tree, `spectr.traversal`; K = 1 is block verification). The package's `spectr.generate`
     (`spectr.api.generate`) also takes "auto", which `spectr.planner` runs; this one does not.
     max_new_tokens: an int or one int per prompt. eos_token_id: None, an int or a list of ints.
     top_k=0 / top_p=1.0 mean no truncation; temperature=0 is greedy (and drafts one path:

@@ -8,7 +8,7 @@ schedule of configurations (a fixed method keeps "a row's output depends only on
 seed, models and settings").
 
 Labels (`StepConfig.label`, parsed back by `StepConfig.parse`): `autoregressive`,
-`speculative L=3`, `block L=3`, `spectr K=4 L=3`, `specinfer K=2 L=2`.
+`speculative L=3`, `block L=3`, `spectr K=4 L=3`, `specinfer K=2 L=2`, `traversal K=4 L=8`.
 
 This module holds plain values only: it runs nothing and imports no model code.
 """
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 AUTOREGRESSIVE = "autoregressive"
 SINGLE_DRAFT = ("speculative", "block")
-MULTI_DRAFT = ("spectr", "specinfer")
+MULTI_DRAFT = ("spectr", "specinfer", "traversal")
 METHODS = (AUTOREGRESSIVE, *SINGLE_DRAFT, *MULTI_DRAFT)
 _LABEL = re.compile(r"^(?P<method>[a-z_]+)(?: K=(?P<k>\d+))?(?: L=(?P<l>\d+))?$")
 

@@ -32,7 +32,7 @@ from pipeline.config import (
 )
 from pipeline.row_columns import check_stop_list
 
-METHODS = ("auto", "autoregressive", "speculative", "block", "spectr", "specinfer")
+METHODS = ("auto", "autoregressive", "speculative", "block", "spectr", "specinfer", "traversal")
 
 
 @dataclass(frozen=True)
