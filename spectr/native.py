@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import warnings
 import weakref
 
@@ -585,6 +586,8 @@ class NativeCausalLM(HFCausalLM):
         them (zeroed), else new ones, which become the model's pool."""
         key = (cache.batch_size, cache.capacity, cache.groups, sample.dtype)
         held = _STATIC_POOLS.get(self.model)
+        if held is not None and held[0] == key and held[2]() is not None:
+            gc.collect()  # a dropped batcher lives in reference cycles until collected (once per new batcher)
         if held is not None and held[0] == key and held[2]() is None:
             cache.buffers = list(held[1])
             for buffer in cache.buffers:

@@ -5,8 +5,9 @@
     key = entry_key(pair, device_name, dtype)  # on the actor: its own device and dtype complete the key
     save_states(plan, pair, {key: state})      # on the driver, at the end of the job (best effort)
 
-A cache entry is keyed by (pair, device name, dtype, batch size, warps): the models' identity (their
-files), `spectr.max_num_drafts` / `max_draft_length`, `spectr.batch_size`, temperature / top-k / top-p,
+A cache entry is keyed by (pair, device name, dtype, batch size, warps, compile mode): the models' identity
+(their files), `spectr.max_num_drafts` / `max_draft_length`, `spectr.batch_size`, temperature / top-k / top-p,
+`spectr.compile`,
 then the actor's device name (`NVIDIA H200`, `cpu`) and dtype. Its value is the chooser's own
 `state()` (a JSON-able dict, opaque here). Two places hold entries, in the same format (one JSON object,
 `{key: {"pair": ..., "state": ..., "updated": ...}}`):
@@ -55,6 +56,7 @@ def pair_key(plan: Any) -> str:
         "batch_size": s.batch_size,
         "warps": [s.temperature, s.top_k, s.top_p],
         "dtype": plan.config.model.dtype,
+        "compile": str(s.compile),  # compiled and eager iterations cost differently: separate entries
     }
     return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

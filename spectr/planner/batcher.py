@@ -152,11 +152,14 @@ class AutoBatcher:
         if rows == 0:
             return batcher.step()
         catch_ups = batcher.stats.draft_catch_ups
+        compiled = batcher.compile_seconds()
         finished = batcher.step(self.chooser.choose(rows))
         if batcher.last_step is not None:
             # an iteration that first fed the draft the tokens of earlier autoregressive iterations pays for
-            # the switch, not for its configuration: its tokens count, its seconds are not a sample
-            self.chooser.observe(batcher.last_step, measure=batcher.stats.draft_catch_ups == catch_ups)
+            # the switch, not for its configuration, and one that compiled pays for the compiler: their
+            # tokens count, their seconds are not a sample
+            measure = batcher.stats.draft_catch_ups == catch_ups and batcher.compile_seconds() == compiled
+            self.chooser.observe(batcher.last_step, measure=measure)
         return finished
 
     def finished(self) -> Iterator[FinishedRow]:

@@ -168,3 +168,61 @@ def test_a_weight_changed_in_place_is_used_by_the_next_compiled_run(monkeypatch)
                             compile=True)
     assert after.tokens == [hf_greedy(target, p, 6) for p in PROMPTS] != before.tokens
     assert after.stats.compile_fallbacks == 0  # rebuilt, not caught by the self-check
+
+
+def test_the_chooser_never_takes_an_iteration_that_compiled_as_a_sample(pair, monkeypatch):
+    """method=auto, compiled: an iteration during which the compile timer moved reports measure=False to the
+    chooser (its seconds are the compiler's, not its configuration's); the others are samples as before."""
+    from spectr.planner.batcher import AutoBatcher
+
+    monkeypatch.setattr(native, "COMPILE_BACKEND", "eager")
+    target, draft = pair
+    auto = AutoBatcher(target, draft, batch_size=2, max_length=40, max_num_drafts=2, max_draft_length=3,
+                       compile=True)
+    seen = []
+    observe = auto.chooser.observe
+
+    def spy(report, measure=True):
+        seen.append((measure, native.compile_seconds_so_far()))
+        observe(report, measure=measure)
+
+    monkeypatch.setattr(auto.chooser, "observe", spy)
+    auto.admit([[3, 4, 5], [9, 8], [1, 2, 3, 4], [7]], max_new_tokens=12, seed=3)
+    before = native.compile_seconds_so_far()
+    compiled_during = []
+    for _ in auto.finished():
+        pass
+    for (measure, after), previous in zip(seen, [before] + [s for _, s in seen[:-1]]):
+        compiled_during.append((after != previous, measure))
+    assert any(moved for moved, _ in compiled_during)  # some iterations compiled...
+    assert not any(moved and measure for moved, measure in compiled_during)  # ...none of them is a sample
+    assert any(measure for _, measure in compiled_during)
+
+
+def test_under_the_cuda_rules_a_new_batcher_takes_the_models_static_pool_once_the_old_one_is_gone(pair, monkeypatch):
+    """The static-address pool is allocated once per shape, not per `generate` call: a second batcher of the same
+    shape reads the same buffers (zeroed) when the first is gone, and new ones while the first still holds them."""
+    monkeypatch.setattr(native, "COMPILE_BACKEND", "eager")
+    monkeypatch.setattr(native, "CUDA_SHAPE_RULES", True)
+    target, draft = pair
+
+    def batcher():
+        b = ContinuousBatcher(target, draft, batch_size=2, max_length=30, method="speculative", draft_length=2,
+                              compile=True)
+        b.admit([[3, 4, 5], [9, 8]], max_new_tokens=4, seed=1)
+        tokens = [row.tokens for row in sorted(b.finished(), key=lambda row: row.request)]
+        return b, tokens
+
+    first, tokens = batcher()
+    address = first.target_cache.rows.buffer.data_ptr()
+    second, again = batcher()  # the first still alive: its pool is not shared
+    pooled = second.target_cache.rows.buffer
+    assert pooled.data_ptr() != address  # the pool is now the second's
+    assert again == tokens
+    del first, second
+    third, once_more = batcher()
+    assert third.target_cache.rows.buffer is pooled
+    assert once_more == tokens
+    del third
+    fourth, _ = batcher()
+    assert fourth.target_cache.rows.buffer is pooled

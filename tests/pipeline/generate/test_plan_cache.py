@@ -33,7 +33,8 @@ def test_pair_key_covers_models_bounds_batch_and_warps(tmp_path):
     plan = fake_plan(tmp_path)
     key = plan_cache.pair_key(plan)
     assert key == plan_cache.pair_key(fake_plan(tmp_path))
-    for change in ({"batch_size": 1}, {"temperature": 0.7}, {"top_p": 0.9}, {"max_num_drafts": 2}):
+    for change in ({"batch_size": 1}, {"temperature": 0.7}, {"top_p": 0.9}, {"max_num_drafts": 2},
+                   {"compile": True}, {"compile": False}):
         assert plan_cache.pair_key(fake_plan(tmp_path, **change)) != key, change
     other = fake_plan(tmp_path)
     other.settings = {"models": {"target": "t2", "draft": "d1"}}
