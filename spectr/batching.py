@@ -95,12 +95,9 @@ from spectr.stats import GenerationStats, PhaseTimer
 from spectr.steps import StepConfig, StepReport
 from spectr.warps import RowWarps, SamplingWarp
 
-# Pack live rows into the holes below them when at most this fraction of the slots is live, by
-# device type. Measured on the CPU (scripts/bench_batching.py --sections policy --batch-sizes 16
-# --methods autoregressive,speculative,spectr --repeats 3: the embedded pair in float32, one
-# thread, one batch of 16 prompts with budgets 8..128, K=2 L=3; medians of tokens per CPU second)
-# at 0 / 0.5 / 1: autoregressive 247 / 275 / 280, speculative 233 / 243 / 278, spectr 156 / 206 /
-# 230. On CUDA never (not measured on a GPU yet): see the module docstring.
+# Pack live rows into the holes below them when at most this fraction of the slots is live, by device type. On
+# the CPU a forward costs about in proportion to its rows, so packing pays as soon as a slot is free (measured:
+# docs/performance.md#default_pack_below); on CUDA never (not measured on a GPU yet): see the module docstring.
 DEFAULT_PACK_BELOW = {"cpu": 1.0}
 
 

@@ -37,14 +37,18 @@ for why sizes of 1 are not traced like the others). Its inputs have
 one layout whatever the call: the pool's whole buffer (rows and view are sliced inside the graph,
 so a narrower iteration changes no stride) and fresh contiguous tensors (no aliasing, no expanded
 strides). On CUDA it uses `mode="reduce-overhead"` (CUDA graphs, recorded per concrete shape), marks
-the pool buffer a static address (read in place, never copied into the graph), and pads the view
-length to a multiple of `CUDA_VIEW_BUCKET` slots (masked columns; the batcher pads the rows to powers
-of 2) so that the number of recordings stays small; its outputs are cloned (a later replay
+the pool buffer a static address (read in place, never copied into the graph; one pool per model and
+shape, reused by the next batcher once the last is gone), and pads the view length to a multiple of
+`CUDA_VIEW_BUCKET` slots (masked columns), the new tokens to `width_bucket` widths (pads in front, writing
+nowhere) and the batcher pads the rows to powers of 2, so that the number of recordings per configuration
+is bounded: |row buckets| x |width buckets| x |view buckets| (`CUDA_SHAPE_RULES`); its outputs are cloned (a later replay
 overwrites the graph's output memory). On the CPU, inductor's options are `CPU_VARIANTS[CPU_VARIANT]`:
 frozen weights (constants of the graph, prepacked; the engine runs in inference mode, where freezing
 applies) and, per the measurements, inductor's own GEMM template for the linears over a few tokens. On
 the CPU the compiled core multiplies by copies of its own (`LINEAR_LAYOUT`: fused q|k|v and gate|up, [K, N]
-contiguous, and oneDNN-packed over 2..32 rows: a verify that reads the weights about once). Prefill (a forward over a `RowView`: newly admitted rows)
+contiguous, and oneDNN-packed over 2..32 rows: a verify that reads the weights about once). Compiled calls are guarded (`NativeCausalLM`): one that raises, or a first forward of a new shape
+class that disagrees with HF's eager forward (`SELF_CHECK`), falls back to eager for good, loudly.
+Prefill (a forward over a `RowView`: newly admitted rows)
 always runs eager, so a new prompt length never compiles a graph. `compiled=False` runs the HF
 model itself (`HFCausalLM.forward`), bit for bit the engine's eager path.
 
@@ -78,40 +82,16 @@ COMPILE_CHOICES = (False, True, "auto")
 
 # compile="auto" on the CPU: compile when the queued work is at least this many iterations of the pool
 # (sum of the queued rows' budgets / batch size: autoregressive iterations, an upper bound for speculative
-# ones). The rule: compiling pays when iterations x (eager - compiled seconds per iteration) > compile
-# seconds. Measured on this 2-core CPU (scripts/bench_compile.py --sections forward, 1 thread, embedded
-# pair, CPU_VARIANT frozen_cpp, cold inductor cache; benchmarks/results/compile/forward_frozen_cpp): the
-# B=1 graphs (draft, target over 1 token, target over more) cost 218 s of compile (36 + 90 + 92 s); a
-# forward saves 8.4 ms (target, 1 token: 33.5 -> 25.0 ms), 18 ms (5 tokens) and 1.9 ms (draft), so a
-# speculative L=3 iteration saves ~24 ms and an autoregressive one ~8 ms: break-even 218 s / 24 ms = 9,200
-# iterations (speculative), 90 s / 8.4 ms = 10,700 (autoregressive), before the B>1 graphs a batched job
-# also compiles (about as many again). 20,000 covers both: a 64-prompt job of 64 tokens at 8 slots (512
-# iterations) stays eager; compiling pays from ~2,500 such prompts per worker. Re-measured with the kmajor
-# layout on the Intel machine (2026-12-04, scripts/bench_compile.py --sections engine,compile, cold cache;
-# benchmarks/results/compile/engine_b{1,16}_kmajor): B=1 25 s for 4.6 ms saved per autoregressive
-# iteration (5,500), 29 s for 8.0 ms per speculative L=3 one (3,700); B=16 30 s / 6.4 ms (4,700) and
-# 89 s / 10.3 ms (8,700). A batched job pays the B>1 graphs and, at its tail, the B=1 ones: ~14,000-18,000
-# iterations, still under 20,000. Reruns (2026-12-05, same command, engine_kmajor_2026-12-05 and
-# engine_b16_2026-12-05): B=16 speculative L=3 paid 133 and 151 s for 5.3 and 2.3 ms saved (25,000 and
-# 65,000 iterations), autoregressive 31-48 s for 8.3-11.4 ms (3,700-4,200): the saving of a batched
-# speculative iteration is within the machine's noise, so its break-even is not known better than "tens
-# of thousands"; 20,000 stays, the loss it risks bounded by one compile (~200 s per worker).
+# ones). Compiling pays when iterations x (eager - compiled seconds per iteration) > compile seconds; the
+# measured break-evens are a few thousand (autoregressive) to tens of thousands (batched speculative)
+# iterations, and the loss this rule risks is bounded by one compile (docs/compile.md#cpu_min_iterations).
 CPU_MIN_ITERATIONS = 20000
 
-# How inductor compiles on the CPU (issue 22, item 4: a verify that reads the weights once). Eager, the
-# target's linears over 2-17 tokens of a row run MKL's small-M GEMM, which costs more than one token's
-# memory-bound read of the weights (embedded target, 1 thread: 5 tokens 1.78x one token, 17 2.18x). With `freezing` (inference mode only: parameters become constants of the
-# graph; a frozen graph does not see later in-place changes to the weights) inductor prepacks the weights
-# (oneDNN / MKL packed linears), and with `max_autotune` over the "CPP" GEMM backend it may instead emit its
-# own GEMM template, register-blocked over the tokens, that reads each weight once. Same model, same
-# arithmetic up to float summation order. `CPU_VARIANT` is the variant `compile=True` uses on the CPU;
-# scripts/bench_compile.py (section forward) measures every variant in one run (see the README): frozen_cpp
-# 1.34x / 1.43x / 1.29x faster than eager over 1 / 5 / 17 tokens (5/1 1.66x, 17/1 2.27x); frozen alone was
-# slower than plain, plain about eager over 1 token. In the engine at B = 16, plain runs 1.08x eager
-# (autoregressive and speculative L=3, 2026-12-03 19:34, benchmarks/results/compile/engine_b16_plain);
-# frozen_cpp's B = 16 figure (0.46x) came from the wrong code `_shape_config` explains and is void, and it
-# is not re-measured at B > 1. So the default stays plain; frozen_cpp (`set_compiled(True, "frozen_cpp")`)
-# is measured faster for one row only.
+# How inductor compiles on the CPU. "frozen" (inference mode only): parameters become constants of the graph, which
+# inductor prepacks (a frozen graph does not see later in-place changes to the weights: `set_compiled` rebuilds on
+# a changed version counter); "frozen_cpp" adds inductor's own register-blocked GEMM template (max_autotune over the
+# CPP backend). Same model, same arithmetic up to float summation order. `CPU_VARIANT` is what `compile=True` uses;
+# "plain" is the default because the others were measured faster for one row only (docs/compile.md#cpu_variants).
 CPU_VARIANTS = {
     "plain": {},
     "frozen": {"freezing": True},
@@ -119,40 +99,27 @@ CPU_VARIANTS = {
 }
 CPU_VARIANT = "plain"
 
-# Attention of the compiled core (issue 22, item 5). "masked": the scores over the cache view and over the new
-# tokens joined before one float32 softmax (`NativeCore._attend`); "flex": FlexAttention
-# (`torch.nn.attention.flex_attention`) with a block mask built from the same pattern once per forward and
-# group, the tree mask as a `mask_mod` (blocks nobody attends are skipped; on CUDA its kernel is a fused,
-# flash-style one, which sdpa cannot use with an arbitrary mask). Compiled calls only: eager ones (prefill,
-# compile=False) always run "masked". Measured on this CPU (scripts/bench_attention.py --threads 1, results in
-# benchmarks/results/compile/attention/; inductor with static shapes, the embedded target's 8 layers of 8 heads
-# x 64, 2026-12-04, in one run): flex 2.0x slower than masked at one row, 5 tokens over 128 slots (1.02 vs
-# 0.50 ms for 8 layers), 2.4-2.9x at 16 rows over 256 (39-47 vs 16 ms), and 17 s of compile against 6 (cold
-# cache); masked attention is ~2% of a target forward at one row here. And under the core's dynamic shapes
-# inductor's CPU flex template fails to compile (C++ error, torch 2.13), so the CPU refuses "flex" under inductor. "masked"
-# is the default everywhere; on CUDA flex is not measured yet: `scripts/gpu_check.py` times both (its last
-# speed units, compiled SpecTr masked vs flex) so that one GPU run decides.
+# Attention of the compiled core. "masked": the scores over the cache view and over the new tokens joined before
+# one float32 softmax (`NativeCore._attend`); "flex": FlexAttention with a block mask built from the same pattern
+# once per forward and group (on CUDA a fused, flash-style kernel, which sdpa cannot use with an arbitrary mask).
+# Compiled calls only: eager ones (prefill, compile=False) always run "masked". On the CPU flex measured slower and
+# inductor's CPU flex template does not compile under the core's dynamic shapes, so the CPU refuses it; on CUDA it
+# is not measured yet, and the GPU speed check times both (docs/compile.md#attention).
 ATTENTIONS = ("masked", "flex")
 ATTENTION = "masked"
 
-# How the compiled core multiplies by its linear weights (issue 22, item 4: a verify that reads the weights
-# once). "module": the HF modules themselves (`F.linear`, weight [N, K]). "kmajor": the core's own copies, made
-# when it first compiles, transposed to [K, N] contiguous and fused per layer (q|k|v and gate|up: one product
-# each), multiplied as `x @ w`. The same weights and arithmetic up to float summation order. On this CPU MKL's
-# GEMM over a transposed [N, K] operand costs about twice one token's as soon as a row brings 4 tokens or more,
-# while over the [K, N] layout it stays near the one-token cost (one thread, embedded target's shapes,
-# `x @ w` against `F.linear`, 2026-12-04, Intel Xeon AVX-512: q|k|v 512 -> 1536 over 5 tokens 130 against
-# 209 us, gate|up 512 -> 2816 266 against 439, down 1408 -> 512 110 against 186; one token: the same within
-# 3%). "auto": kmajor on the CPU; on CUDA the modules (cuBLAS takes either layout, and the copies would cost
-# GPU memory). The copies cost the model's linear weights once more in host memory, and like frozen weights
-# they do not see a later in-place change of the model's weights.
+# How the compiled core multiplies by its linear weights. "module": the HF modules themselves (`F.linear`, weight
+# [N, K]). "kmajor": the core's own copies, made when it first compiles, transposed to [K, N] contiguous and fused
+# per layer (q|k|v and gate|up: one product each), multiplied as `x @ w`: on the CPU MKL's GEMM over a transposed
+# operand costs about twice one token's from 4 tokens on, over [K, N] near one token's. "auto": kmajor on the CPU;
+# on CUDA the modules (cuBLAS takes either layout, and the copies would cost GPU memory). The copies cost the
+# linear weights once more in host memory and follow in-place weight changes through `set_compiled`'s version
+# check (docs/compile.md#linear_layout).
 LINEAR_LAYOUTS = ("auto", "module", "kmajor")
 LINEAR_LAYOUT = "auto"
 # ...and over 2 to ONEDNN_MAX_ROWS rows (tokens of the batch) the kmajor layout multiplies float32 by a third copy,
-# oneDNN's packed one (`torch.ops.mkldnn`): MKL's GEMM reads the weights about once per 4 rows there, oneDNN's
-# about once. Embedded target, all its linears in sequence, 1 thread, same run (2026-12-04, Intel): rows 1 / 2 /
-# 5 / 16 / 64: MKL kmajor 5.1 / 8.5 / 10.8 / 17.7 / 22.4 ms, oneDNN 7.4 / 7.4 / 8.6 / 13.4 / 29.6 ms. A whole
-# eager core over 5 tokens of one row: 14.4 ms with oneDNN against 17.3 without (one token: 10.0-10.4).
+# oneDNN's packed one (`torch.ops.mkldnn`), which reads the weights about once where MKL reads them about once per
+# 4 rows; past 32 rows MKL is faster again (docs/compile.md#onednn_max_rows).
 ONEDNN_MAX_ROWS = 32
 
 
@@ -699,33 +666,19 @@ def _shape_config():
         yield
 
 
-# -- the step's selection under compile (issue 22, item 3) ------------------------------------------------------
-# Compiled mode also compiles the selection. Inductor fuses each bisection step's multiply, clamp and sum into
-# one kernel (eager: several ops and an [N, V] buffer per step): on a GPU that removes the launches of the
-# issue; on this CPU, memory traffic. Measured against the eager engine's own call (row splits included) by
-# `scripts/bench_selection.py --compiled --threads 1 --length 3 --vocab 8192 --repeats 30` (this 2-core CPU,
-# float32, 2026-12-04, benchmarks/results/compile/selection/; same tokens as eager in every run):
-#   speculative: 1 row 0.8 -> 0.5 ms (1.64x), 16 rows 2.8 -> 1.7 ms (1.69x); compile 7-8 s;
-#   block:       1 row 0.6 -> 0.5 ms (1.29x), 16 rows 3.9 -> 1.8 ms (2.22x); compile 5-6 s;
-#   spectr K=4:  1 row 1.7 -> 1.5 ms (1.15x), 16 rows 5.9 -> 5.4 ms (1.09x); compile 10-21 s per shape.
-# The rule (`SELECTION_RULE = "auto"`): the selection compiles on CUDA, where a K-SEQ position alone is ~25
-# bisection steps x ~8 kernel launches; on the CPU it stays eager. There each (method, K, L) shape compiles
-# its own graphs (5-21 s, above), `auto` explores several, and an iteration saves at most ~1-2 ms of 30-60:
-# in a whole compiled job (make run defaults, spectr.compile=true, warm inductor cache, 2026-12-04,
-# benchmarks/results/compile/jobs/) the selection phase took 22% of the time inside generation, against 5-6%
-# in the eager jobs of the same run, the selection graphs of each explored candidate compiling. The engine's
-# eager call already sends rows without shared prefixes through the one-draft path, which is why K-SEQ gains
-# least. The selection is 1-5% of a CPU iteration.
-# A sort-based exact rho* (ratios sorted, prefix sums, the root between breakpoints) measured 6-11x slower than
-# the bisection on this CPU in a scratch probe (the sort of V dominates; not kept), so the bisection stays.
-# The rows are a dynamic dimension (traced as in the core: without duck sizing, one row specialised);
-# plain inductor on every device (no CUDA graphs for the selection).
+# -- the step's selection under compile ---------------------------------------------------------------------------
+# Compiled mode may also compile the selection: inductor fuses each bisection step's multiply, clamp and sum into one
+# kernel (eager: several ops and an [N, V] buffer per step). On a GPU that removes launches (a K-SEQ position alone
+# is ~25 bisection steps x ~8 kernel launches), so `SELECTION_RULE = "auto"` compiles it on CUDA; on the CPU it
+# stays eager: each (method, K, L) compiles graphs of its own (seconds each), `auto` explores several, and the
+# selection is 1-5% of a CPU iteration (docs/compile.md#selection_rule-and-selection_compile_after). The rows are a
+# dynamic dimension (traced as in the core: without duck sizing, one row specialised); plain inductor on every
+# device (no CUDA graphs for the selection). A sort-based exact rho* was slower than the bisection (not kept).
 SELECTION_RULE = "auto"  # "auto" (the rule above: CUDA), "all" (every device), "none" (eager everywhere)
-# Exploration and compilation must not fight: the planner tries a candidate for a handful of iterations
-# (spectr.planner.chooser.TRIAL = 4, after one warm-up), and each (method, K, L) compiles graphs of its own.
-# So a configuration's selection compiles only once it has run this many iterations of one batcher eagerly:
-# the trials stay eager, the configuration the chooser keeps (or a fixed method's) compiles. Not measured on
-# a GPU yet: 64 is ~13 trials of one candidate, and 1-2% of a 5,000-iteration job's iterations.
+# Exploration and compilation must not fight: the planner tries a candidate for a handful of iterations, and each
+# (method, K, L) compiles graphs of its own. So a configuration's selection compiles only once it has run this many
+# iterations of one batcher eagerly: the trials stay eager, the configuration the chooser keeps (or a fixed
+# method's) compiles.
 SELECTION_COMPILE_AFTER = 64
 SELECTION_RULES = ("auto", "all", "none")
 _SELECTION: dict = {}
