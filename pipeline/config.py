@@ -229,6 +229,20 @@ def _register_resolvers() -> None:
 
     # ${project_root:} is the repository root, so that the default config finds assets/ from any cwd.
     OmegaConf.register_new_resolver("project_root", lambda: str(PROJECT_ROOT), replace=True)
+    # ${demo_limit:${data.path}}: the embedded prompts' demo limit, null (every row) for any other data.path
+    OmegaConf.register_new_resolver("demo_limit", demo_limit, replace=True)
+
+
+EMBEDDED_PROMPTS = PROJECT_ROOT / "assets" / "prompts.jsonl"
+DEMO_LIMIT = 64  # the embedded prompts: their first 64 keep `make run` to a few minutes on a CPU
+
+
+def demo_limit(path: str) -> int | None:
+    """data.limit's default: `DEMO_LIMIT` for the embedded prompts, None (every row) for the user's data."""
+    try:
+        return DEMO_LIMIT if Path(path).resolve() == EMBEDDED_PROMPTS.resolve() else None
+    except (OSError, ValueError):  # a URI or an odd path: not the embedded file
+        return None
 
 
 _register_resolvers()

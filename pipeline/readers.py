@@ -289,3 +289,36 @@ def _row_columns(data: DataConfig, listing: SourceListing, result: ScanResult, r
     uri = listing.files[0].uri
     names, schema = reader.columns(uri, result)
     return resolve_columns(data, names, schema, listing.format, uri, result.kept_types)
+
+
+def input_rows(listing: SourceListing, max_bytes: int = 64 << 20) -> int | None:
+    """Every row of the input, ignoring data.limit (for the first line's "first N of M rows"): from the metadata
+    (Parquet footers, saved datasets) or, for JSON lines / CSV of at most `max_bytes` in all, one count of their
+    records; None when counting would mean reading a large text input."""
+    from pipeline import fs
+    from pipeline.formats import open_text_stream
+    from pipeline.linescan import scan_records
+    from pipeline.scanners import _arrow_table, _open_parquet
+
+    if listing.format == "parquet":
+        return sum(_open_parquet(f.uri).metadata.num_rows for f in listing.files)
+    if listing.format == "hf_disk":
+        return sum(_arrow_table(f.uri).num_rows for f in listing.files)
+    if sum(f.size for f in listing.files) > max_bytes:
+        return None
+    quoted = listing.format == "csv"
+    rows = 0
+    for f in listing.files:
+        with open_text_stream(fs.resolve(f.uri, "data.path")) as stream:
+            rows += scan_records(stream, every=1 << 40, quoted=quoted, header=quoted).rows
+    return rows
+
+
+def limit_note(data: DataConfig, listing: SourceListing, num_rows: int) -> str:
+    """"first N of M rows (data.limit)" when data.limit left rows of the input out, else ""."""
+    if data.limit is None or num_rows < data.limit:
+        return ""
+    total = input_rows(listing)
+    if total is None:
+        return f"first {num_rows:,} rows of a larger input (data.limit)"
+    return f"first {num_rows:,} of {total:,} rows (data.limit)" if total > num_rows else ""

@@ -37,6 +37,7 @@ from pipeline.generate.stats import empty_stats, merge_stats
 from pipeline.generate.summary import JobSummary, format_report
 from pipeline.generate.tracking import NullTracker, make_tracker
 from pipeline.generate.worker import ShardResult, WorkerJob
+from pipeline.redact import install_log_filter
 from pipeline.tracking import check_reachable
 
 __all__ = ["JobPlan", "JobReport", "RunHooks", "format_report", "prepare", "raise_if_failed", "run_generate"]
@@ -73,6 +74,7 @@ class GenerationRun:
 def run_generate(config: GenerateConfig, hooks: RunHooks | None = None) -> JobReport:
     """Run the whole job. Raises JobInputError (before anything starts) for bad input."""
     started = time.perf_counter()
+    install_log_filter()  # no URI's password in the log
     plan = prepare(config)
     check_reachable(config.mlflow)
     done = plan.state.rows_done
@@ -82,7 +84,7 @@ def run_generate(config: GenerateConfig, hooks: RunHooks | None = None) -> JobRe
         time.perf_counter() - started,
         plan.shards_to_do,
         plan.num_shards,
-        f" (resuming: {done} prompts already done)" if done else "",
+        (f" (resuming: {done} prompts already done)" if done else "") + (f"; {plan.limit_note}" if plan.limit_note else ""),
     )
     tracker = make_tracker(config.mlflow, plan)
     # MLflow's start-up (import, database, run) overlaps Ray's start and the actors' model loading.

@@ -37,7 +37,8 @@ from pipeline.generate.shards import (
     shard_task,
 )
 from pipeline.hashing import stable_hash
-from pipeline.readers import scan_source
+from pipeline.readers import limit_note, scan_source
+from pipeline.redact import redacted
 from pipeline.source import Source, list_source, with_shard_size
 
 
@@ -55,6 +56,7 @@ class JobPlan:
     state: OutputState
     lease: Any = field(default=None)  # the job's `Lease` while it runs (set by pipeline.generate.job)
     run_tag: str = field(default_factory=lambda: uuid.uuid4().hex[:8])  # fences this run's part names
+    limit_note: str = ""  # "first N of M rows (data.limit)" when data.limit left input rows out
 
     @property
     def output_dir(self) -> str:
@@ -117,6 +119,7 @@ def prepare(config: GenerateConfig) -> JobPlan:
         role: models.model_identity(models.check_model_dir(path, f"model.{role}", config.model.allow_pickle))
         for role, path in (("target", config.model.target), ("draft", config.model.draft))
     }
+    settings = redacted(settings)  # _manifest.json holds them; a changed password is the same input and models
     config_hash = stable_hash(settings)
     output = fs.resolve(config.output_dir or f"runs/generate-{config_hash[:12]}", "output_dir")
     fs.check_bucket(output, "output_dir")
@@ -141,4 +144,5 @@ def prepare(config: GenerateConfig) -> JobPlan:
         state = load_state(output, shards, config.retry_failed)
     else:
         state = OutputState(done=bytearray(shards))
-    return JobPlan(config, output, config_hash, settings, source, manifest, existing is not None, state)
+    return JobPlan(config, output, config_hash, settings, source, manifest, existing is not None, state,
+                   limit_note=limit_note(config.data, listing, source.num_rows))
