@@ -19,9 +19,9 @@ group boundaries (`spectr.split`, `spectr.native`), logits, selection and sampli
 
 How it was tested: without GPUs. The plan and the loader's use of it are unit-tested on the tiny pair; the
 split engine runs in tests with every group on the CPU (`tests/spectr/test_split.py`: the same tokens as
-the unsplit target, one cache buffer and one commit per group). Not measured on several GPUs yet:
-`scripts/gpu_check.py --sections device_map` does it (split vs one-GPU tokens/s and identical tokens) where
-an actor's machine has >= 2 GPUs. This module does not load models.
+the unsplit target, one cache buffer and one commit per group). Not measured on several GPUs yet: the
+prepared GPU checks (`scripts/gpu_exactness.py`, `scripts/gpu_speed.py`) run on one GPU. This module does
+not load models.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ that makes the host read a device value: `.item()`, `.tolist()`, `.cpu()`/`.nump
 `masked_select`, `unique`, `equal`/`allclose`. On CPU these are cheap, but on CUDA each one stalls
 the stream until the device catches up, so the count is what matters for accelerators and can be
 measured on any machine. On CUDA, `torch.cuda.set_sync_debug_mode` is the device's own count
-(`scripts/gpu_check.py` reports both).
+(`scripts/gpu_speed.py` reports both).
 
 `inside_module` attributes reads to a model instead: while that module's forward runs, reads
 are counted in `model_by_kind`, not `by_kind`, so the engine's own reads can be told from the

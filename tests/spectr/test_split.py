@@ -7,7 +7,7 @@ Checked: the split target's tokens are IDENTICAL to the unsplit one's (spectr.ge
 ContinuousBatcher, autoregressive, speculative and SpecTr K>1, fixed seeds), the native core's
 logits and cache entries too, and structurally that the cache holds one buffer per group and commits
 with one gather and one scatter per group, not per layer. What runs on real GPUs (cross-device
-copies, CUDA graphs over several devices) is `scripts/gpu_check.py --sections device_map`'s.
+copies, CUDA graphs over several devices) is not measured yet: the prepared GPU checks run on one GPU.
 """
 
 from __future__ import annotations
