@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 from pipeline.benchmark.config import bench_config_from_omegaconf
 from pipeline.benchmark.job import BenchmarkReport, run_benchmark
 from pipeline.errors import JobInputError
+from pipeline.redact import redact
 
 
 def benchmark(cfg: DictConfig, command: str | None = None) -> BenchmarkReport:
@@ -40,7 +41,7 @@ def main(cfg: DictConfig) -> None:
     print(report.text)
     print(f"\nresults: {report.output_dir}")
     if report.run_id:
-        print(f"mlflow run {report.run_id} at {report.tracking_uri}")
+        print(f"mlflow run {report.run_id} at {redact(report.tracking_uri)}")
     sys.exit(report.exit_code)
 
 

@@ -30,6 +30,7 @@ from pipeline.generate.config import from_dict, from_omegaconf
 from pipeline.generate.job import JobReport, run_generate
 from pipeline.generate.summary import format_report
 from pipeline.generate.sweep import cell_output_dir, cell_run_name, read_sweep
+from pipeline.redact import redact
 
 log = logging.getLogger("pipeline")
 
@@ -62,12 +63,12 @@ def run_cell(cfg: DictConfig) -> int:
     try:
         report = run_generate(from_dict(sweep_cell_config(cfg, HydraConfig.get().sweep.dir)))
     except JobInputError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {redact(str(err))}", file=sys.stderr)
         return 2
     except Exception as err:  # noqa: BLE001 - one failed cell must not stop the others
         log.exception("sweep cell failed: %s: %s", type(err).__name__, err)
         return 1
-    print(format_report(report))
+    print(redact(format_report(report)))
     return report.exit_code
 
 
@@ -82,9 +83,9 @@ def main(cfg: DictConfig) -> int | None:
     try:
         report = generate(cfg)
     except JobInputError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {redact(str(err))}", file=sys.stderr)
         sys.exit(2)
-    print(format_report(report))
+    print(redact(format_report(report)))  # no URI's password on the console
     sys.exit(report.exit_code)
 
 

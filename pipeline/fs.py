@@ -6,7 +6,8 @@
 `resolve` turns `data.path` / `output_dir` into a `Location` (a filesystem and a path in it): local paths
 and `file://` on `pyarrow.fs.LocalFileSystem`; `s3://` on `S3FileSystem` configured from the standard AWS
 environment (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`,
-`AWS_REGION`); `gs://` with `STORAGE_EMULATOR_HOST` set (the GCS client libraries' variable) on an
+`AWS_REGION`, `AWS_SHARED_CREDENTIALS_FILE`, ...; the Ray actors get the settings, never the credentials:
+`forwarded_env`); `gs://` with `STORAGE_EMULATOR_HOST` set (the GCS client libraries' variable) on an
 anonymous `GcsFileSystem` at that endpoint; other schemes pyarrow knows (`gs://`, `hdfs://`, `abfs://`)
 through `FileSystem.from_uri`; anything else fsspec knows through pyarrow's fsspec handler. An unknown
 scheme, an unreachable endpoint, wrong credentials or a missing bucket raise `JobInputError` with one line
@@ -32,7 +33,7 @@ import pyarrow.fs as pafs
 
 from pipeline.errors import JobInputError
 
-# The standard AWS variables the S3 filesystem reads; the job forwards them to its Ray actors.
+# The standard AWS variables the S3 filesystem reads (the SDK reads the credentials itself).
 AWS_ENV_VARS = (
     "AWS_ENDPOINT_URL",
     "AWS_ENDPOINT_URL_S3",
@@ -41,7 +42,13 @@ AWS_ENV_VARS = (
     "AWS_SESSION_TOKEN",
     "AWS_REGION",
     "AWS_DEFAULT_REGION",
+    "AWS_SHARED_CREDENTIALS_FILE",
+    "AWS_CONFIG_FILE",
+    "AWS_PROFILE",
 )
+# Credentials: never sent to the Ray actors (Ray writes a runtime_env's values to its logs and shows them to
+# whoever lists actors); the actors use their nodes' own: environment, instance role, or credentials file.
+SECRET_ENV_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 GCS_EMULATOR_VAR = "STORAGE_EMULATOR_HOST"  # a GCS emulator's address (http://host:port): anonymous, no TLS
 _PYARROW_SCHEMES = ("gs", "gcs", "hdfs", "viewfs", "abfs", "abfss")
 _RENAMING = ("local", "hdfs")  # filesystems whose rename is atomic: write a temporary name, then rename
@@ -305,6 +312,13 @@ def exists(location: Location) -> bool:
 
 
 def forwarded_env() -> dict[str, str]:
-    """The AWS variables (and a GCS emulator's address) set in this process, for the Ray actors (which may
-    run elsewhere)."""
-    return {name: os.environ[name] for name in (*AWS_ENV_VARS, GCS_EMULATOR_VAR) if os.environ.get(name)}
+    """The object stores' settings set in this process, for the Ray actors (which may run elsewhere): the
+    AWS endpoint, region, profile and the path of a credentials file, and a GCS emulator's address. Never
+    the credentials themselves (`SECRET_ENV_VARS`): an actor reads its node's."""
+    names = [name for name in (*AWS_ENV_VARS, GCS_EMULATOR_VAR) if name not in SECRET_ENV_VARS]
+    return {name: os.environ[name] for name in names if os.environ.get(name)}
+
+
+def secrets_in_env() -> list[str]:
+    """The credential variables set in this process (names only), which `forwarded_env` leaves out."""
+    return [name for name in SECRET_ENV_VARS if os.environ.get(name)]

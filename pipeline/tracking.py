@@ -23,6 +23,7 @@ from typing import Any
 
 from pipeline.config import PROJECT_ROOT, MlflowConfig, flatten
 from pipeline.errors import JobInputError
+from pipeline.redact import redact
 
 PARAMS_PER_BATCH = 100  # MLflow's limit on params per log_batch call
 METRICS_PER_BATCH = 500  # below MLflow's limit of 1000 metrics per log_batch call
@@ -65,14 +66,32 @@ def check_reachable(config: MlflowConfig) -> None:
     if not uri.startswith(("http://", "https://")):
         return
     try:
-        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=5) as response:
+        with urllib.request.urlopen(_health_request(uri), timeout=5) as response:
             response.read()
     except (urllib.error.URLError, OSError) as err:
-        raise JobInputError(f"mlflow.tracking_uri: no MLflow server answers at {uri} ({err})") from None
+        raise JobInputError(f"mlflow.tracking_uri: no MLflow server answers at {redact(uri)} ({err})") from None
+
+
+def _health_request(uri: str) -> urllib.request.Request:
+    """GET <server>/health; a `user:password@` in the URI as a basic-auth header, as MLflow's client sends it
+    (urllib would take it for part of the host name)."""
+    import base64
+    from urllib.parse import unquote, urlsplit, urlunsplit
+
+    parts = urlsplit(uri.rstrip("/") + "/health")
+    if parts.username is None and parts.password is None:
+        return urllib.request.Request(parts.geturl())
+    host = parts.hostname or ""
+    netloc = (f"[{host}]" if ":" in host else host) + (f":{parts.port}" if parts.port else "")
+    request = urllib.request.Request(urlunsplit(parts._replace(netloc=netloc)))
+    user_pass = f"{unquote(parts.username or '')}:{unquote(parts.password or '')}".encode()
+    request.add_header("Authorization", "Basic " + base64.b64encode(user_pass).decode())
+    return request
 
 
 def param_value(value: Any) -> str:
-    text = "null" if value is None else str(value)
+    """A param's or tag's text: no URI's password (`pipeline.redact`), at most MLflow's 6,000 characters."""
+    text = "null" if value is None else redact(str(value))
     return text if len(text) <= 6000 else text[:5997] + "..."
 
 
@@ -197,7 +216,7 @@ class MlflowRun:
             name=name,
             digest=digest[:36],
             source_type=scheme,
-            source=json.dumps({"uri": uri}),
+            source=json.dumps({"uri": redact(uri)}),
             profile=json.dumps({"num_rows": num_rows}),
         )
         self.client.log_inputs(
@@ -233,8 +252,13 @@ class MlflowRun:
         self.client.log_artifact(self.run_id, str(path))
 
     def terminate(self, status: str = "FINISHED") -> None:
+        import contextlib
+        import io
+
         self.stop_system_metrics()
-        self.client.set_terminated(self.run_id, status=status)
+        with contextlib.redirect_stdout(io.StringIO()) as printed:  # MLflow prints the run's URL, password and all
+            self.client.set_terminated(self.run_id, status=status)
+        sys.stdout.write(redact(printed.getvalue()))
 
     def fail(self) -> None:
         """End the run after an exception: KILLED for an interrupt (Ctrl-C, SIGTERM), else FAILED."""
@@ -245,10 +269,11 @@ class MlflowRun:
         self.terminate("KILLED" if killed else "FAILED")
 
     def describe(self) -> list[tuple[str, str]]:
+        uri = redact(self.tracking_uri)
         return [
-            ("mlflow run", f"{self.run_id} in experiment '{self.experiment}' at {self.tracking_uri}"),
-            ("mlflow ui", ui_command(self.tracking_uri)),
-            ("run page", run_page(self.tracking_uri, self.experiment_id, self.run_id)),
+            ("mlflow run", f"{self.run_id} in experiment '{self.experiment}' at {uri}"),
+            ("mlflow ui", ui_command(uri)),
+            ("run page", run_page(uri, self.experiment_id, self.run_id)),
         ]
 
 

@@ -66,16 +66,29 @@ def stop(server: subprocess.Popen) -> None:
         os.killpg(server.pid, signal.SIGKILL)
 
 
+def credentials_file(folder: Path) -> Path:
+    """An AWS shared credentials file with `CREDENTIALS`: how actors on a Ray cluster the test did not start
+    with these variables (the session's) get them; the job sends them its path, never the keys."""
+    path = folder / "aws_credentials"
+    path.write_text(
+        "[default]\n"
+        f"aws_access_key_id = {CREDENTIALS['AWS_ACCESS_KEY_ID']}\n"
+        f"aws_secret_access_key = {CREDENTIALS['AWS_SECRET_ACCESS_KEY']}\n"
+    )
+    return path
+
+
 @contextmanager
 def moto_s3(folder: Path, buckets: tuple[str, ...]) -> Iterator[tuple[str, object]]:
-    """moto's S3 server with `buckets`, the AWS variables pointing at it meanwhile: (url, boto3 client)."""
+    """moto's S3 server with `buckets`, the AWS variables pointing at it meanwhile (the credentials also in
+    a file that AWS_SHARED_CREDENTIALS_FILE names): (url, boto3 client)."""
     import boto3
 
     from pipeline import fs
 
     server, url = start_moto(folder, "moto")
     saved = {name: os.environ.get(name) for name in fs.AWS_ENV_VARS}
-    os.environ.update(CREDENTIALS, AWS_ENDPOINT_URL=url)
+    os.environ.update(CREDENTIALS, AWS_ENDPOINT_URL=url, AWS_SHARED_CREDENTIALS_FILE=str(credentials_file(folder)))
     try:
         client = boto3.client("s3", endpoint_url=url, region_name="us-east-1")
         for bucket in buckets:

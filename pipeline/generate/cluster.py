@@ -6,10 +6,14 @@ Not here: the actors themselves (`pipeline.generate.worker`), handing out shards
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 
+from pipeline import fs
 from pipeline.errors import JobInputError
 from pipeline.generate.config import RayConfig
+
+log = logging.getLogger("pipeline")
 
 
 @contextlib.contextmanager
@@ -17,9 +21,12 @@ def ray_session(config: RayConfig) -> Iterator[None]:
     """Join the configured cluster, or start a local Ray; shut down only what we started.
 
     When this process is already connected to Ray (a notebook, a test session), that connection is used.
+    A local Ray started here inherits this process's environment (object-store credentials included).
     """
     import ray
 
+    if ray.is_initialized() or config.address:
+        _warn_secrets_stay()
     if ray.is_initialized():
         yield
         return
@@ -40,6 +47,18 @@ def ray_session(config: RayConfig) -> Iterator[None]:
         yield
     finally:
         ray.shutdown()
+
+
+def _warn_secrets_stay() -> None:
+    """On a cluster this process did not start, its actors do not inherit its environment, and credentials
+    are never sent to them (`pipeline.fs.forwarded_env`): say so, naming the variables, never their values."""
+    secrets = fs.secrets_in_env()
+    if secrets:
+        log.warning(
+            "%s set here are not sent to the Ray actors: they read object stores with their nodes' own credentials "
+            "(environment, instance role, or the file AWS_SHARED_CREDENTIALS_FILE names, which is sent)",
+            ", ".join(secrets),
+        )
 
 
 def actor_resources(

@@ -172,7 +172,7 @@ class ShardActorPool:
             # continuous batch (pipeline.generate.feed), so the next shard fills the slots the last one leaves
             max_concurrency=config.ray.shards_per_actor,
         )
-        if fs.forwarded_env():  # object-store credentials and endpoint, for actors on any node
+        if fs.forwarded_env():  # object-store endpoint, region, credentials file path: no credentials
             options["runtime_env"] = {"env_vars": fs.forwarded_env()}
         # pings run in a concurrency group of their own, so that a busy actor answers them mid-shard
         self._remote_class = ray.remote(concurrency_groups={HEALTH_GROUP: 1})(ShardGenerator).options(**options)

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from pipeline.config import MlflowConfig
+from pipeline.redact import redact
 from pipeline.tracking import MlflowRun
 
 SWEEP_FILE = "_mlflow_sweep.json"
@@ -102,7 +103,7 @@ class SweepRun:
                     "sweep_overrides": " ".join(f"{k}={v}" for k, v in overrides.items())}  # fmt: skip
             self.run.start(overrides, tags, run_name=self.config.run_name or name[:250])
             log.info("mlflow: sweep run %s (parent of every cell's run)", self.run_id)
-        record = SweepRecord(self.run_id, self.run.tracking_uri if self.run else None, list(swept_keys))
+        record = SweepRecord(self.run_id, redact(self.run.tracking_uri) if self.run else None, list(swept_keys))
         write_sweep(self.sweep_dir, record)
 
     def cell_ended(self, number: int, overrides: str, exit_code: int) -> None:
@@ -130,5 +131,5 @@ class SweepRun:
         lines = [f"sweep: {len(self.cells)} cell(s), {sum(1 for c in self.cells if c.exit_code)} failed"]
         lines += [f"  #{c.number} exit {c.exit_code}  {c.overrides}" for c in self.cells]
         if self.run is not None:
-            lines.append(f"  mlflow parent run {self.run_id} at {self.run.tracking_uri}")
+            lines.append(f"  mlflow parent run {self.run_id} at {redact(self.run.tracking_uri)}")
         return "\n".join(lines)

@@ -35,6 +35,7 @@ from pipeline import fs
 from pipeline.config import MlflowConfig
 from pipeline.generate.live import LiveMetrics, NullLive
 from pipeline.generate.summary import JobSummary, plot_tokens_per_call
+from pipeline.redact import redact, redacted
 from pipeline.tracking import MlflowRun
 
 RUN_FILE = "_mlflow_run.json"
@@ -153,7 +154,7 @@ class MlflowTracker(MlflowRun):
         from mlflow.exceptions import MlflowException
 
         record = self.record
-        if not record.run_id or record.tracking_uri != self.tracking_uri:
+        if not record.run_id or record.tracking_uri not in (self.tracking_uri, redact(self.tracking_uri)):
             return None
         try:
             run = self.client.get_run(record.run_id)
@@ -185,7 +186,7 @@ class MlflowTracker(MlflowRun):
         record = RunRecord(
             run_id=self.run_id,
             experiment_id=self.experiment_id,
-            tracking_uri=self.tracking_uri,
+            tracking_uri=redact(self.tracking_uri),  # a run file is no place for a password
             generation_s=(self.earlier_generation_s or 0.0) + generation_s,
             wall_time_s=self.earlier_wall_s + wall,
             invocations=self.record.invocations + 1,
@@ -223,9 +224,9 @@ class MlflowTracker(MlflowRun):
         self.log_metrics([Metric(name, value, now, step) for name, value in summary.metrics().items()])
         with tempfile.TemporaryDirectory() as tmp:
             folder = Path(tmp)
-            (folder / "config.yaml").write_text(yaml.safe_dump(resolved_config, sort_keys=False))
-            (folder / "summary.json").write_text(json.dumps(summary.to_dict(), indent=1))
-            (folder / "summary.txt").write_text(summary.table() + "\n")
+            (folder / "config.yaml").write_text(yaml.safe_dump(redacted(resolved_config), sort_keys=False))
+            (folder / "summary.json").write_text(json.dumps(redacted(summary.to_dict()), indent=1))
+            (folder / "summary.txt").write_text(redact(summary.table()) + "\n")
             plot_tokens_per_call(
                 summary.tokens_per_call_histogram,
                 str(folder / "tokens_per_target_call.png"),

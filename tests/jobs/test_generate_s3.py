@@ -1,8 +1,9 @@
 """Input and output on a real S3 API: moto's S3 server on 127.0.0.1, started here, reached over HTTP.
 
 The job reads `s3://` prompts and writes `s3://` results with credentials and endpoint from the standard
-AWS variables (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_REGION`), which the
-driver forwards to its actors. Covers: exactly one row per prompt read back from S3; resume after the
+AWS variables (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_REGION`). The driver
+forwards the endpoint and region to its actors (on the session's Ray, started before moto), never the keys:
+the actors read them from the file `AWS_SHARED_CREDENTIALS_FILE` names, as nodes of a real cluster would. Covers: exactly one row per prompt read back from S3; resume after the
 driver is SIGKILLed (committed parts untouched; slow; the default suite resumes a copy of a finished run with
 a shard missing, in process); an unreachable endpoint, wrong credentials and a missing
 bucket refused up front in one line with nothing written.

@@ -46,6 +46,32 @@ def test_gs_on_a_gcs_emulator_is_anonymous_at_its_address_and_forwarded_to_the_a
     assert fs.forwarded_env()["STORAGE_EMULATOR_HOST"] == "http://127.0.0.1:9"
 
 
+def test_the_actors_get_the_stores_settings_never_the_credentials(monkeypatch):
+    """Issue #40: Ray writes a runtime_env's values to its logs; the actors get the endpoint, the region and
+    the path of a credentials file, and read the keys from their own node."""
+    settings = {"AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_REGION": "eu-west-1",
+                "AWS_SHARED_CREDENTIALS_FILE": "/etc/aws/credentials", "AWS_PROFILE": "batch"}  # fmt: skip
+    for name, value in {**settings, "AWS_ACCESS_KEY_ID": "AKIA", "AWS_SECRET_ACCESS_KEY": "s", "AWS_SESSION_TOKEN": "t"}.items():
+        monkeypatch.setenv(name, value)
+    assert fs.forwarded_env() == settings
+    assert fs.secrets_in_env() == ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"]
+
+
+def test_uri_passwords_are_masked_in_text_config_and_log_records(caplog):
+    import logging
+
+    from pipeline.redact import install_log_filter, redact, redacted
+
+    assert redact("at http://alice:p%40ss@host:5000/x and s3://bucket/k") == "at http://alice:***@host:5000/x and s3://bucket/k"
+    assert redact("postgresql://u:pw@db/mlflow http://u@h mail a@b") == "postgresql://u:***@db/mlflow http://u@h mail a@b"
+    assert redacted({"a": ["https://u:pw@h"], "b": 1}) == {"a": ["https://u:***@h"], "b": 1}
+    install_log_filter()
+    install_log_filter()  # once only
+    with caplog.at_level(logging.INFO, logger="pipeline"):
+        logging.getLogger("pipeline").info("mlflow at %s", "http://u:hunter2@h")
+    assert caplog.messages == ["mlflow at http://u:***@h"]
+
+
 def test_unknown_scheme_and_missing_bucket_name_are_one_line_errors():
     with pytest.raises(JobInputError, match=r"^data.path: cannot open the URI scheme 'nosuch://'") as caught:
         fs.resolve("nosuch://x/y", "data.path")
