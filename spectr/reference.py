@@ -418,7 +418,8 @@ class _TraversalTree:
         return node
 
     def delete(self, leaf) -> None:
-        """Reject `leaf`: its parent b gets w = S / (S + 1 - w), q = norm((w q - p)+), p without the leaf's token."""
+        """Reject `leaf`: its parent b gets w = S / (S + 1 - w), q = norm((w q - p)+), p without the leaf's token
+        (p(x) / (1 - p(token)): the law of the next distinct child)."""
         parent = leaf[:-1]
         self.children[parent].remove(leaf)
         w, q, p = self.w[parent], self.q[parent], self.p[parent]
@@ -429,9 +430,8 @@ class _TraversalTree:
             self.q[parent] = [r / mass for r in residual]
         else:
             self.w[parent] = 0.0
-        kept = [0.0 if x == leaf[-1] else px for x, px in enumerate(p)]
-        total = sum(kept)
-        self.p[parent] = [px / total for px in kept] if total > 0 else kept
+        kept = 1.0 - p[leaf[-1]]  # p conditioned on another child than the leaf's token
+        self.p[parent] = [0.0 if x == leaf[-1] or kept <= 0 else px / kept for x, px in enumerate(p)]
         self._weigh_below(parent)
 
     def uniform_slot(self, node) -> tuple[int, int]:

@@ -14,20 +14,24 @@ leader: that order is what makes the tree's i.i.d. drafts act as children drawn 
   Test a: accepted iff u < w(a); then the path to a is kept and the next token is drawn from q_a
   (the target's own at depth L, a residual above).
   Else delete a; with b = parent(a): r = (w(b) q_b - p_b)+, S = sum r; S > 0: w(b) = S / (S + 1 - w(b)),
-  q_b = r / S; S = 0: w(b) = 0. p_b loses a's token (renormalised). The w of b's remaining
-  descendants follow top-down.
+  q_b = r / S; S = 0: w(b) = 0. p_b loses a's token: p_b(x) / (1 - p_b(token of a)), the law of the
+  next distinct child. The w of b's remaining descendants follow top-down.
 
-The tests run in post-order whatever their outcomes, so a row needs at most (nodes - 1) tests, each at a
-node tested once: node (leader k, depth d) reads uniform [d - 1, k] of the row's [L + 1, K + 1]
-selection block, the last token reads [L, K] (K = 1: block verification's own slots, so the same
-uniforms give the same tokens). The block of the other rules is enough; no more uniforms are drawn.
+Uniforms: the tests run in post-order whatever their outcomes (an acceptance only ends them), so a row
+makes at most (nodes - 1) tests, each at a node tested once: node (leader k, depth d) reads uniform
+[d - 1, k] of the row's [L + 1, K + 1] selection block and the last token reads [L, K] (K = 1: block
+verification's own slots, so the same uniforms give the same tokens). The block the other rules read is
+enough; no more uniforms are drawn.
 
-Batched: the loop runs min(M - 1, K L) steps (M = node_target_probs.shape[1], the widest tree: a shape,
-no device read), every row every step, with masks; no Python loop over rows. A row keeps only its
-current path: the state of the path's nodes (w per depth, q and p of the nodes that lost a child) and
-where it stands. After deleting a, the next leaf is found locally: the next sibling of a (the child of b
-with the next larger leader j) starts a fresh subtree whose first leaf is draft j's own leaf at depth L;
-without one, b itself. Each step costs O(V) per row (one residual) plus O(K + L).
+Batched: each row's schedule is computed before the loop from its tree alone (`post_order`): test t is
+node t of the post-order; its parent b still has its original q and p iff it is b's first child; b's p
+after deletions is its original without the deleted children's tokens (known from the schedule) over
+1 - their mass; after a rejection the next node is b or the first leaf of the next sibling's subtree,
+draft j's own leaf at depth L, whose path's w follow in closed form (w_i = min(1, w_{i-1} r_i) is
+exp(C_i - max_{m <= i} C_m) for the cumulative log-ratios C). The loop runs min(M - 1, K L) steps
+(M = node_target_probs.shape[1], the widest tree: a shape, no device read), every row every step with
+masks, no Python loop over rows; a row keeps w along its current path and the residual q of the path's
+nodes that lost a child. A step costs a few passes over one [V] row per row (one residual) plus O(K + L).
 
 This module does not draft, run models or touch caches; its slow reference is
 `spectr.reference.reference_traversal_sequence` (and `traversal_output_distribution`, the exact law).
@@ -42,27 +46,34 @@ from spectr.rng import sample_categorical
 from spectr.tree import prefix_leaders
 
 _TINY = torch.finfo(torch.float64).tiny
+_LOG_CAP = 1e4  # log of an infinite ratio (p = 0): any w > 0 times it is capped at 1, and 0 stays 0
 
 
-def _descend(w_above: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
-    """w of a child from its parent's w [R] and the ratio q/p of its token at the parent [R]."""
-    return torch.where(w_above > 0, torch.clamp(w_above * ratio, max=1.0), 0.0)
+def _log_ratio(q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """log(q / p) in float64, -inf where q = 0, _LOG_CAP where p = 0 < q (an infinite ratio)."""
+    q, p = q.to(torch.float64), p.to(torch.float64)
+    ratio = torch.where(p > 0, q / p.clamp(min=_TINY), torch.inf)
+    return ratio.log().clamp(max=_LOG_CAP)
 
 
-def _ratio(q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """q / p, inf where p = 0 (float64)."""
-    return torch.where(p > 0, q / p.clamp(min=_TINY), torch.inf)
+def post_order(leader: torch.Tensor) -> torch.Tensor:
+    """The nodes of each row's tree in post-order (children by leader), then the root, then non-nodes.
 
-
-def _weigh_path(weights: torch.Tensor, ratios: torch.Tensor, start: torch.Tensor,
-                enter: torch.Tensor) -> torch.Tensor:
-    """For the rows `enter` [B]: w of depths start..L [B] along a path with `ratios` [B, L] (depth i's at
-    i - 1), from w at depth start - 1. weights [B, L + 1] float64 -> the new weights."""
-    columns = [weights[:, 0]]
-    for depth in range(1, weights.shape[1]):
-        chained = _descend(columns[-1], ratios[:, depth - 1])
-        columns.append(torch.where(enter & (depth >= start), chained, weights[:, depth]))
-    return torch.stack(columns, 1)
+    leader [B, K, L + 1] -> [B, K (L + 1)] int64 flat slots k (L + 1) + d of (draft k, depth d); node
+    (k, d) exists where leader[b, k, d] = k. Sorted by the path's leaders (l_1, ..., l_d, K, ..., K):
+    a subtree before its root, siblings by leader (a radix sort: L stable sorts, last depth first).
+    """
+    batch, num_drafts, width = leader.shape
+    depth = torch.arange(width, device=leader.device)  # [L + 1]
+    is_node = leader == torch.arange(num_drafts, device=leader.device)[None, :, None]  # [B, K, L + 1]
+    order = torch.arange(num_drafts * width, device=leader.device).expand(batch, -1)  # [B, N]
+    for i in range(width - 1, 0, -1):
+        digit = torch.where(depth >= i, leader[:, :, i : i + 1], num_drafts)  # [B, K, L + 1]
+        if i == 1:
+            digit = torch.where(is_node, digit, num_drafts + 1)  # non-nodes after the root
+        keys = digit.reshape(batch, -1).gather(1, order)  # [B, N]
+        order = order.gather(1, torch.sort(keys, dim=1, stable=True).indices)
+    return order
 
 
 def select_traversal(
@@ -76,76 +87,95 @@ def select_traversal(
     batch, num_drafts, length = draft_tokens.shape
     device = draft_tokens.device
     rows = torch.arange(batch, device=device)  # [B]
-    drafts = torch.arange(num_drafts, device=device)  # [K]
+    column = rows[:, None]  # [B, 1]
     depths = torch.arange(length, device=device)  # [L]
+    drafts = torch.arange(num_drafts, device=device)  # [K]
     leader = prefix_leaders(draft_tokens)  # [B, K, L + 1]
-    is_node = leader == drafts[None, :, None]  # [B, K, L + 1] node (k, d) exists iff k leads it
     target_node = node_of.gather(1, leader)  # [B, K, L + 1] q's row of node (leader, d)
-    # the original q / p of every draft's token at its parent, depth i + 1's at i: [B, K, L]
-    token_q = node_target_probs[rows[:, None, None], target_node[:, :, :length], draft_tokens]
-    token_p = draft_probs[rows[:, None, None], leader[:, :, :length], depths, draft_tokens]
-    ratios = _ratio(token_q.to(torch.float64), token_p.to(torch.float64))  # [B, K, L]
+    # log q / p of every draft's token at its parent, by the token's depth 0..L + 1 (0 and L + 1: padding)
+    token_q = node_target_probs[rows[:, None, None], target_node[:, :, :length], draft_tokens]  # [B, K, L]
+    token_p = draft_probs[rows[:, None, None], leader[:, :, :length], depths, draft_tokens]  # [B, K, L]
+    log_ratios = torch.nn.functional.pad(_log_ratio(token_q, token_p), (1, 1))  # [B, K, L + 2]
 
-    # The row's current path: node (k, d) it stands at, w per depth, and the state of the path's internal
-    # nodes: q (residual) and p (children removed), valid where `touched` (else the originals).
-    k = torch.zeros(batch, dtype=torch.int64, device=device)  # [B] leader of the current node
-    d = torch.full((batch,), length, dtype=torch.int64, device=device)  # [B] its depth
-    ones = torch.ones(batch, dtype=torch.bool, device=device)
-    weights = _weigh_path(torch.ones(batch, length + 1, dtype=torch.float64, device=device), ratios[:, 0],
-                          torch.ones_like(k), ones)  # [B, L + 1] w along draft 0's path
+    # 1) the schedule: test t is node (k_t, d_t), the t-th of the post-order; T tests at most per row
+    steps = min(node_target_probs.shape[1] - 1, num_drafts * length)  # T <= the non-root nodes
+    order = post_order(leader)[:, : steps + 1]  # [B, T + 1]
+    node_k, node_d = order // (length + 1), order % (length + 1)  # [B, T + 1]
+    k, d = node_k[:, :steps], node_d[:, :steps]  # [B, T] the tested nodes
+    real = (leader[column, k, d] == k) & (d > 0)  # [B, T] a node other than the root
+    above = (d - 1).clamp(min=0)  # [B, T] the parent's depth
+    parent = leader[column, k, above]  # [B, T] the parent's leader
+    first_child = k == parent  # [B, T] the parent has lost no child yet: its q, p are the originals
+    tests = uniforms[column, above, k]  # [B, T] node (k, d) reads uniform [d - 1, k]
+    token = draft_tokens[column, k, above]  # [B, T]
+    nodes = node_target_probs.shape[1]
+    q_row = column * nodes + target_node[column, parent, above]  # [B, T] the parent's q in [B M, V]
+    p_row = (column * num_drafts + parent) * length + above  # [B, T] the parent's p in [B K L, V]
+    state_row = column * (length + 1) + above  # [B, T] the parent's stored q in [B (L + 1), V]
+    # after a rejection: the parent next, or the next sibling's subtree (root at depth d, draft k_{t+1})
+    enters = node_d[:, 1:] != d - 1  # [B, T]
+    # the parent's children deleted before this one (leader < k): p at the parent is p without their tokens
+    children = leader[column, :, above].eq(parent[..., None]) & (leader[column, :, d] == drafts)  # [B, T, K]
+    elder = children & (drafts < k[..., None])  # [B, T, K]
+    elder_tokens = torch.where(elder, draft_tokens[column, :, above], token[..., None])  # [B, T, K] (pad: own)
+    next_token = draft_tokens[column, node_k[:, 1:], above]  # [B, T] the sibling's token
+    axis = torch.arange(length + 2, device=device)  # [L + 2] depths, L + 1: scratch
+    below = axis > d[..., None]  # [B, T, L + 2]
+    path_logs = torch.where(below, log_ratios[column, node_k[:, 1:]], 0.0)  # [B, T, L + 2]
+    at_entry = axis == d[..., None]  # [B, T, L + 2]
+    chained = (axis >= d[..., None]) & (axis <= length) & enters[..., None]  # [B, T, L + 2]
+
+    # 2) the row's state: w along the current path (depth L + 1: scratch), q of the path's nodes that lost
+    # a child (depth L: scratch), the step that accepted (-1: none, the root)
+    draft_0 = torch.where(axis[1:] <= length, log_ratios[:, 0, 1:], 0.0).cumsum(1)  # [B, L + 1] C_i, i >= 1
+    weights = torch.cat([torch.ones_like(draft_0[:, :1]), (draft_0 - draft_0.cummax(1).values.clamp(min=0)).exp()],
+                        1)  # [B, L + 2] w along draft 0's path (its leaf is tested first)
     vocab = node_target_probs.shape[-1]
-    path_q = torch.zeros(batch, length, vocab, dtype=torch.float64, device=device)  # [B, L, V]
-    path_p = torch.zeros(batch, length, vocab, dtype=torch.float64, device=device)  # [B, L, V]
-    touched = torch.zeros(batch, length, dtype=torch.bool, device=device)  # [B, L]
-    accepted = torch.zeros(batch, dtype=torch.bool, device=device)  # [B] the current node was accepted
+    path_q = torch.zeros(batch * (length + 1), vocab, dtype=torch.float64, device=device)  # [B (L + 1), V]
+    target_rows = node_target_probs.reshape(-1, vocab)  # [B M, V]
+    draft_rows = draft_probs.reshape(-1, vocab)  # [B K L, V]
+    scratch = rows * (length + 1) + length  # [B] the scratch slot of each row
+    accepted_at = torch.full((batch,), -1, dtype=torch.int64, device=device)  # [B]
 
-    steps = min(node_target_probs.shape[1] - 1, num_drafts * length)  # tests per row <= non-root nodes
-    for _ in range(steps):
-        # Invariant: a row not accepted stands at the first leaf of its remaining tree (the root: done).
-        testing = ~accepted & (d > 0)  # [B]
-        above = (d - 1).clamp(min=0)  # [B] depth of the parent b
-        u = uniforms[rows, above, k]  # [B]
-        w_here = weights.gather(1, d[:, None]).squeeze(1)  # [B]
-        accepted = accepted | (testing & (u < w_here))
-        rejected = testing & ~accepted  # [B]
-        # delete the current node a: its parent b = (leader of draft k at depth d - 1, d - 1)
-        parent = leader[rows, k, above]  # [B]
-        token = draft_tokens[rows, k, above]  # [B] a's token
-        fresh = ~touched[rows, above, None]  # [B, 1]
-        q_b = torch.where(fresh, node_target_probs[rows, target_node[rows, parent, above]].to(torch.float64),
-                          path_q[rows, above])  # [B, V]
-        p_b = torch.where(fresh, draft_probs[rows, parent, above].to(torch.float64), path_p[rows, above])
-        w_b = weights.gather(1, above[:, None])  # [B, 1]
-        residual = (w_b * q_b - p_b).clamp_(min=0)  # [B, V]
+    # 3) the tests; each column [:, t] of the schedule is that step's
+    schedule = [x.unbind(1) for x in (real, d, above, first_child, tests, token, q_row, p_row, state_row,
+                                     next_token, elder, elder_tokens, path_logs, at_entry, chained)]
+    for t, (real_t, d_t, above_t, fresh_t, u_t, token_t, q_row_t, p_row_t, state_t, next_t, elder_t, removed_t,
+            logs_t, entry_t, chained_t) in enumerate(zip(*schedule)):
+        testing = real_t & (accepted_at < 0)  # [B]
+        passes = u_t < weights.gather(1, d_t[:, None]).squeeze(1)  # [B]
+        accepted_at = torch.where(testing & passes, t, accepted_at)
+        rejected = testing & ~passes  # [B]
+        # delete the node: its parent b gets the residual, w = S / (S + 1 - w), q = the residual normalised
+        q_b = torch.where(fresh_t[:, None], target_rows.index_select(0, q_row_t),
+                          path_q.index_select(0, state_t))  # [B, V] float64
+        p_orig = draft_rows.index_select(0, p_row_t)  # [B, V] p at b before any deletion
+        p_own = p_orig.gather(1, token_t[:, None]).to(torch.float64)  # [B, 1]
+        p_elder = p_orig.gather(1, removed_t)  # [B, K]
+        p_b = p_orig.scatter(1, removed_t, torch.where(elder_t, 0.0, p_elder))  # [B, V] the elders' tokens out
+        left = 1.0 - torch.where(elder_t, p_elder.to(torch.float64), 0.0).sum(1, keepdim=True)  # [B, 1]
+        w_b = weights.gather(1, above_t[:, None])  # [B, 1]
+        residual = torch.addcmul(w_b * q_b, p_b, -1.0 / left.clamp(min=_TINY)).clamp_(min=0)  # [B, V]
         mass = residual.sum(-1, keepdim=True)  # [B, 1]
         w_b = torch.where(mass > 0, mass / (mass + (1.0 - w_b)).clamp(min=_TINY), 0.0)  # [B, 1]
         q_b = torch.where(mass > 0, residual / mass.clamp(min=_TINY), q_b)
-        p_b = p_b.scatter(1, token[:, None], 0.0)
-        kept = p_b.sum(-1, keepdim=True)  # [B, 1]
-        p_b = torch.where(kept > 0, p_b / kept.clamp(min=_TINY), p_b)
-        path_q[rows, above] = torch.where(rejected[:, None], q_b, path_q[rows, above])
-        path_p[rows, above] = torch.where(rejected[:, None], p_b, path_p[rows, above])
-        touched[rows, above] = touched[rows, above] | rejected
-        w_b = torch.where(rejected[:, None], w_b, weights.gather(1, above[:, None]))
-        weights = weights.scatter(1, above[:, None], w_b)
-        # the next leaf: the first leaf of a's next sibling (leader j > k), else b itself
-        sibling = ((leader[rows, :, above] == parent[:, None]) & is_node[rows, :, d]
-                   & (drafts[None, :] > k[:, None]))  # [B, K]
-        enter = rejected & sibling.any(1)  # [B]
-        j = sibling.to(torch.int8).argmax(1)  # [B]
-        sibling_token = draft_tokens[rows, j, above]  # [B]
-        entry = _ratio(q_b.gather(1, sibling_token[:, None]), p_b.gather(1, sibling_token[:, None]))  # [B, 1]
-        path_ratios = ratios[rows, j].scatter(1, above[:, None], entry)  # [B, L] entry at depth d
-        weights = _weigh_path(weights, path_ratios, d, enter)
-        touched = touched & ~(enter[:, None] & (depths[None, :] >= d[:, None]))  # the new subtree is fresh
-        up = rejected & ~enter
-        k = torch.where(enter, j, torch.where(up, parent, k))
-        d = torch.where(enter, length, torch.where(up, above, d))
+        path_q.index_copy_(0, torch.where(rejected, state_t, scratch), q_b)  # rows not rejecting: scratch
+        weights = weights.scatter(1, torch.where(rejected, above_t, length + 1)[:, None], w_b)
+        # entering the next sibling's subtree: w from the parent's new state down its first leaf's path,
+        # p at b now without this node's token too
+        p_next = p_orig.gather(1, next_t[:, None]) / (left - p_own).clamp(min=_TINY)  # [B, 1]
+        entry = _log_ratio(q_b.gather(1, next_t[:, None]), p_next) + w_b.log()  # [B, 1]
+        logs = torch.where(entry_t, entry, logs_t).cumsum(1)  # [B, L + 2] C_i from the parent's depth
+        weights = torch.where(chained_t & rejected[:, None], (logs - logs.cummax(1).values).exp(), weights)
 
-    # Rows not accepted stand at the root (d = 0, k = 0). The last token: q of the node they stand at,
-    # the target's own at depth L, else the node's residual.
+    # 4) the accepted node (the root where nothing was), and the token after it: the target's own q at
+    # depth L, else the node's residual
+    done = accepted_at >= 0  # [B]
+    step = accepted_at.clamp(min=0)[:, None]  # [B, 1]
+    k = torch.where(done, node_k.gather(1, step).squeeze(1), 0)  # [B]
+    d = torch.where(done, node_d.gather(1, step).squeeze(1), 0)  # [B]
     leaf_q = node_target_probs[rows, target_node[rows, k, length]].to(torch.float64)  # [B, V]
-    last_q = torch.where((d == length)[:, None], leaf_q, path_q[rows, d.clamp(max=length - 1)])
+    last_q = torch.where((d == length)[:, None], leaf_q, path_q.index_select(0, rows * (length + 1) + d))
     last = sample_categorical(last_q, uniforms[:, length, num_drafts])  # [B]
     kept_positions = depths[None, :] < d[:, None]  # [B, L]
     out = torch.full((batch, length + 1), PAD_TOKEN, dtype=torch.int64, device=device)
