@@ -1,12 +1,16 @@
-"""Sampling warps: temperature, then top-k, then top-p, turning logits into probabilities.
+"""Sampling warps: logit bias, temperature, min-p, top-k, then top-p, turning logits into probabilities.
 
 The same `SamplingWarp` is applied to the draft's and the target's logits, so the draft
 distribution p and the target distribution q are warped identically; speculative methods
 then reproduce the *warped* target distribution exactly. The semantics follow Hugging
 Face's `TemperatureLogitsWarper`, `TopKLogitsWarper` and `TopPLogitsWarper` (min_tokens_to_keep=1):
 
+- logit bias (vLLM's `logit_bias`): a value added to chosen tokens' logits, before everything else
+  (greedy included: the argmax of the biased logits);
 - temperature: logits / temperature; `temperature == 0` means greedy, a one-hot on the argmax
   (the first index among ties, as `torch.argmax` and HF's greedy search pick it);
+- min-p (vLLM's `min_p`, `min_p > 0`): after temperature, remove the tokens whose probability is below
+  min_p times the most likely token's (the most likely token is always kept);
 - top-k (`top_k > 0`): keep every token whose logit is >= the k-th largest (ties are kept);
 - top-p (`top_p < 1`): keep the smallest set of most likely tokens whose mass reaches top_p
   (tokens whose ascending cumulative mass is <= 1 - top_p are removed; the top token is always kept).
@@ -25,14 +29,18 @@ import torch
 
 @dataclass(frozen=True)
 class SamplingWarp:
-    """Temperature / top-k / top-p settings; `top_k=0` and `top_p=1.0` mean no truncation."""
+    """Temperature / top-k / top-p / min-p settings and a logit bias; `top_k=0`, `top_p=1.0`, `min_p=0.0` and
+    `logit_bias=()` mean none. logit_bias: ((token id, bias), ...), sorted by id."""
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         validate_sampling(self.temperature, self.top_k, self.top_p)
+        validate_extras(self.min_p, self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -40,7 +48,30 @@ class SamplingWarp:
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """Warped probabilities, float32, same shape as `logits` ([..., V])."""
-        return warp_probs(logits, self.temperature, self.top_k, self.top_p)
+        if self.logit_bias:
+            logits = logits.float() + dense_bias(self.logit_bias, logits.shape[-1], logits.device)
+        return warp_probs(logits, self.temperature, self.top_k, self.top_p, self.min_p)
+
+
+def validate_extras(min_p: float, logit_bias) -> None:
+    """Raise ValueError naming min_p or logit_bias when out of range."""
+    if isinstance(min_p, bool) or not isinstance(min_p, (int, float)) or not (0 <= min_p <= 1):
+        raise ValueError(f"min_p must be in [0, 1] (0 = off), got {min_p!r}")
+    for entry in logit_bias:
+        if (not isinstance(entry, tuple) or len(entry) != 2 or isinstance(entry[0], bool)
+                or not isinstance(entry[0], int) or entry[0] < 0 or isinstance(entry[1], bool)
+                or not isinstance(entry[1], (int, float)) or math.isnan(entry[1])):
+            raise ValueError(f"logit_bias must map token ids (ints >= 0) to numbers, got entry {entry!r}")
+
+
+def dense_bias(logit_bias, vocab_size: int, device) -> torch.Tensor:
+    """((token id, bias), ...) -> [V] float32 (ValueError for an id outside the vocabulary)."""
+    bias = torch.zeros(vocab_size, dtype=torch.float32)
+    for token, value in logit_bias:
+        if token >= vocab_size:
+            raise ValueError(f"logit_bias: token id {token} is outside the vocabulary of {vocab_size}")
+        bias[token] = float(value)
+    return bias.to(device)
 
 
 def validate_sampling(temperature: float, top_k: int, top_p: float) -> None:
@@ -55,7 +86,8 @@ def validate_sampling(temperature: float, top_k: int, top_p: float) -> None:
         raise ValueError(f"top_p must be in (0, 1] (1.0 = no top-p truncation), got {top_p!r}")
 
 
-def warp_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+def warp_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float = 0.0
+                ) -> torch.Tensor:
     """Temperature-scaled, truncated logits (removed tokens are -inf), float32. temperature > 0.
 
     logits: [..., V]; returns [..., V].
@@ -63,6 +95,8 @@ def warp_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
     scores = logits.float()
     if temperature != 1.0:
         scores = scores / temperature
+    if min_p > 0:
+        scores = _min_p(scores, min_p)
     vocab_size = scores.shape[-1]
     if 0 < top_k < vocab_size:
         kth_largest = torch.topk(scores, top_k, dim=-1).values[..., -1:]  # [..., 1]
@@ -77,26 +111,43 @@ def warp_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
     return scores
 
 
-def warp_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+def _min_p(scores: torch.Tensor, min_p) -> torch.Tensor:
+    """Remove the tokens whose probability is below min_p x the top token's: p(x) < min_p * max p, i.e.
+    score(x) < max score + log(min_p). scores [..., V]; min_p a float or a tensor broadcasting to [..., 1]."""
+    top = scores.max(dim=-1, keepdim=True).values  # [..., 1]
+    if isinstance(min_p, torch.Tensor):
+        floor = top + torch.where(min_p > 0, min_p, 1.0).log()
+        return scores.masked_fill((min_p > 0) & (scores < floor), -math.inf)
+    return scores.masked_fill(scores < top + math.log(min_p), -math.inf)
+
+
+def warp_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float = 0.0
+               ) -> torch.Tensor:
     """Warped probabilities (float32) from logits [..., V]; temperature 0 gives a one-hot argmax."""
     if temperature == 0:
         greedy = logits.argmax(dim=-1, keepdim=True)  # [..., 1]
         return torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(-1, greedy, 1.0)
-    return warp_logits(logits, temperature, top_k, top_p).softmax(dim=-1)
+    return warp_logits(logits, temperature, top_k, top_p, min_p).softmax(dim=-1)
 
 
 def row_warp_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                   truncate: tuple[bool, bool] = (True, True)) -> torch.Tensor:
+                   truncate: tuple[bool, bool] = (True, True), min_p: torch.Tensor | None = None,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """Warped probabilities (float32) with one warp per row: the same law as `warp_probs` row by row.
 
     logits: [R, ..., V]; temperature [R] float (0: greedy), top_k [R] int64 (0: off), top_p [R]
-    float (1: off). truncate: host flags (any row uses top-k, any row uses top-p), so that a batch
+    float (1: off); min_p [R] float (0: off) or None; bias [R, V] float (added first) or None.
+    truncate: host flags (any row uses top-k, any row uses top-p), so that a batch
     with no truncation skips the sorts. Returns [R, ..., V].
     """
     shape = (logits.shape[0],) + (1,) * (logits.dim() - 1)  # [R, 1, ..., 1]
     temperature = temperature.to(torch.float32).view(shape)
     greedy = temperature == 0
+    if bias is not None:
+        logits = logits.float() + bias.view(logits.shape[0], *(1,) * (logits.dim() - 2), -1)  # [R, ..., V]
     scores = logits.float() / torch.where(greedy, 1.0, temperature)  # [R, ..., V]
+    if min_p is not None:
+        scores = _min_p(scores, min_p.to(torch.float32).view(shape))
     vocab_size = scores.shape[-1]
     if truncate[0]:
         k = top_k.view(shape)
@@ -118,18 +169,24 @@ def row_warp_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
 
 
 class RowWarps:
-    """One warp per slot of the pool (temperature, top-k, top-p as [B] tensors), set at admission.
+    """One warp per slot of the pool (temperature, top-k, top-p, min-p as [B] tensors; a logit bias as one [B, V]
+    tensor, made when a row first brings one), set at admission.
 
     `probs(logits)` warps [R, ..., V] logits of the rows [0, R) of the pool (R <= B: an iteration
     may run on a prefix of the pool). Host flags say whether any admitted row truncates, so that a
-    pool without top-k / top-p never sorts.
+    pool without top-k / top-p never sorts (nor min-p / a bias computes).
     """
 
     def __init__(self, num_slots: int, default: SamplingWarp, device):
         self.temperature = torch.full((num_slots,), default.temperature, dtype=torch.float32, device=device)  # [B]
         self.top_k = torch.full((num_slots,), default.top_k, dtype=torch.int64, device=device)  # [B]
         self.top_p = torch.full((num_slots,), default.top_p, dtype=torch.float32, device=device)  # [B]
+        self.min_p = torch.full((num_slots,), default.min_p, dtype=torch.float32, device=device)  # [B]
+        self.bias: torch.Tensor | None = None  # [B, V] once a row has a logit bias
+        self._pending_bias: dict[int, tuple] = {}  # slot -> logit_bias, folded into `bias` at the next probs
         self.truncate = (default.top_k > 0, default.top_p < 1.0)
+        self.uses_min_p = default.min_p > 0
+        self.default = default
 
     def set(self, slots: torch.Tensor, warps: list[SamplingWarp]) -> None:
         """Rows in `slots` ([N] int64) take `warps` (N of them)."""
@@ -138,17 +195,39 @@ class RowWarps:
                                                             device=device))
         self.top_k.index_copy_(0, slots, torch.tensor([w.top_k for w in warps], dtype=torch.int64, device=device))
         self.top_p.index_copy_(0, slots, torch.tensor([w.top_p for w in warps], dtype=torch.float32, device=device))
+        self.min_p.index_copy_(0, slots, torch.tensor([w.min_p for w in warps], dtype=torch.float32, device=device))
         self.truncate = (self.truncate[0] or any(w.top_k > 0 for w in warps),
                          self.truncate[1] or any(w.top_p < 1.0 for w in warps))
+        self.uses_min_p = self.uses_min_p or any(w.min_p > 0 for w in warps)
+        if self.bias is not None or any(w.logit_bias for w in warps):  # admission only (a host loop over rows)
+            for slot, warp in zip(slots.tolist(), warps):
+                self._pending_bias[slot] = warp.logit_bias
 
     def move(self, source: torch.Tensor, dest: torch.Tensor) -> None:
-        for tensor in (self.temperature, self.top_k, self.top_p):
+        for tensor in (self.temperature, self.top_k, self.top_p, self.min_p,
+                       *(() if self.bias is None else (self.bias,))):
             tensor.index_copy_(0, dest, tensor.index_select(0, source))
+        if self._pending_bias:
+            moves = dict(zip(source.tolist(), dest.tolist()))
+            self._pending_bias = {moves.get(slot, slot): bias for slot, bias in self._pending_bias.items()}
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """Warped probabilities of rows [0, R) of the pool: logits [R, ..., V] -> [R, ..., V] float32."""
         rows = logits.shape[0]
-        return row_warp_probs(logits, self.temperature[:rows], self.top_k[:rows], self.top_p[:rows], self.truncate)
+        if self._pending_bias:
+            self._fold_bias(logits.shape[-1], logits.device)
+        return row_warp_probs(logits, self.temperature[:rows], self.top_k[:rows], self.top_p[:rows], self.truncate,
+                              self.min_p[:rows] if self.uses_min_p else None,
+                              None if self.bias is None else self.bias[:rows])
+
+    def _fold_bias(self, vocab_size: int, device) -> None:
+        if self.bias is None:
+            self.bias = torch.zeros(self.temperature.shape[0], vocab_size, dtype=torch.float32, device=device)
+            if self.default.logit_bias:
+                self.bias[:] = dense_bias(self.default.logit_bias, vocab_size, device)
+        for slot, logit_bias in self._pending_bias.items():
+            self.bias[slot] = dense_bias(logit_bias, vocab_size, device)
+        self._pending_bias = {}
 
 
 def split_row_warps(temperature, top_k, top_p, count: int) -> tuple[tuple[float, int, float], list[SamplingWarp] | None]:

@@ -1,0 +1,103 @@
+"""vLLM's min_p and logit_bias as sampling warps (`spectr.warps`), exact under speculative methods.
+
+- The warps' definitions: min_p removes tokens whose probability (after temperature) is below min_p x the top
+  token's (vLLM's `min_p`), logit_bias adds to the chosen logits before everything (greedy included); the per-row
+  batched warp equals the single warp row by row.
+- Exactness: rows of a batch with a min_p warp, and rows with a logit bias, each follow their own warped target law
+  (chi-square of the first 3 tokens against enumeration, as test_exactness_e2e) under speculative, block and spectr.
+  Negative control: the same runs with the warp applied to the draft only (the verify reads the unwarped target) are
+  rejected by the same test.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hf_tiny import exact_joint_distribution, tiny_model
+from test_exactness_e2e import LENGTH, PROMPT, VOCAB, chi_square_pvalue
+
+from spectr.batching import ContinuousBatcher
+from spectr.warps import SamplingWarp, row_warp_probs, warp_probs
+
+ACCEPT_P = 1e-3
+REJECT_P = 1e-6
+SAMPLES = 3000
+WARPS = {
+    "min_p": SamplingWarp(1.0, 0, 1.0, min_p=0.3),
+    "logit_bias": SamplingWarp(0.9, 0, 1.0, logit_bias=((2, 1.5), (5, -2.0), (7, 0.8))),
+}
+CASES = [("speculative", 1, 2), ("block", 1, 3), ("spectr", 3, 2)]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_model(vocab_size=VOCAB, hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=1, init_std=0.5,
+                        seed=1)
+    draft = tiny_model(vocab_size=VOCAB, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, init_std=0.5,
+                       seed=2)
+    return target, draft
+
+
+@pytest.fixture(scope="module")
+def laws(pair):
+    return {name: exact_joint_distribution(pair[0], PROMPT, LENGTH, warp).reshape(-1) for name, warp in WARPS.items()}
+
+
+def test_min_p_is_vllms_rule_and_the_bias_comes_first():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 3.0]])
+    probs = logits.softmax(-1)
+    kept = warp_probs(logits, 1.0, 0, 1.0, min_p=0.3) > 0
+    assert kept.tolist() == (probs >= 0.3 * probs.max()).tolist() == [[True, False, False, False, True]]
+    assert warp_probs(logits, 1.0, 0, 1.0, min_p=1.0).argmax().item() == 4  # only the top token
+    biased = SamplingWarp(0.0, logit_bias=((1, 5.0),)).probs(logits)  # greedy follows the biased logits
+    assert biased.argmax().item() == 1
+    with pytest.raises(ValueError, match="min_p must be in"):
+        SamplingWarp(min_p=1.5)
+    with pytest.raises(ValueError, match="logit_bias must map token ids"):
+        SamplingWarp(logit_bias=(("a", 1.0),))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        SamplingWarp(logit_bias=((9, 1.0),)).probs(logits)
+
+
+def test_row_warp_probs_with_min_p_and_bias_equal_the_single_warp_row_by_row():
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 3, 20, generator=generator) * 3  # [R, T, V]
+    warps = [SamplingWarp(1.0, 0, 1.0, 0.2), SamplingWarp(0.7, 5, 0.9, 0.05, ((3, 2.0),)), SamplingWarp(0.0),
+             SamplingWarp(1.3, 0, 1.0, 0.0, ((0, -1.0), (19, 3.0)))]
+    bias = torch.stack([torch.zeros(20) if not w.logit_bias else torch.zeros(20).index_put_(
+        (torch.tensor([t for t, _ in w.logit_bias]),), torch.tensor([b for _, b in w.logit_bias])) for w in warps])
+    batched = row_warp_probs(logits, torch.tensor([w.temperature for w in warps]), torch.tensor([w.top_k for w in warps]),
+                             torch.tensor([w.top_p for w in warps]), min_p=torch.tensor([w.min_p for w in warps]),
+                             bias=bias)
+    for row, warp in enumerate(warps):
+        torch.testing.assert_close(batched[row], warp.probs(logits[row]), rtol=1e-5, atol=1e-6)
+
+
+def sample(pair, method, num_drafts, draft_length, warp, target_ignores_warp=False):
+    """SAMPLES rows of PROMPT in one batcher, each with `warp` (per-row warps); their first LENGTH tokens."""
+    batcher = ContinuousBatcher(*pair, batch_size=SAMPLES, max_length=len(PROMPT) + LENGTH, method=method,
+                                num_drafts=num_drafts, draft_length=draft_length)
+    batcher.admit([PROMPT] * SAMPLES, max_new_tokens=LENGTH, seed=list(range(SAMPLES)), warps=[warp] * SAMPLES)
+    if target_ignores_warp:  # the negative control: the verify's law drops min_p and the bias; the draft keeps them
+        batcher.fill()
+        plain = copy.copy(batcher.row_warps)
+        plain.uses_min_p, plain.bias, plain._pending_bias = False, None, {}
+        batcher.loop.warp = plain
+    rows = sorted(batcher.finished(), key=lambda row: row.request)
+    return [row.tokens for row in rows]
+
+
+@pytest.mark.parametrize("name", list(WARPS))
+@pytest.mark.parametrize("method,num_drafts,draft_length", CASES)
+def test_rows_with_min_p_or_a_logit_bias_follow_their_warped_target_law(pair, laws, name, method, num_drafts,
+                                                                      draft_length):
+    tokens = sample(pair, method, num_drafts, draft_length, WARPS[name])
+    assert chi_square_pvalue(tokens, laws[name]) > ACCEPT_P
+
+
+@pytest.mark.parametrize("name", list(WARPS))
+def test_negative_control_a_warp_on_the_draft_only_is_rejected(pair, laws, name):
+    tokens = sample(pair, "spectr", 3, 2, WARPS[name], target_ignores_warp=True)
+    assert chi_square_pvalue(tokens, laws[name]) < REJECT_P
