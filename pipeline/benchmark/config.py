@@ -30,9 +30,10 @@ from pipeline.errors import JobInputError
 HF_GENERATE = "hf_generate"
 HF_ASSISTED = "hf_assisted"
 AUTO = "auto"  # the online chooser, per iteration (pipeline.benchmark.auto)
-OUR_METHODS = ("autoregressive", "speculative", "block", "spectr", "specinfer")
-METHODS = (HF_GENERATE, HF_ASSISTED, *OUR_METHODS)  # the default grid
-KNOWN_METHODS = (*METHODS, AUTO)
+OUR_METHODS = ("autoregressive", "speculative", "block", "spectr", "specinfer", "traversal")
+MULTI_DRAFT = ("spectr", "specinfer", "traversal")  # measured for K >= 2
+METHODS = (HF_GENERATE, HF_ASSISTED, *OUR_METHODS[:-1])  # the default grid (traversal: when listed)
+KNOWN_METHODS = (HF_GENERATE, HF_ASSISTED, *OUR_METHODS, AUTO)
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ class BenchCase:
 
     @property
     def label(self) -> str:
-        if self.method in ("speculative", "block", "spectr", "specinfer"):
+        if self.method in ("speculative", "block", *MULTI_DRAFT):
             return f"{self.method} K={self.num_drafts} L={self.draft_length} B={self.batch_size}"
         if self.method == HF_ASSISTED:
             return f"{self.method} L={self.draft_length} B={self.batch_size}"
@@ -187,9 +188,10 @@ def _check_grid(g: GridConfig) -> None:
         raise bad("top_p", "in (0, 1]", g.top_p)
     if not g.memory_sample_ms > 0:
         raise bad("memory_sample_ms", "> 0", g.memory_sample_ms)
-    if g.temperature == 0 and {"spectr", "specinfer"} & set(g.methods) and max(g.num_drafts) > 1:
+    if g.temperature == 0 and set(MULTI_DRAFT) & set(g.methods) and max(g.num_drafts) > 1:
         # spectr.generate runs greedy decoding with one draft: the K drafts would all be the draft's argmax
-        raise bad("temperature", "> 0 when spectr or specinfer run with K >= 2 (greedy decoding uses K = 1)", 0.0)
+        raise bad("temperature", "> 0 when spectr or specinfer run with K >= 2, or traversal (greedy decoding "
+                  "uses K = 1)", 0.0)
     if g.temperature == 0 and HF_ASSISTED in g.methods:
         # assisted generation with do_sample=False is greedy matching, a different algorithm
         raise bad("temperature", "> 0 when hf_assisted is benchmarked (it is measured with sampling)", 0.0)
@@ -198,14 +200,17 @@ def _check_grid(g: GridConfig) -> None:
 def expand_grid(g: GridConfig) -> list[BenchCase]:
     """The configurations to measure, in run order (per batch size: baselines first, then by L, K).
 
-    K = 1 is speculative sampling whatever the selection rule (K-SEQ and SpecInfer reduce to it), so it
-    is measured once, as `speculative`, when `speculative` is listed or K = 1 is in the grid of a
-    multi-draft method; `spectr` and `specinfer` are measured for K >= 2. HF assisted generation runs
-    at batch size 1 only (transformers 5 refuses larger batches) with L = `assisted_tokens`.
+    K = 1 is speculative sampling for K-SEQ and SpecInfer, so it is measured once, as `speculative`, when
+    `speculative` is listed or K = 1 is in the grid of spectr or specinfer; likewise traversal at K = 1 is
+    block verification, measured as `block`; `spectr`, `specinfer` and `traversal` are measured for K >= 2.
+    HF assisted generation runs at batch size 1 only (transformers 5 refuses larger batches) with
+    L = `assisted_tokens`.
     """
     cases: list[BenchCase] = []
-    multi = [m for m in ("spectr", "specinfer") if m in g.methods]
-    want_speculative = "speculative" in g.methods or (bool(multi) and 1 in g.num_drafts)
+    multi = [m for m in MULTI_DRAFT if m in g.methods]
+    one_draft = 1 in g.num_drafts
+    want_speculative = "speculative" in g.methods or (one_draft and bool({"spectr", "specinfer"} & set(multi)))
+    want_block = "block" in g.methods or (one_draft and "traversal" in multi)
     for batch in g.batch_sizes:
         if HF_GENERATE in g.methods:
             cases.append(BenchCase(HF_GENERATE, batch))
@@ -218,7 +223,7 @@ def expand_grid(g: GridConfig) -> list[BenchCase]:
         for length in g.draft_lengths:
             if want_speculative:
                 cases.append(BenchCase("speculative", batch, 1, length))
-            if "block" in g.methods:
+            if want_block:
                 cases.append(BenchCase("block", batch, 1, length))
             for drafts in g.num_drafts:
                 if drafts == 1:

@@ -100,7 +100,7 @@ def auto_speed_goal(report) -> Goal:
     parts, ok = [], True
     for r in autos:
         fixed = [f for f in report.results if f.ok and f.case.batch_size == r.case.batch_size
-                 and f.case.method in ("autoregressive", "speculative", "block", "spectr", "specinfer")]
+                 and f.case.method in ("autoregressive", *SPECULATIVE)]
         if not fixed:
             continue
         best = max(fixed, key=lambda f: f.tokens_per_second)

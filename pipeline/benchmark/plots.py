@@ -9,6 +9,11 @@ from pathlib import Path
 
 from pipeline.benchmark.config import HF_ASSISTED, HF_GENERATE
 from pipeline.benchmark.goals import pooled_block_efficiency
+from pipeline.benchmark.tables import SPECULATIVE
+
+# the multi-draft lines; K = 1 joins each as the method it reduces to (traversal: block verification)
+LINES = (("spectr", "-o"), ("specinfer", "--s"), ("traversal", "-.d"))
+AT_ONE_DRAFT = {"spectr": "speculative", "specinfer": "speculative", "traversal": "block"}
 
 # ---------------------------------------------------------------------------------------
 # plots
@@ -34,10 +39,10 @@ def _log2_axis(ax) -> None:
 def plot_block_efficiency(results, lengths, path: Path) -> None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4), layout="constrained")
-    for method, style in (("spectr", "-o"), ("specinfer", "--s")):
+    for method, style in LINES:
         for length in lengths:
             points = []
-            one = pooled_block_efficiency(results, "speculative", 1, length)
+            one = pooled_block_efficiency(results, AT_ONE_DRAFT[method], 1, length)
             if one:
                 points.append((1, one[0]))
             drafts = sorted(
@@ -54,7 +59,7 @@ def plot_block_efficiency(results, lengths, path: Path) -> None:
             if len(points) > 1 or (points and method == "spectr"):
                 ax.plot([p[0] for p in points], [p[1] for p in points], style, label=f"{method} L={length}")
     _log2_axis(ax)
-    ax.set_xlabel("K (drafts); K=1 is speculative sampling")
+    ax.set_xlabel("K (drafts); K=1 is speculative sampling (traversal: block verification)")
     ax.set_ylabel("block efficiency (tokens / target call)")
     ax.set_title("Block efficiency vs K (pooled over batch sizes)")
     ax.grid(True, alpha=0.3)
@@ -69,15 +74,15 @@ def plot_speedup(results, batch_sizes, lengths, path: Path) -> None:
                              layout="constrained")
     for ax, batch in zip(axes[0], batch_sizes):
         here = [r for r in results if r.ok and r.case.batch_size == batch]
-        lines = [(m, style) for m, style in (("spectr", "-o"), ("specinfer", "--s")) if any(r.case.method == m for r in here)]
-        for method, style in lines or [("speculative", ":^")]:  # K = 1 (speculative) joins each multi-draft line
+        lines = [(m, style) for m, style in LINES if any(r.case.method == m for r in here)]
+        for method, style in lines or [("speculative", ":^")]:  # K = 1 joins each multi-draft line
             for length in lengths:
                 points = [
                     (r.case.num_drafts, r.speedup_vs_autoregressive)
                     for r in here
                     if r.speedup_vs_autoregressive
                     and r.case.draft_length == length
-                    and (r.case.method == method or r.case.method == "speculative")
+                    and (r.case.method == method or r.case.method == AT_ONE_DRAFT.get(method, method))
                 ]
                 points.sort()
                 if points:  # one point (a single K) still shows as its marker
@@ -182,7 +187,7 @@ def plot_planner_timeline(results, path: Path) -> None:
         fig.colorbar(points, ax=ax, label="live rows", pad=0.01)
         ax.set_yticks(range(len(labels)), labels, fontsize=7)
         fixed = [f for f in results if f.ok and f.case.batch_size == r.case.batch_size
-                 and f.case.method in ("autoregressive", "speculative", "block", "spectr", "specinfer")]
+                 and f.case.method in ("autoregressive", *SPECULATIVE)]
         best = max(fixed, key=lambda f: f.tokens_per_second, default=None)
         ratio = f"; {r.tokens_per_second / best.tokens_per_second:.2f}x the best fixed ({best.case.label})" if best else ""
         ax.set_title(f"B={r.case.batch_size}: {r.auto.description}{ratio}", fontsize=8)

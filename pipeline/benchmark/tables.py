@@ -12,8 +12,8 @@ from typing import Any
 
 from pipeline.benchmark.config import HF_ASSISTED, HF_GENERATE
 
-MULTI_DRAFT = ("spectr", "specinfer")
-SPECULATIVE = ("speculative", "block", "spectr", "specinfer")
+MULTI_DRAFT = ("spectr", "specinfer", "traversal")
+SPECULATIVE = ("speculative", "block", *MULTI_DRAFT)
 # ---------------------------------------------------------------------------------------
 # rows
 # ---------------------------------------------------------------------------------------
@@ -184,7 +184,7 @@ def summary_rows(results, batch_sizes) -> list[dict[str, Any]]:
     rows = []
     for batch in batch_sizes:
         here = [r for r in results if r.ok and r.case.batch_size == batch]
-        for method in (HF_GENERATE, HF_ASSISTED, "autoregressive", "speculative", "block", "spectr", "specinfer"):
+        for method in (HF_GENERATE, HF_ASSISTED, "autoregressive", *SPECULATIVE):
             chosen = [r for r in here if r.case.method == method]
             if chosen:
                 rows.append(result_row(max(chosen, key=lambda r: r.tokens_per_second)))

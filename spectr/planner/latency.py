@@ -278,7 +278,7 @@ def latency_shapes(cases: Sequence) -> dict[str, set]:
             shapes["target"].add(1)
             shapes["commit"].add(0)
             shapes["selection"].add(("autoregressive", 0, 0))
-        elif case.method in ("speculative", "block", "spectr", "specinfer"):
+        elif case.method in ("speculative", "block", "spectr", "specinfer", "traversal"):
             shapes["target"].add(1 + case.num_drafts * case.draft_length)
             shapes["draft"].update({1, 2, case.num_drafts})
             shapes["sample"].add(case.num_drafts)
