@@ -12,8 +12,9 @@
   merge are refused (exit 2).
 - `data.stop_column`: a row's stop strings (a list of strings or one string; null: none), added to
   `spectr.stop`.
-- `data.sampling_params_column`: a struct or a JSON object with any of `temperature`, `top_p`, `top_k`,
-  `max_tokens`, `seed`, `stop`; a value out of range fails that row alone, with its error.
+- `data.sampling_params_column`: a struct or a JSON object with any of vLLM's `SamplingParams` names in
+  `SAMPLING_KEYS`, with vLLM's meanings; names that cannot be exact (`REFUSED_KEYS`) are refused with the
+  reason unless neutral; a value out of range fails that row alone, with its error.
 
 Config shapes are checked here (`check_row_columns_config`, `check_stop_list`: exit 2 before anything is
 written); the input's column names and the kept columns' types by the scan (`KeptTypes`, `resolve_columns`);
@@ -31,9 +32,28 @@ from pipeline.errors import JobInputError
 
 # the output row's own columns: a kept input column may not take one of these names
 OUTPUT_COLUMNS = ("id", "prompt", "completion", "completion_token_ids", "prompt_tokens", "completion_tokens",
-                  "finish_reason", "target_calls", "block_efficiency", "seed", "error", "sample_index",
+                  "finish_reason", "stop_reason", "target_calls", "block_efficiency", "seed", "error", "sample_index",
                   "completion_logprobs", "time_taken_s")
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop")
+# vLLM's SamplingParams names, with vLLM's meanings (docs/sampling.md): top_k -1 or 0 = off; ignore_eos and
+# stop_token_ids decide which tokens end the row; logprobs is read by the stage / the job-wide spectr.logprobs
+SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",
+                 "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "logprobs", "logit_bias",
+                 "presence_penalty", "frequency_penalty", "repetition_penalty")
+# known names that cannot be exact here (or are not built yet), refused with the reason (their neutral value passes)
+REFUSED_KEYS = {
+    "best_of": "best_of picks among samples by score, which changes the output law (draw n samples instead)",
+    "use_beam_search": "beam search is not sampling from the target's law",
+    "logits_processors": "arbitrary logits processors cannot be applied identically to the draft tree's nodes",
+    "min_tokens": "min_tokens is not supported yet (a depth-dependent mask over the draft tree)",
+    "presence_penalty": "penalties are not supported yet: exactness needs them counted on each draft-tree node's own "
+                        "path (planned)",
+    "frequency_penalty": "penalties are not supported yet: exactness needs them counted on each draft-tree node's "
+                         "own path (planned)",
+    "repetition_penalty": "penalties are not supported yet: exactness needs them counted on each draft-tree node's "
+                          "own path (planned)",
+}
+NEUTRAL = {"best_of": (None, 1), "use_beam_search": (False,), "logits_processors": (None, []), "min_tokens": (0,),
+           "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0)}
 
 
 def check_stop_list(value: Any, key: str) -> tuple[str, ...]:
@@ -213,9 +233,21 @@ class RowSettings:
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     max_tokens: int | None = None
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    n: int | None = None
+    logprobs: int | None = None  # vLLM's: None, or how many top log-probabilities (0: the sampled token's only)
+
+    @property
+    def own_stops(self) -> bool:
+        """Whether the row ends on other tokens than the run's EOS ids (stop_token_ids, ignore_eos)."""
+        return bool(self.stop_token_ids) or self.ignore_eos
 
 
 def _number(value: Any, key: str, integer: bool) -> Any:
@@ -246,10 +278,40 @@ def _params(value: Any) -> dict[str, Any]:
             raise ValueError(f"not a JSON object: {err}") from None
     if not isinstance(value, dict):
         raise ValueError(f"expected a struct or a JSON object, got {type(value).__name__}")
-    unknown = sorted(k for k, v in value.items() if k not in SAMPLING_KEYS and v is not None)
+    unknown = sorted(k for k, v in value.items() if k not in SAMPLING_KEYS and k not in REFUSED_KEYS and v is not None)
     if unknown:
         raise ValueError(f"unknown key(s) {', '.join(unknown)}; known: {', '.join(SAMPLING_KEYS)}")
-    return {k: v for k, v in value.items() if v is not None}
+    for key, reason in REFUSED_KEYS.items():
+        if key in value and value[key] not in NEUTRAL[key]:
+            raise ValueError(f"{key}={value[key]!r} is refused: {reason}")
+    return {k: v for k, v in value.items() if v is not None and k not in REFUSED_KEYS}
+
+
+def _token_ids(value: Any, key: str) -> list[int]:
+    if not isinstance(value, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+        raise ValueError(f"{key} must be a list of token ids (ints >= 0), got {value!r}")
+    return [int(t) for t in value]
+
+
+def _bias(value: Any) -> tuple[tuple[int, float], ...]:
+    if isinstance(value, (list, tuple)) and all(isinstance(e, dict) and set(e) == {"key", "value"} for e in value):
+        value = {e["key"]: e["value"] for e in value}  # a Parquet map column reads back as key/value pairs
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias must be an object of token id -> bias, got {value!r}")
+    out = []
+    for token, bias in value.items():
+        token = int(token) if isinstance(token, str) and token.isdigit() else token
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token!r}")
+        out.append((token, _number(bias, f"logit_bias[{token}]", integer=False)))
+    return tuple(sorted(out))
+
+
+def _flag(value: Any, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{key} must be true or false, got {value!r}")
+    return value
 
 
 def row_settings(params: Any, stop: Any, params_key: str, stop_key: str) -> RowSettings:
@@ -257,18 +319,31 @@ def row_settings(params: Any, stop: Any, params_key: str, stop_key: str) -> RowS
     settings = RowSettings(stop=_stop_strings(stop, stop_key))
     try:
         values = _params(params)
-        for key in ("temperature", "top_p"):
+        for key in ("temperature", "top_p", "min_p"):
             if key in values:
                 setattr(settings, key, _number(values[key], key, integer=False))
-        for key in ("top_k", "max_tokens", "seed"):
+        for key in ("top_k", "max_tokens", "seed", "n"):
             if key in values:
                 setattr(settings, key, _number(values[key], key, integer=True))
+        if settings.top_k == -1:
+            settings.top_k = 0  # vLLM's "off"
         settings.stop += _stop_strings(values.get("stop"), "stop")
+        if "stop_token_ids" in values:
+            settings.stop_token_ids = _token_ids(values["stop_token_ids"], "stop_token_ids")
+        for key in ("ignore_eos", "include_stop_str_in_output"):
+            if key in values:
+                setattr(settings, key, _flag(values[key], key))
+        if "logit_bias" in values:
+            settings.logit_bias = _bias(values["logit_bias"])
+        if "logprobs" in values:
+            value = values["logprobs"]
+            settings.logprobs = (0 if value else None) if isinstance(value, bool) else _number(value, "logprobs", True)
     except ValueError as err:
         raise ValueError(f"{params_key}: {err}") from None
     checks = (("temperature", lambda v: v >= 0, ">= 0 (0 = greedy)"), ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
-              ("top_k", lambda v: v >= 0, ">= 0 (0 = off)"), ("max_tokens", lambda v: v >= 1, ">= 1"),
-              ("seed", lambda v: v >= 0, ">= 0"))
+              ("top_k", lambda v: v >= 0, ">= 0, or -1 (0 and -1 = off)"), ("min_p", lambda v: 0 <= v <= 1, "in [0, 1]"),
+              ("max_tokens", lambda v: v >= 1, ">= 1"), ("seed", lambda v: v >= 0, ">= 0"), ("n", lambda v: v >= 1, ">= 1"),
+              ("logprobs", lambda v: v >= 0, ">= 0"))
     for key, ok, rule in checks:
         value = getattr(settings, key)
         if value is not None and not ok(value):

@@ -27,8 +27,10 @@ class StopCut:
     stop: str  # the stop string found
 
 
-def cut_at_stop(decode: Callable[[list[int]], str], token_ids: list[int], stops: Sequence[str]) -> StopCut | None:
-    """The completion cut before its first stop string, or None when it holds none."""
+def cut_at_stop(decode: Callable[[list[int]], str], token_ids: list[int], stops: Sequence[str],
+                include: bool = False) -> StopCut | None:
+    """The completion cut before its first stop string (after it with `include`: vLLM's
+    include_stop_str_in_output), or None when it holds none."""
     if not stops or not token_ids:
         return None
     text = decode(token_ids)
@@ -36,6 +38,8 @@ def cut_at_stop(decode: Callable[[list[int]], str], token_ids: list[int], stops:
     if not found:
         return None
     place, stop = min(found)
+    if include:
+        place += len(stop)
     before = text[:place]
     low, high = 0, len(token_ids)  # the longest prefix whose text fits before the stop: binary search
     while low < high:

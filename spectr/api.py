@@ -30,8 +30,10 @@ def generate(
     eos_token_id: int | Sequence[int] | None = None,
     seed: int | Sequence[int] = 0,
     batch_size: int | None = None,
-    logprobs: bool = False,
+    logprobs: bool | str = False,
     compile: bool | str = False,
+    min_p: float | Sequence[float] = 0.0,
+    logit_bias: dict | Sequence[dict | None] | None = None,
 ) -> GenerationOutput:
     """Generate up to `max_new_tokens` tokens per prompt from `target`, exactly its (warped) distribution.
 
@@ -51,13 +53,17 @@ def generate(
     prompts are admitted in order and a finished row's slot takes the next waiting prompt
     (continuous batching; the output is the same). temperature / top_k / top_p: one value or one
     per prompt (each row exact for its own warp); logprobs: also return each generated token's
-    log-probability under the warped target law it was drawn from (`output.logprobs`). compile:
+    log-probability under the warped target law it was drawn from (`output.logprobs`; "raw": the target's
+    log-softmax instead, vLLM's default). compile:
     False, True or "auto" (`spectr.native`: Llama / Qwen2 models under torch.compile; "auto" where
-    the work pays for the compile time). Bad input raises ValueError naming the argument and, per
-    prompt, the row.
+    the work pays for the compile time). min_p / logit_bias: vLLM's (`spectr.warps`), fixed methods only. Bad
+    input raises ValueError naming the argument and, per prompt, the row.
     """
     run = generate_auto if method == AUTO else generate_fixed
-    arguments = {} if method == AUTO else {"method": method}
+    arguments = {} if method == AUTO else {"method": method, "min_p": min_p, "logit_bias": logit_bias}
+    if method == AUTO and (min_p or logit_bias):
+        raise ValueError("min_p and logit_bias are taken by the fixed methods here; with method='auto', admit rows "
+                         "with their own SamplingWarp (spectr.planner.AutoBatcher.admit(warps=...))")
     return run(target, draft, prompts, num_drafts=num_drafts, draft_length=draft_length,
                max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                eos_token_id=eos_token_id, seed=seed, batch_size=batch_size, logprobs=logprobs, compile=compile,

@@ -119,7 +119,7 @@ class FinishedRow:
     tested_positions: int = 0
     tree_nodes: int = 0
     tokens_per_call_histogram: list[int] = field(default_factory=list)
-    logprobs: list[float] | None = None  # with logprobs=True: per token, log q of its warped target law
+    logprobs: list[float] | None = None  # with logprobs: per token, log q of its warped target law ("raw": log-softmax)
 
     @property
     def generated_tokens(self) -> int:
@@ -134,6 +134,7 @@ class _Request:
     seed: int
     tag: Any
     warp: SamplingWarp | None = None  # None: the run's warp
+    stops: tuple[int, ...] | None = None  # None: the run's EOS ids end the row; else these tokens (empty: none)
 
 
 def known_methods() -> list[str]:
@@ -221,7 +222,11 @@ class ContinuousBatcher:
         self.max_length = self._max_length(max_length)
         self.device = self.target.device
         self.pack_below = float(DEFAULT_PACK_BELOW.get(self.device.type, 0.0) if pack_below is None else pack_below)
+        if logprobs not in (False, True, "processed", "raw"):
+            raise ValueError(f"logprobs must be False, True / 'processed' (the warped law each token was drawn "
+                             f"from) or 'raw' (the target's log-softmax), got {logprobs!r}")
         self.logprobs = bool(logprobs)
+        self.raw_logprobs = logprobs == "raw"
         self.share_prefill = bool(share_prefill)  # False: every row runs its own prefill (measurements)
         self.row_warps: RowWarps | None = None  # set when a row is admitted with its own warp
         self.stats = GenerationStats(method=s.method, num_drafts=s.num_drafts, draft_length=s.draft_length)
@@ -229,6 +234,7 @@ class ContinuousBatcher:
             self._allocate()
         self.loop = Loop(self.target, s.warp, s.method, s.num_drafts, s.draft_length, self.records, self.stats,
                          PhaseTimer(self.device))
+        self.loop.raw_logprobs = self.raw_logprobs
         self._waiting: deque[_Request] = deque()
         self._free = list(range(batch_size))  # a heap: the lowest free slot first
         self._in_slot: list[_Request | None] = [None] * batch_size
@@ -316,18 +322,21 @@ class ContinuousBatcher:
         return sum(c.nbytes for c in caches) + self.records.nbytes + self.rows.nbytes
 
     def admit(self, prompts, *, max_new_tokens: int | Sequence[int] = 64, seed: int | Sequence[int] = 0,
-              tags: Sequence[Any] | None = None, warps: Sequence[SamplingWarp | None] | None = None) -> list[int]:
+              tags: Sequence[Any] | None = None, warps: Sequence[SamplingWarp | None] | None = None,
+              stop_token_ids: Sequence[Sequence[int] | None] | None = None) -> list[int]:
         """Queue prompts (token-id lists), in order; returns their request ids.
 
         max_new_tokens: an int >= 1 or one per prompt; seed: an int (prompt i uses seed + i) or one
         per prompt; tags: None or one value per prompt, returned with the row; warps: None or one
         `SamplingWarp` (or None: the run's) per prompt, the law that row samples (rows of several
-        warps share the batch, each exact for its own).
+        warps share the batch, each exact for its own); stop_token_ids: None or one entry per prompt, None (the
+        run's EOS ids end it) or the token ids that end that row instead (vLLM's stop_token_ids, with its EOS
+        unless ignore_eos; an empty list: the row runs its whole budget).
         """
         checked = check_prompts(prompts)
         budgets = check_max_new_tokens(max_new_tokens, len(checked))
         seeds = check_seeds(seed, len(checked))
-        for name, values in (("tags", tags), ("warps", warps)):
+        for name, values in (("tags", tags), ("warps", warps), ("stop_token_ids", stop_token_ids)):
             if values is not None and len(values) != len(checked):
                 raise ValueError(f"{name} has {len(values)} entries but there are {len(checked)} prompts")
         if warps is not None and not all(w is None or isinstance(w, SamplingWarp) for w in warps):
@@ -342,8 +351,9 @@ class ContinuousBatcher:
         first = self._next_request
         self._next_request += len(checked)
         for row, (prompt, budget, row_seed) in enumerate(zip(checked, budgets, seeds)):
+            stops = None if stop_token_ids is None or stop_token_ids[row] is None else tuple(stop_token_ids[row])
             self._waiting.append(_Request(first + row, prompt, budget, row_seed, None if tags is None else tags[row],
-                                          None if warps is None else warps[row]))
+                                          None if warps is None else warps[row], stops))
         return list(range(first, self._next_request))
 
     def step(self, config: StepConfig | None = None) -> list[FinishedRow]:
@@ -425,6 +435,8 @@ class ContinuousBatcher:
             self.occupied.index_fill_(0, index, True)
             budgets = torch.tensor([r.budget for r in requests], dtype=torch.int64, device=self.device)  # [N]
             self.records.reset(index, budgets)
+            if self.records.custom_stops or any(r.stops is not None for r in requests):
+                self.records.set_stops(index, [r.stops for r in requests])
         for slot, request in zip(slots, requests):
             self._in_slot[slot] = request
         self._top = max(self._top, slots[-1] + 1)

@@ -61,8 +61,10 @@ def generate(
     eos_token_id: int | Sequence[int] | None = None,
     seed: int | Sequence[int] = 0,
     batch_size: int | None = None,
-    logprobs: bool = False,
+    logprobs: bool | str = False,
     compile: bool | str = False,
+    min_p: float | Sequence[float] = 0.0,
+    logit_bias: dict | Sequence[dict | None] | None = None,
 ) -> GenerationOutput:
     """Generate up to `max_new_tokens` tokens per prompt from `target`, exactly its (warped) distribution.
 
@@ -81,15 +83,18 @@ def generate(
     output is the same). temperature / top_k / top_p: one value, or one per prompt (a list or an [N]
     tensor): rows of different warps share the batch, each exact for its own warped law.
     logprobs: also return, per generated token, its log-probability under the warped target law it
-    was sampled from (read back with the tokens, no extra device read). compile: False (eager HF
+    was sampled from ("raw": under the target's raw law, its log-softmax, vLLM's default) (read back with
+    the tokens, no extra device read). compile: False (eager HF
     forwards), True (Llama / Qwen2 models run `spectr.native`'s forward under torch.compile; other
-    models stay eager) or "auto" (compiled where it pays: `spectr.native.auto_compile`). Bad input raises
-    ValueError naming the argument and, per prompt, the row.
+    models stay eager) or "auto" (compiled where it pays: `spectr.native.auto_compile`). min_p (vLLM's: 0 =
+    off) and logit_bias (a {token id: bias} dict): one value, or one per prompt; applied to both models'
+    logits like the other warps (`spectr.warps`). Bad input raises ValueError naming the argument and, per
+    prompt, the row.
     """
     return _run(Generation(target, draft, prompts, method=method, num_drafts=num_drafts, draft_length=draft_length,
                            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                            eos_token_id=eos_token_id, seed=seed, batch_size=batch_size, logprobs=logprobs,
-                           compile=compile))
+                           compile=compile, min_p=min_p, logit_bias=logit_bias))
 
 
 def _run(generation: Generation) -> GenerationOutput:
@@ -130,10 +135,11 @@ class Generation:
     def __init__(self, target, draft, prompts, *, method="spectr", num_drafts=4, draft_length=4,
                  max_new_tokens=64, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=None, seed=0,
                  batch_size: int | None = None, pack_below: float | None = None, make_batcher=None,
-                 logprobs: bool = False, compile: bool | str = False):
+                 logprobs: bool | str = False, compile: bool | str = False, min_p=0.0, logit_bias=None):
         self.prompts = check_prompts(prompts)
         check_batch_size(batch_size)
-        (temperature, top_k, top_p), warps = split_row_warps(temperature, top_k, top_p, len(self.prompts))
+        (temperature, top_k, top_p), warps = split_row_warps(temperature, top_k, top_p, len(self.prompts), min_p,
+                                                             logit_bias)
         self.settings = Settings.from_arguments(
             self.prompts, methods=known_methods(), method=method, num_drafts=num_drafts,
             draft_length=draft_length, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,

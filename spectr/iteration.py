@@ -78,6 +78,7 @@ class Loop:
     draft_lag: int = 0  # autoregressive iterations the draft cache has not seen
     compiled: bool = False  # compiled mode: the selection may compile too (`_selection_compiled`)
     selection_runs: dict = field(default_factory=dict)  # (method, K, L) -> speculative iterations run so far
+    raw_logprobs: bool = False  # records' logprobs: the raw target log-softmax (vLLM's default), not the warped law
     selection_fallbacks: int = 0  # compiled selections that raised (answered eagerly; that configuration stays eager)
 
     def configure(self, method: str, num_drafts: int, draft_length: int) -> None:
@@ -136,7 +137,9 @@ def autoregressive_step(loop: Loop, rows: RowState) -> None:
         uniforms = counter_uniforms(rows.keys, rows.iteration, 1)  # [R, 1]
         next_tokens = sample_categorical(probs, uniforms[:, 0])  # [R]
         logprobs = None
-        if loop.records.logprobs is not None:  # the law the token was drawn from
+        if loop.records.logprobs is not None and loop.raw_logprobs:  # the raw target law (log-softmax)
+            logprobs = logits[:, 0].float().log_softmax(-1).gather(1, next_tokens[:, None])  # [R, 1]
+        elif loop.records.logprobs is not None:  # the law the token was drawn from
             logprobs = probs.gather(1, next_tokens[:, None]).log()  # [R, 1]
     still = loop.records.record(rows.slots, rows.running, next_tokens[:, None], torch.ones_like(next_tokens),
                                 errors, logprobs)
@@ -165,7 +168,10 @@ def speculative_step(loop: Loop, rows: RowState) -> None:
         target_probs = loop.warp.probs(logits)  # [R, W, V]
         selection = _select(loop, _selection_compiled(loop, logits.device), tree, target_probs, selection_uniforms,
                             splits)
-        logprobs = None if loop.records.logprobs is None else _path_logprobs(tree, selection, target_probs)
+        logprobs = None
+        if loop.records.logprobs is not None:  # the raw law's log-softmax, or the warped law it was drawn from
+            logprobs = _path_logprobs(tree, selection, logits.float().log_softmax(-1)) if loop.raw_logprobs \
+                else _path_logprobs(tree, selection, target_probs).log()
     errors = target_nonfinite.to(torch.int64) * TARGET_NONFINITE + tree.nonfinite.to(torch.int64) * DRAFT_NONFINITE
     accepted = selection.num_accepted  # [R]
     loop.records.record_acceptance(rows.slots, rows.running, accepted, tree.num_nodes, loop.draft_length)
@@ -176,7 +182,8 @@ def speculative_step(loop: Loop, rows: RowState) -> None:
 
 
 def _path_logprobs(tree, selection, target_probs: torch.Tensor) -> torch.Tensor:
-    """log q of each emitted token at the node it follows on the chosen draft's path -> [R, L + 1].
+    """target_probs (a law per node, or its log) of each emitted token at the node it follows on the chosen
+    draft's path -> [R, L + 1].
 
     Token i of an iteration (accepted draft token, correction or bonus) follows the chosen draft's
     prefix of length i, whose node's warped target law q is the law it was sampled from (exactness:
@@ -185,7 +192,7 @@ def _path_logprobs(tree, selection, target_probs: torch.Tensor) -> torch.Tensor:
     chosen = selection.draft_index[:, None, None].expand(-1, 1, tree.node_of.shape[2])  # [R, 1, L + 1]
     path = tree.node_of.gather(1, chosen)[:, 0]  # [R, L + 1] node of the prefix of length i
     rows = torch.arange(path.shape[0], device=path.device)[:, None]  # [R, 1]
-    return target_probs[rows, path, selection.tokens.clamp(min=0)].log()  # [R, L + 1] (padding: ignored)
+    return target_probs[rows, path, selection.tokens.clamp(min=0)]  # [R, L + 1] (padding: ignored)
 
 
 def _catch_up(loop: Loop, rows: RowState) -> None:

@@ -81,6 +81,28 @@ class Records:
         self.tested_positions = zeros(slots)  # [B]
         self.tree_nodes = zeros(slots)  # [B]
         self.eos_ids = torch.tensor(list(eos_ids), dtype=torch.int64, device=device)  # [n_eos]
+        # each row's stop tokens (the run's EOS unless the row was admitted with its own set), -1 padded
+        self.stop_ids = self._stop_table(slots, [list(eos_ids)] * slots)  # [B, S]
+        self.custom_stops = False  # host: some row was admitted with its own stop tokens
+
+    def _stop_table(self, rows: int, stops: list[list[int]]) -> torch.Tensor:
+        width = max([1, *map(len, stops)])
+        table = torch.full((rows, width), -1, dtype=torch.int64)
+        for row, ids in enumerate(stops):  # admission only (a host loop over the new rows)
+            table[row, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+        return table.to(self.device)
+
+    def set_stops(self, slots: torch.Tensor, stops: Sequence[Sequence[int] | None]) -> None:
+        """Rows in `slots` ([N] int64) end at the first of their own stop tokens (None: the run's EOS ids; an
+        empty list: none, so such a row runs its whole budget). Widens the table when a row brings more ids."""
+        stops = [list(self.eos_ids.tolist()) if ids is None else [int(t) for t in ids] for ids in stops]
+        rows = self._stop_table(len(stops), stops)  # [N, S']
+        width = max(rows.shape[1], self.stop_ids.shape[1])
+        if width > self.stop_ids.shape[1]:
+            self.stop_ids = torch.nn.functional.pad(self.stop_ids, (0, width - self.stop_ids.shape[1]), value=-1)
+        rows = torch.nn.functional.pad(rows, (0, width - rows.shape[1]), value=-1)
+        self.stop_ids.index_copy_(0, slots, rows)
+        self.custom_stops = True
 
     def _counters(self) -> list[torch.Tensor]:
         return [self.lengths, self.error_flags, self.target_calls, self.histogram, self.accepted_per_position,
@@ -88,7 +110,7 @@ class Records:
 
     @property
     def nbytes(self) -> int:
-        tensors = [self.tokens, self.budget, self.reason, self.eos_ids, *self._counters()]
+        tensors = [self.tokens, self.budget, self.reason, self.eos_ids, self.stop_ids, *self._counters()]
         tensors += [] if self.logprobs is None else [self.logprobs]
         return sum(t.untyped_storage().nbytes() for t in tensors)
 
@@ -102,7 +124,7 @@ class Records:
     def move(self, source: torch.Tensor, dest: torch.Tensor) -> None:
         """Rows in slots `source` move to the empty slots `dest` ([M] int64 each)."""
         outputs = [self.tokens] + ([] if self.logprobs is None else [self.logprobs])
-        for tensor in (*outputs, self.budget, self.reason, *self._counters()):
+        for tensor in (*outputs, self.budget, self.reason, self.stop_ids, *self._counters()):
             tensor.index_copy_(0, dest, tensor.index_select(0, source))
 
     def record(self, slots: torch.Tensor, running: torch.Tensor, emitted: torch.Tensor, counts: torch.Tensor,
@@ -116,7 +138,11 @@ class Records:
         lengths = self.lengths[slots]  # [R]
         offsets = torch.arange(emitted.shape[1], device=emitted.device)  # [E]
         first_eos = torch.full_like(counts, emitted.shape[1] + 1)  # [R] 1-based, past the end if none
-        if self.eos_ids.numel():
+        if self.custom_stops:
+            stops = self.stop_ids[slots]  # [R, S] each row's own stop tokens (-1: none)
+            is_eos = (emitted[:, :, None] == stops[:, None, :]).any(-1) & (offsets < counts[:, None])  # [R, E]
+            first_eos = torch.where(is_eos.any(1), is_eos.to(torch.int8).argmax(1) + 1, first_eos)
+        elif self.eos_ids.numel():
             is_eos = (emitted[:, :, None] == self.eos_ids).any(-1) & (offsets < counts[:, None])  # [R, E]
             first_eos = torch.where(is_eos.any(1), is_eos.to(torch.int8).argmax(1) + 1, first_eos)
         healthy = running & (error_flags == 0)  # [R]

@@ -230,28 +230,39 @@ class RowWarps:
         self._pending_bias = {}
 
 
-def split_row_warps(temperature, top_k, top_p, count: int) -> tuple[tuple[float, int, float], list[SamplingWarp] | None]:
+def split_row_warps(temperature, top_k, top_p, count: int, min_p=0.0, logit_bias=None
+                    ) -> tuple[tuple[float, int, float], list[SamplingWarp] | None]:
     """Scalars, or one value per row (lists or [N] tensors), -> (the run's warp settings, per-row warps).
 
-    All scalars: (those scalars, None). Any of them per row: (the defaults (1.0, 0, 1.0), one
-    `SamplingWarp` per row, scalars broadcast). ValueError names the argument and the row.
+    All scalars, no min_p and no logit_bias: (those scalars, None). Any of them per row, or a min_p / a logit
+    bias (a {token id: bias} dict, or one dict or None per row): (the defaults (1.0, 0, 1.0), one `SamplingWarp`
+    per row, scalars broadcast). ValueError names the argument and the row.
     """
-    values = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+    values = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p}
     for name, value in values.items():
         if isinstance(value, torch.Tensor):
             values[name] = value.tolist()
     per_row = {name: v for name, v in values.items() if isinstance(v, (list, tuple))}
-    if not per_row:
+    biases = logit_bias if isinstance(logit_bias, (list, tuple)) else [logit_bias] * count
+    if not per_row and not min_p and not logit_bias:
         return (temperature, top_k, top_p), None
-    for name, value in per_row.items():
+    for name, value in (*per_row.items(), *((("logit_bias", biases),) if isinstance(logit_bias, (list, tuple))
+                                             else ())):
         if len(value) != count:
             raise ValueError(f"{name} has {len(value)} entries but there are {count} prompts")
     warps = []
     for row in range(count):
         row_values = [v[row] if name in per_row else v for name, v in values.items()]
         try:
-            validate_sampling(*row_values)
-        except ValueError as error:
+            bias = biases[row] or {}
+            if not isinstance(bias, dict):
+                raise ValueError(f"logit_bias must be a {{token id: bias}} dict, got {bias!r}")
+            bias = tuple(sorted((int(k) if isinstance(k, str) and k.lstrip("-").isdigit() else k, v)
+                                for k, v in bias.items()))
+            validate_sampling(*row_values[:3])
+            validate_extras(row_values[3], bias)
+        except (ValueError, TypeError) as error:
             raise ValueError(f"prompt {row}: {error}") from None
-        warps.append(SamplingWarp(float(row_values[0]), int(row_values[1]), float(row_values[2])))
+        warps.append(SamplingWarp(float(row_values[0]), int(row_values[1]), float(row_values[2]),
+                                  float(row_values[3]), bias))
     return (1.0, 0, 1.0), warps

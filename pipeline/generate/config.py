@@ -51,7 +51,8 @@ class SpectrConfig:
     plan_cache: bool = True  # auto: warm-start from what earlier runs on this pair and device learned
     num_samples: int = 1  # completions per prompt, one output row each (`sample_index`)
     stop: Any = None  # stop strings (a list): a completion ends before the first one it contains
-    logprobs: bool = False  # a `completion_logprobs` column: each token's log-probability under the warped target
+    logprobs: bool = False  # a `completion_logprobs` column: each token's log-probability (logprobs_mode)
+    logprobs_mode: str = "raw"  # raw: the target's log-softmax (vLLM's default); processed: the warped law's
     compile: Any = "auto"  # true | false | auto: Llama/Qwen2 forwards under torch.compile (spectr.native)
 
 
@@ -128,6 +129,9 @@ def from_dict(raw: dict[str, Any]) -> GenerateConfig:
 
 
 def check_spectr(s: SpectrConfig) -> None:
+    if s.logprobs_mode not in ("raw", "processed"):
+        raise out_of_range("spectr.logprobs_mode", "raw (the target's log-softmax) or processed (the warped law)",
+                           s.logprobs_mode)
     if s.method not in METHODS:
         raise out_of_range("spectr.method", f"one of {', '.join(METHODS)}", s.method)
     if s.num_drafts < 1:
@@ -214,6 +218,8 @@ def generation_settings(c: GenerateConfig) -> dict[str, Any]:
             data.pop(key)  # unset, the hash is the one output dirs written before the key existed
     if data["max_record_bytes"] == MAX_RECORD_BYTES:
         data.pop("max_record_bytes")  # likewise at its default
+    if not spectr["logprobs"]:
+        spectr.pop("logprobs_mode")  # no column: the mode decides nothing
     for key, default in (("num_samples", 1), ("stop", None), ("logprobs", False)):
         if spectr[key] == default:
             spectr.pop(key)

@@ -64,6 +64,11 @@ PHASE_FIELDS = ("draft_seconds", "target_seconds", "selection_seconds")
 BATCH_FIELDS = ("iterations", *PHASE_FIELDS, "compile_seconds", "compile_fallbacks")
 
 
+def engine_logprobs(s: SpectrConfig) -> bool | str:
+    """The engine's `logprobs` for spectr.logprobs / logprobs_mode: False, "raw" or True (the warped law)."""
+    return ("raw" if s.logprobs_mode == "raw" else True) if s.logprobs else False
+
+
 class FeedAborted(RuntimeError):
     """A shard that was in the feed when another shard's thread failed: not this shard's fault (the driver
     re-queues it without charging an attempt)."""
@@ -78,8 +83,9 @@ class Row:
     prompt: list[int]
     budget: int
     seed: int
-    warp: tuple[float, int, float] | None = None
+    warp: tuple | None = None  # (temperature, top_k, top_p[, min_p, logit_bias]): `spectr.SamplingWarp`'s fields
     stops: tuple[str, ...] = ()  # its stop strings: the row ends once its newest tokens complete one
+    stop_ids: tuple[int, ...] | None = None  # the tokens that end it (None: the model's EOS ids); see the worker
 
 
 @dataclass(frozen=True)
@@ -256,9 +262,10 @@ class ShardFeed:
         warps = None
         if any(r.warp is not None for r in rows):
             warps = [None if r.warp is None else SamplingWarp(*r.warp) for r in rows]
+        stop_ids = [r.stop_ids for r in rows] if any(r.stop_ids is not None for r in rows) else None
         try:
             ids = self.batcher.admit([r.prompt for r in rows], max_new_tokens=[r.budget for r in rows],
-                                     seed=[r.seed for r in rows], warps=warps)
+                                     seed=[r.seed for r in rows], warps=warps, stop_token_ids=stop_ids)
         except ValueError as err:
             if len(take) == 1:
                 return [(take[0][0], take[0][1], f"{type(err).__name__}: {err}")]
@@ -328,13 +335,16 @@ class ShardFeed:
         import spectr
 
         s = self.spectr
-        temperature, top_k, top_p = row.warp or (s.temperature, s.top_k, s.top_p)
+        temperature, top_k, top_p, *extras = row.warp or (s.temperature, s.top_k, s.top_p)
+        min_p, bias = (extras + [0.0, ()])[:2]
         try:
             output = spectr.generate(
                 self.target, None if config.method == "autoregressive" else self.draft, [row.prompt],
                 method=config.method, num_drafts=config.num_drafts, draft_length=config.draft_length,
                 max_new_tokens=[row.budget], temperature=temperature, top_k=top_k, top_p=top_p,
-                eos_token_id=self.eos_token_id, seed=[row.seed], logprobs=s.logprobs,
+                eos_token_id=self.eos_token_id if row.stop_ids is None else list(row.stop_ids), seed=[row.seed],
+                logprobs=engine_logprobs(s), min_p=min_p,
+                logit_bias=dict(bias) or None,
             )  # fmt: skip
         except Exception as err:  # noqa: BLE001 - this row's own failure: its error row
             return f"{type(err).__name__}: {err}"
@@ -410,7 +420,7 @@ class ShardFeed:
         self._retire_batcher()
         s = self.spectr
         common = dict(batch_size=s.batch_size, max_length=config.capacity, temperature=s.temperature, top_k=s.top_k,
-                      top_p=s.top_p, eos_token_id=self.eos_token_id, logprobs=s.logprobs,
+                      top_p=s.top_p, eos_token_id=self.eos_token_id, logprobs=engine_logprobs(s),
                       compile=s.compile)  # fmt: skip
         if config.method == "auto":
             from spectr.planner import AutoBatcher

@@ -31,7 +31,7 @@ from pipeline.generate.shards import MIN_PART_DIGITS, part_name
 MANIFEST_NAME = "_manifest.json"
 SUCCESS_NAME = "_SUCCESS"
 SETTINGS_METADATA_KEY = b"spectr.settings"
-FINISH_REASONS = ("eos", "length", "stop", "error")
+FINISH_REASONS = ("stop", "length", "error")  # vLLM's; "stop": end-of-sequence, a stop token or a stop string
 _OWN_TEMPORARIES = (".part-", f".{MANIFEST_NAME}", f".{SUCCESS_NAME}", "._lease.json")
 
 
@@ -50,6 +50,7 @@ def output_schema(id_kind: str, settings: dict[str, Any] | None = None, logprobs
             ("prompt_tokens", pa.int32()),
             ("completion_tokens", pa.int32()),
             ("finish_reason", pa.string()),
+            ("stop_reason", pa.string()),
             ("target_calls", pa.int32()),
             ("block_efficiency", pa.float64()),
             ("seed", pa.int64()),

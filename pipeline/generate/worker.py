@@ -199,13 +199,18 @@ class ShardGenerator:
         by_position: dict[int, dict[str, Any]] = {}
         rows: list[Row] = []
         stops: dict[int, list[str]] = {}
+        own: dict[int, Any] = {}  # row -> its RowSettings (stop tokens, include_stop_str_in_output)
         for i in range(len(shard)):
             try:
                 settings = self._settings(shard, i)
+                if settings.n is not None and settings.n != samples:
+                    raise ValueError(f"row {shard.ids[i]!r}: n={settings.n} per row is not supported yet; "
+                                     f"spectr.num_samples={samples} sets n for every row")
             except ValueError as err:
                 by_position.update({i * samples + s: self._error_row(shard, i, str(err), s) for s in range(samples)})
                 continue
             stops[i] = list(self.spectr.stop or ()) + settings.stop
+            own[i] = settings
             rows += self._samples(shard, i, settings)
         run = self.feed.run(shard.index, rows)
         seeds = {r.position: r.seed for r in rows}
@@ -213,7 +218,7 @@ class ShardGenerator:
             for position, outcome in run.outcomes.items():
                 i, sample = divmod(position, samples)
                 if isinstance(outcome, FinishedRow):
-                    row = self._row(shard, i, outcome, sample, stops[i])
+                    row = self._row(shard, i, outcome, sample, stops[i], own[i])
                 else:
                     row = self._error_row(shard, i, outcome, sample)
                 row["time_taken_s"] = run.seconds.get(position)
@@ -269,15 +274,21 @@ class ShardGenerator:
 
         s = self.spectr
         warp = None
-        if (settings.temperature, settings.top_k, settings.top_p) != (None, None, None):
+        if (settings.temperature, settings.top_k, settings.top_p, settings.min_p) != (None, None, None, None) \
+                or settings.logit_bias:
             warp = (s.temperature if settings.temperature is None else settings.temperature,
                     s.top_k if settings.top_k is None else settings.top_k,
-                    s.top_p if settings.top_p is None else settings.top_p)
+                    s.top_p if settings.top_p is None else settings.top_p,
+                    settings.min_p or 0.0, settings.logit_bias)
         budget = settings.max_tokens or self._budget(shard, i)
         seed = shard.seeds[i] if settings.seed is None else settings.seed
         stops = tuple(s.stop or ()) + tuple(settings.stop)
+        stop_ids = None  # the model's EOS ids end the row, as vLLM's: EOS unless ignore_eos, and stop_token_ids
+        if settings.own_stops:
+            eos = [] if settings.ignore_eos else list(self.eos_token_id or [])
+            stop_ids = tuple(dict.fromkeys([*eos, *settings.stop_token_ids]))
         return [Row(i * s.num_samples + sample, shard.prompt_token_ids[i], budget, sample_seed(seed, sample), warp,
-                    stops) for sample in range(s.num_samples)]
+                    stops, stop_ids) for sample in range(s.num_samples)]
 
     def _budget(self, shard: Shard, i: int) -> int:
         """Row i's max_new_tokens: its `data.max_new_tokens_column` value, else `spectr.max_new_tokens`."""
@@ -297,24 +308,34 @@ class ShardGenerator:
         with self._text_lock:
             return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _row(self, shard: Shard, i: int, finished: Any, sample: int = 0, stops: list[str] | None = None
-             ) -> dict[str, Any]:
+    def _row(self, shard: Shard, i: int, finished: Any, sample: int = 0, stops: list[str] | None = None,
+             settings: Any = None) -> dict[str, Any]:
         """Row i from its `spectr.FinishedRow`; a row the engine stopped (non-finite logits) keeps its
-        tokens so far, finish_reason "error" and the engine's message. A completion holding a stop string
-        is cut before it (`pipeline.stops`), finish_reason "stop"."""
+        tokens so far, finish_reason "error" and the engine's message. As vLLM's: finish_reason "stop" for an
+        end-of-sequence token, a stop token (stop_reason: its id as text) or a stop string (stop_reason: the
+        string; the completion is cut before it, or after it with include_stop_str_in_output:
+        `pipeline.stops`), "length" for the budget."""
         from pipeline.stops import cut_at_stop
 
         tokens = [int(t) for t in finished.tokens]
         logprobs = finished.logprobs
         calls = int(finished.target_calls)
         reason = str(finished.finish_reason)
+        stop_reason = None
         def decode(ids):
             return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-        cut = cut_at_stop(decode, tokens, stops or []) if reason != "error" else None
+        include = bool(settings is not None and settings.include_stop_str_in_output)
+        cut = cut_at_stop(decode, tokens, stops or [], include=include) if reason != "error" else None
         if cut is not None:
-            tokens, reason = tokens[: cut.num_tokens], "stop"
+            tokens, reason, stop_reason = tokens[: cut.num_tokens], "stop", cut.stop
             logprobs = None if logprobs is None else logprobs[: cut.num_tokens]
+        elif reason == "eos":  # the engine's end-of-sequence: the model's EOS, or one of the row's stop tokens
+            reason = "stop"
+            last = tokens[-1] if tokens else None
+            eos = set(self.eos_token_id or []) if settings is None or not settings.ignore_eos else set()
+            if settings is not None and last in settings.stop_token_ids and last not in eos:
+                stop_reason = str(last)
         row = {
             "id": shard.ids[i],
             "prompt": shard.prompts[i],
@@ -323,6 +344,7 @@ class ShardGenerator:
             "prompt_tokens": len(shard.prompt_token_ids[i]),
             "completion_tokens": len(tokens),
             "finish_reason": reason,
+            "stop_reason": stop_reason,
             "target_calls": calls,
             "block_efficiency": len(finished.tokens) / calls if calls else 0.0,
             "seed": shard.seeds[i],
@@ -352,6 +374,7 @@ class ShardGenerator:
             "prompt_tokens": len(shard.prompt_token_ids[i]),
             "completion_tokens": 0,
             "finish_reason": "error",
+            "stop_reason": None,
             "target_calls": 0,
             "block_efficiency": None,
             "seed": shard.seeds[i],

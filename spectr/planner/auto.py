@@ -25,7 +25,7 @@ def generate_auto(target, draft, prompts: Sequence[Sequence[int]], *, num_drafts
                   max_new_tokens: int | Sequence[int] = 64, temperature: float = 1.0, top_k: int = 0,
                   top_p: float = 1.0, eos_token_id=None, seed: int | Sequence[int] = 0,
                   batch_size: int | None = None, warm_state: dict | None = None,
-                  logprobs: bool = False, compile: bool | str = False) -> GenerationOutput:
+                  logprobs: bool | str = False, compile: bool | str = False) -> GenerationOutput:
     """`spectr.generate(method="auto")`; warm_state: a `chooser.state()` of an earlier run to start from."""
     def make_batcher(target, draft, *, method, num_drafts, draft_length, **arguments):
         return AutoBatcher(target, draft, max_num_drafts=num_drafts, max_draft_length=draft_length,

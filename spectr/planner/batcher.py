@@ -50,7 +50,7 @@ class AutoBatcher:
     def __init__(self, target, draft, *, batch_size: int, max_length: int | None = None, max_num_drafts: int = 4,
                  max_draft_length: int = 4, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                  eos_token_id=None, pack_below: float | None = None, warm_state: dict | None = None,
-                 candidates: Sequence[StepConfig] | None = None, logprobs: bool = False,
+                 candidates: Sequence[StepConfig] | None = None, logprobs: bool | str = False,
                  compile: bool | str = False):
         speculative = draft is not None
         # allocate for what a candidate may run, not for the bounds: the default candidates stop at K = L = 4
@@ -137,8 +137,9 @@ class AutoBatcher:
         return self.chooser.current
 
     def admit(self, prompts, *, max_new_tokens: int | Sequence[int] = 64, seed: int | Sequence[int] = 0,
-              tags: Sequence[Any] | None = None, warps=None) -> list[int]:
-        return self.batcher.admit(prompts, max_new_tokens=max_new_tokens, seed=seed, tags=tags, warps=warps)
+              tags: Sequence[Any] | None = None, warps=None, stop_token_ids=None) -> list[int]:
+        return self.batcher.admit(prompts, max_new_tokens=max_new_tokens, seed=seed, tags=tags, warps=warps,
+                                  stop_token_ids=stop_token_ids)
 
     def fill(self) -> None:
         """Move waiting prompts into free slots (`ContinuousBatcher.fill`)."""

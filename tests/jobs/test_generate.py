@@ -77,9 +77,10 @@ def test_one_row_per_prompt_with_contract_types(finished_run, prompts_jsonl):
     assert schema.field("completion_token_ids").type == pa.list_(pa.int32())
     assert [f.name for f in schema] == [
         "id", "prompt", "completion", "completion_token_ids", "prompt_tokens", "completion_tokens",
-        "finish_reason", "target_calls", "block_efficiency", "seed", "error", "sample_index", "time_taken_s",
+        "finish_reason", "stop_reason", "target_calls", "block_efficiency", "seed", "error", "sample_index",
+        "time_taken_s",
     ]  # fmt: skip (completion_logprobs with spectr.logprobs, then the data.keep_columns)
-    assert set(table.column("finish_reason").to_pylist()) <= {"eos", "length"}
+    assert set(table.column("finish_reason").to_pylist()) <= {"stop", "length"}
     assert table.column("error").null_count == 40
     assert sorted(p.name for p in out.iterdir()) == ["_SUCCESS", "_commits.jsonl", "_manifest.json", "_mlflow_run.json"] + [
         f"part-{i:06d}.parquet" for i in range(5)
@@ -347,7 +348,7 @@ def test_rows_do_not_depend_on_how_the_actor_batches_them(tiny_pair, tmp_path, r
     assert a.column("id").to_pylist() == b.column("id").to_pylist() == list(range(24))
     assert a.column("completion_token_ids").to_pylist() == b.column("completion_token_ids").to_pylist()
     for row, count, reason in zip(rows, a.column("completion_tokens").to_pylist(), a.column("finish_reason").to_pylist()):
-        assert count <= row["budget"] and (reason == "eos" or count == row["budget"])
+        assert count <= row["budget"] and (reason == "stop" or count == row["budget"])
 
 
 def test_a_changed_input_or_model_is_refused_on_resume(tiny_pair, tmp_path):
@@ -561,4 +562,4 @@ def test_a_gzipped_jsonl_input_runs_as_a_whole_job_like_the_plain_file(tiny_pair
     gz, txt = tables
     assert gz.column("id").to_pylist() == txt.column("id").to_pylist() == prompt_ids(plain)
     assert gz.column("completion_token_ids").to_pylist() == txt.column("completion_token_ids").to_pylist()
-    assert set(gz.column("finish_reason").to_pylist()) <= {"length", "eos"}
+    assert set(gz.column("finish_reason").to_pylist()) <= {"length", "stop"}

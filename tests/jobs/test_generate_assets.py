@@ -43,7 +43,7 @@ def test_default_config_on_the_embedded_pair(tmp_path, ray_local):
     ids = [json.loads(line)["id"] for line in (ASSETS / "prompts.jsonl").read_text().splitlines()[:8]]
     assert table.column("id").to_pylist() == ids
     assert report.exit_code == 0 and report.summary.prompts_completed == 8
-    assert all(reason in ("eos", "length") for reason in table.column("finish_reason").to_pylist())
+    assert all(reason in ("stop", "length") for reason in table.column("finish_reason").to_pylist())
     assert sum(len(c) for c in table.column("completion").to_pylist()) > 0
     # the default method is auto: what ran (by share of tokens) is in the summary, and every part file's
     # metadata has the mix of configurations that produced it

@@ -8,6 +8,7 @@ config (real composed config, the tiny pair, a local Ray) on a 100-row file and 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,8 @@ from pipeline.config import DEMO_LIMIT, EMBEDDED_PROMPTS, DataConfig
 from pipeline.generate.reader import read_output
 from pipeline.readers import input_rows, limit_note
 from pipeline.source import list_source
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "spectr"))  # hf_tiny
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -72,3 +75,70 @@ def test_bring_your_own_data_writes_every_row(tiny_pair, hundred_rows, tmp_path,
     assert sorted(ids) == [f"r{i:03d}" for i in range(100)]
     first = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("checked config"))
     assert "checked config, models and 100 prompts" in first and "data.limit" not in first
+
+
+# --- rows that read like vLLM's ---------------------------------------------------------------------------------
+
+def test_a_sampling_params_column_in_vllms_names(tiny_pair, tmp_path, ray_local):
+    """The issue's job: greedy with top_k -1 equals HF greedy and its completion_logprobs are the raw target
+    log-softmax (|diff| < 2e-3); ignore_eos with min_p runs its whole budget (length); stop_token_ids ends the row
+    with finish_reason stop and stop_reason the id; a stop string gives stop_reason the string (and with
+    include_stop_str_in_output the completion keeps it); unknown keys and inexact ones fail their row alone."""
+    import torch
+    from hf_tiny import hf_greedy
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.generate.config import from_dict
+    from pipeline.generate.job import run_generate
+    from tiny_pair_support import job_config
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_pair["target"])
+    target = AutoModelForCausalLM.from_pretrained(tiny_pair["target"], dtype=torch.float32).eval()
+    prompt = "the cat sat on"
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    greedy = hf_greedy(target, prompt_ids, 12)
+    stop_id = greedy[5]
+    stop_text = tokenizer.decode(greedy[:8], skip_special_tokens=True)[-3:]
+    params = {
+        "greedy": {"temperature": 0, "top_k": -1, "max_tokens": 12, "ignore_eos": True},
+        "budget": {"ignore_eos": True, "min_p": 0.05, "max_tokens": 12},
+        "stop_id": {"temperature": 0, "stop_token_ids": [stop_id], "max_tokens": 12, "ignore_eos": True},
+        "stop_str": {"temperature": 0, "stop": [stop_text], "max_tokens": 12, "ignore_eos": True},
+        "stop_str_kept": {"temperature": 0, "stop": [stop_text], "include_stop_str_in_output": True,
+                          "max_tokens": 12, "ignore_eos": True},
+        "unknown": {"temperature": 0, "typical_p": 0.5},
+        "best_of": {"best_of": 3},
+        "penalty": {"presence_penalty": 0.5},
+        "neutral": {"presence_penalty": 0.0, "repetition_penalty": 1.0, "top_k": -1, "max_tokens": 3},
+    }
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"id": name, "prompt": prompt, "params": value}) + "\n"
+                            for name, value in params.items()))
+    raw = job_config(tiny_pair, data, tmp_path / "out", **{
+        "spectr.method": "speculative", "spectr.logprobs": True, "data.sampling_params_column": "params",
+        "ray.num_actors": 1, "max_failed_fraction": 0.5})
+    report = run_generate(from_dict(raw))
+    assert report.exit_code == 0
+    rows = {r["id"]: r for r in read_output(tmp_path / "out").to_pylist()}
+    assert len(rows) == len(params)
+
+    row = rows["greedy"]
+    assert row["completion_token_ids"] == greedy and row["finish_reason"] == "length" and row["stop_reason"] is None
+    with torch.no_grad():
+        logits = target(input_ids=torch.tensor([prompt_ids + greedy]), use_cache=False).logits[0]
+    expected = logits[len(prompt_ids) - 1 : -1].log_softmax(-1).gather(1, torch.tensor(greedy)[:, None])[:, 0]
+    assert max(abs(a - b) for a, b in zip(row["completion_logprobs"], expected.tolist())) < 2e-3
+    assert any(v < -1e-3 for v in row["completion_logprobs"])  # raw, not the greedy law's 0.0
+
+    assert rows["budget"]["finish_reason"] == "length" and rows["budget"]["completion_tokens"] == 12
+    row = rows["stop_id"]
+    assert row["finish_reason"] == "stop" and row["stop_reason"] == str(stop_id)
+    assert row["completion_token_ids"] == greedy[: greedy.index(stop_id) + 1]
+    row, kept = rows["stop_str"], rows["stop_str_kept"]
+    assert row["finish_reason"] == kept["finish_reason"] == "stop"
+    assert row["stop_reason"] == kept["stop_reason"] == stop_text
+    assert stop_text not in row["completion"] and kept["completion"].endswith(stop_text)
+    assert "unknown key(s) typical_p; known: n, temperature" in rows["unknown"]["error"]
+    assert "best_of=3 is refused: best_of picks among samples" in rows["best_of"]["error"]
+    assert "presence_penalty=0.5 is refused: penalties are not supported yet" in rows["penalty"]["error"]
+    assert rows["neutral"]["error"] is None and rows["neutral"]["completion_tokens"] <= 3

@@ -81,7 +81,7 @@ def test_rows_get_spectr_generates_tokens_for_their_seed_and_settings(stage):
         assert row["num_input_tokens"] == len(row["prompt_token_ids"])
         assert row["generated_tokens"] == reference(stage, row["prompt_token_ids"], seed, budget, **warp)
         assert row["num_generated_tokens"] == len(row["generated_tokens"]) <= budget
-        assert row["finish_reason"] in ("eos", "length") and row[ERROR_COLUMN] == ""
+        assert row["finish_reason"] in ("stop", "length") and row[ERROR_COLUMN] == ""
         assert row["target_calls"] >= 1 and row["time_taken_llm"] >= 0
     assert len(out[0]["generated_logprobs"]) == 5 and all(lp <= 0 for lp in out[0]["generated_logprobs"])
     assert [r["generated_logprobs"] for r in out[1:]] == [None] * 3  # only where sampling_params asks
@@ -133,7 +133,7 @@ def test_method_auto_runs_the_planners_batcher(tiny_pair):
                                                              "max_draft_length": 2}))
     rows = [{"prompt": "def x in y", "sampling_params": {"max_tokens": m}} for m in (3, 6)]
     out = stage.generate(pa.Table.from_pylist(rows)).to_pylist()
-    assert [r["num_generated_tokens"] for r in out] == [3, 6] or any(r["finish_reason"] == "eos" for r in out)
+    assert [r["num_generated_tokens"] for r in out] == [3, 6] or any(r["finish_reason"] == "stop" for r in out)
     assert type(stage.generator.feed.batcher).__name__ == "AutoBatcher"
 
 

@@ -101,3 +101,60 @@ def test_rows_with_min_p_or_a_logit_bias_follow_their_warped_target_law(pair, la
 def test_negative_control_a_warp_on_the_draft_only_is_rejected(pair, laws, name):
     tokens = sample(pair, "spectr", 3, 2, WARPS[name], target_ignores_warp=True)
     assert chi_square_pvalue(tokens, laws[name]) < REJECT_P
+
+
+# --- raw log-probabilities and per-row stop tokens -------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pair64():
+    from hf_tiny import noisy_copy
+
+    target = tiny_model(vocab_size=64, init_std=0.2, seed=3, max_positions=128)
+    return target, noisy_copy(target, noise_std=0.08, seed=4)
+
+
+def raw_logprobs(target, prompt, tokens) -> list[float]:
+    """log-softmax of the target's own logits at each generated token (one plain full forward)."""
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits = target(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1 : -1]  # [T, V]
+    return logits.float().log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+
+
+@pytest.mark.parametrize("method", ["autoregressive", "speculative", "spectr", "block"])
+@pytest.mark.parametrize("temperature,top_k", [(0.0, 0), (0.7, 5)])
+def test_raw_logprobs_are_the_targets_log_softmax_whatever_the_warp(pair64, method, temperature, top_k):
+    """logprobs="raw" (vLLM's default): the target's log-softmax at each token, not the warped law's (which reads
+    0.0 for every greedy token); the same within 2e-3 as a plain full forward."""
+    import spectr
+
+    prompts = [[3, 17, 42, 8, 1], [9], [5, 6, 7, 8, 9, 10, 11]]
+    out = spectr.generate(*pair64, prompts, method=method, num_drafts=2, draft_length=3, max_new_tokens=8,
+                          temperature=temperature, top_k=top_k, logprobs="raw", seed=[1, 2, 3])
+    for prompt, tokens, got in zip(prompts, out.tokens, out.logprobs):
+        assert len(got) == len(tokens)
+        assert max(abs(a - b) for a, b in zip(got, raw_logprobs(pair64[0], prompt, tokens))) < 2e-3
+    if temperature == 0:
+        warped = spectr.generate(*pair64, prompts, method=method, num_drafts=2, draft_length=3, max_new_tokens=8,
+                                 temperature=0.0, logprobs=True, seed=[1, 2, 3])
+        assert all(v == 0.0 for row in warped.logprobs for v in row)  # the processed law: one-hot
+        assert any(v < -1e-3 for row in out.logprobs for v in row)
+
+
+def test_rows_end_on_their_own_stop_tokens_or_run_their_budget(pair64):
+    """stop_token_ids per row: None (the run's EOS), [] (none: vLLM's ignore_eos without stop tokens: the whole
+    budget), or the row's own ids (it ends at the first one, the token included); the same tokens as the run
+    without stops up to there."""
+    target, draft = pair64
+    free = ContinuousBatcher(target, draft, batch_size=1, max_length=40, method="spectr", num_drafts=2,
+                             draft_length=3, temperature=0.0)
+    free.admit([[3, 17, 42]], max_new_tokens=20, seed=0)
+    path = next(iter(free.finished())).tokens
+    eos, stop = path[4], path[9]
+    batcher = ContinuousBatcher(target, draft, batch_size=3, max_length=40, method="spectr", num_drafts=2,
+                                draft_length=3, temperature=0.0, eos_token_id=eos)
+    batcher.admit([[3, 17, 42]] * 3, max_new_tokens=20, seed=0, stop_token_ids=[None, [], [stop]])
+    rows = sorted(batcher.finished(), key=lambda row: row.request)
+    assert rows[0].tokens == path[: path.index(eos) + 1] and rows[0].finish_reason == "eos"
+    assert rows[1].tokens == path and rows[1].finish_reason == "length"
+    assert rows[2].tokens == path[: path.index(stop) + 1] and rows[2].finish_reason == "eos"

@@ -91,7 +91,7 @@ def test_mixed_budgets_across_shards_take_fewer_batched_calls_and_keep_every_row
         for i, row in enumerate(result.rows):
             budget = shard.max_new_tokens[i]
             assert row["error"] is None and row["completion_tokens"] <= budget
-            assert row["finish_reason"] == "eos" or row["completion_tokens"] == budget
+            assert row["finish_reason"] == "stop" or row["completion_tokens"] == budget
             assert row["completion_token_ids"] == alone(generator, shard, i, budget), (shard.index, i)
         assert result.stats["target_calls"] == sum(r["target_calls"] for r in result.rows)
     assert generator.feed.allocations == 1

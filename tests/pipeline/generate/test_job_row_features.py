@@ -48,7 +48,8 @@ def input_rows() -> list[dict]:
 
 def run_worker(tiny_pair, tmp_path, **overrides) -> tuple[list[dict], ShardGenerator, object]:
     data = rows_in(tmp_path, input_rows())
-    settings = {"spectr.num_samples": 3, "spectr.logprobs": True, "spectr.max_new_tokens": 12,
+    settings = {"spectr.num_samples": 3, "spectr.logprobs": True, "spectr.logprobs_mode": "processed",
+                "spectr.max_new_tokens": 12,
                 "data.keep_columns": ["topic", "meta"], "data.stop_column": "stops",
                 "data.sampling_params_column": "params", "shard_size": 3, **overrides}
     plan = prepare(from_dict(job_config(tiny_pair, data, tmp_path / "out", **settings)))
@@ -226,7 +227,8 @@ def test_one_job_on_the_embedded_pair_with_every_feature(tmp_path, ray_local):
     data = rows_in(tmp_path, rows)
     pair = {"target": target_dir, "draft": PROJECT_ROOT / "assets" / "models" / "draft"}
     raw = job_config(pair, data, tmp_path / "out", **{
-        "spectr.num_samples": 3, "spectr.logprobs": True, "spectr.stop": ["return", "\n\n"], "spectr.max_new_tokens": 32,
+        "spectr.num_samples": 3, "spectr.logprobs": True, "spectr.logprobs_mode": "processed",
+        "spectr.stop": ["return", "\n\n"], "spectr.max_new_tokens": 32,
         "data.keep_columns": ["topic", "n", "meta"], "data.sampling_params_column": "params", "ray.num_actors": 1})
     assert run_generate(from_dict(raw)).exit_code == 0
     output = read_output(tmp_path / "out")

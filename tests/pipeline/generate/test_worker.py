@@ -36,9 +36,9 @@ def test_rows_follow_the_contract(generator, tiny_pair):
     assert result.index == 0 and [r["id"] for r in result.rows] == shard.ids
     for r, prompt, seed in zip(result.rows, PROMPTS, shard.seeds):
         assert r["prompt"] == prompt and r["seed"] == seed and r["error"] is None
-        assert r["finish_reason"] in ("eos", "length")
+        assert r["finish_reason"] in ("stop", "length")
         assert r["completion_tokens"] == len(r["completion_token_ids"]) <= 10
-        assert r["finish_reason"] == "eos" or r["completion_tokens"] == 10
+        assert r["finish_reason"] == "stop" or r["completion_tokens"] == 10
         assert r["block_efficiency"] == pytest.approx(r["completion_tokens"] / r["target_calls"])
         assert r["completion"] == generator.tokenizer.decode(
             r["completion_token_ids"], skip_special_tokens=True
