@@ -86,11 +86,11 @@ def test_a_sampling_params_column_in_vllms_names(tiny_pair, tmp_path, ray_local)
     include_stop_str_in_output the completion keeps it); unknown keys and inexact ones fail their row alone."""
     import torch
     from hf_tiny import hf_greedy
+    from tiny_pair_support import job_config
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pipeline.generate.config import from_dict
     from pipeline.generate.job import run_generate
-    from tiny_pair_support import job_config
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_pair["target"])
     target = AutoModelForCausalLM.from_pretrained(tiny_pair["target"], dtype=torch.float32).eval()
