@@ -17,7 +17,8 @@ It runs, in this order, each step a *unit* (results written after every unit):
 Exit status 1 when any unit failed or raised, else 0. The time budget (`--budget-s`, counted from the
 script's start) is checked between units, never inside one (no alarm signal inside a compile or a CUDA
 graph capture): a unit starts only while time is left, and at least as much as the last unit of its kind
-took; otherwise it is recorded as "skipped" with the reason, which is not a failure.
+took (the first of a kind: its estimate, else the longest unit so far); otherwise it is recorded as
+"skipped" with the reason, which is not a failure.
 
 Writes `exactness.json` and `exactness.md` to `--out`. `scripts/gpu_speed.py` is its companion (timings);
 `make gpu-check` runs both in one 10-minute GPU window, `make gpu-check ARGS=--smoke` both on the CPU.
@@ -78,19 +79,22 @@ AUTOREGRESSIVE = "autoregressive"
 
 @dataclass(frozen=True)
 class Unit:
-    """One step of a check: `run()` returns its record (at least `status`). `kind` groups units of like cost."""
+    """One step of a check: `run()` returns its record (at least `status`). `kind` groups units of like cost;
+    `estimate_s`: the seconds the first unit of its kind is expected to take (None: as long as the longest
+    unit so far)."""
 
     name: str
     kind: str
     run: Callable[[], dict]
+    estimate_s: float | None = None
 
 
 class UnitRunner:
     """Runs units in order within `budget_s` seconds (counted from `started`), writing the results after each.
 
     A unit starts only while the budget is not spent and at least as much time is left as the last unit of the
-    same kind took (a unit that cannot finish in time is not begun); otherwise it is recorded with status
-    "skipped" and the reason. A unit that raises is recorded with status "error" and its traceback, and the
+    same kind took (for the first of its kind: its `estimate_s`, else the longest unit so far), so that a unit
+    that cannot finish in time is not begun; otherwise it is recorded with status "skipped" and the reason. A unit that raises is recorded with status "error" and its traceback, and the
     next one runs. Nothing interrupts a running unit: the budget is checked between units only.
     After every unit `results.json`-style `<stem>.json` and `<stem>.md` are rewritten (`summarize` fills
     `results["summary"]` from the units first), so a run killed from outside keeps what it had.
@@ -111,18 +115,23 @@ class UnitRunner:
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
 
-    def skip_reason(self, kind: str) -> str | None:
-        """Why a unit of `kind` must not start now, or None when it may."""
+    def skip_reason(self, unit: Unit) -> str | None:
+        """Why `unit` must not start now, or None when it may."""
         left = self.budget_s - self.elapsed()
         if left <= 0:
             return f"budget of {self.budget_s:.0f} s spent ({self.elapsed():.0f} s elapsed)"
-        needed = self.last_seconds.get(kind, 0.0)
+        if unit.kind in self.last_seconds:
+            needed, basis = self.last_seconds[unit.kind], f"the last {unit.kind!r} unit took"
+        elif unit.estimate_s is not None:
+            needed, basis = unit.estimate_s, f"a first {unit.kind!r} unit is estimated at"
+        else:
+            needed, basis = max(self.last_seconds.values(), default=0.0), "the longest unit so far took"
         if left < needed:
-            return f"{left:.0f} s left of the budget, the last {kind!r} unit took {needed:.0f} s"
+            return f"{left:.0f} s left of the budget, {basis} {needed:.0f} s"
         return None
 
     def run(self, unit: Unit) -> dict:
-        reason = self.skip_reason(unit.kind)
+        reason = self.skip_reason(unit)
         if reason is not None:
             record = dict(name=unit.name, kind=unit.kind, status="skipped", reason=reason)
         else:
@@ -317,6 +326,10 @@ SINGLE_DRAFT_METHODS = ("speculative", "block")  # K = 1 by definition; the othe
 EXACT_DRAFT_LENGTH = 2
 CONTROL_TEMPERATURE_FACTOR = 1.25
 COMPILED_FIRST = ("spectr", AUTOREGRESSIVE)  # the compiled cases that matter most run first
+# Seconds the first greedy / eager chi-square unit may take (a guess, generous: neither compiles), so that the
+# compiled units' longer times do not keep them from starting; later units of a kind go by the last one's time.
+GREEDY_ESTIMATE_S = 15.0
+EAGER_ESTIMATE_S = 15.0
 
 
 def chi_square_sf(statistic: float, dof: int) -> float:
@@ -589,10 +602,10 @@ def exactness_units(models: ExactModels, methods: list[str]) -> list[Unit]:
     units = [Unit(f"chi-square {dtype} {method} compiled", "compiled chi-square",
                   functools.partial(case, method, dtype, True))
              for method in compiled_order(methods) for dtype in DTYPES]
-    units += [Unit(f"greedy {arch}", "greedy", functools.partial(greedy_arch, arch, device, plan))
+    units += [Unit(f"greedy {arch}", "greedy", functools.partial(greedy_arch, arch, device, plan), GREEDY_ESTIMATE_S)
               for arch in GREEDY_ARCHS]
     units += [Unit(f"chi-square {dtype} {method} eager", "eager chi-square",
-                   functools.partial(case, method, dtype, False))
+                   functools.partial(case, method, dtype, False), EAGER_ESTIMATE_S)
               for dtype in DTYPES for method in methods]
     return units
 

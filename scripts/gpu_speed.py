@@ -11,9 +11,9 @@ a compiled run first makes one untimed call of the same length, its `warmup_s`):
    speculative L=4); the summary names the best exact method at batch 1 and its ratio to our fastest
    autoregressive run;
 3. at each batch: our autoregressive and SpecTr eager and HF `generate` (dynamic cache), and SpecTr compiled
-   at batch > 1;
+   at batch > 1 (at batch 1 it is in 2);
 4. ours speculative against HF assisted generation (batch 1, same L);
-5. SpecTr K in {2, 4} x L in {2, 4, 6} eager at each batch, and `auto`;
+5. SpecTr K in {2, 4} x L in {2, 4, 6} eager at each batch, traversal K=2 L=4, and `auto`;
 6. the compiled core's attention, masked against FlexAttention (`spectr.native.ATTENTION`), at each batch.
 
 Each row has tokens/s, block efficiency, acceptance, peak GPU memory, the per-iteration draft / target /
@@ -25,8 +25,8 @@ For the run the selection compiles from the first iteration (`SELECTION_COMPILE_
 job's steady state (these runs are shorter than the engine's 64 eager iterations).
 
 The time budget (`--budget-s`, counted from the script's start) is checked between units, never inside one:
-a unit starts only while time is left, and at least as much as the last unit of its kind took; otherwise it
-is recorded as "skipped". Writes `speed.json` and `speed.md` to `--out` after every unit. Exit status 0
+a unit starts only while time is left, and at least as much as the last unit of its kind took (the first
+of a kind: as much as the longest unit so far); otherwise it is recorded as "skipped". Writes `speed.json` and `speed.md` to `--out` after every unit. Exit status 0
 unless the script itself crashed (a unit that raises is recorded as an error row; speed is measured, not
 checked: `scripts/gpu_exactness.py` is the check). `--smoke` runs the same units on the CPU with a tiny
 Llama, the compiled ones with dynamo's "eager" backend, in well under 2 minutes.
@@ -413,8 +413,9 @@ def versus_hf_unit(batch: int) -> str:
     return f"headline B={batch}: ours compiled autoregressive vs HF static cache + compile"
 
 
-def speed_units(plan: Plan, with_auto: bool = True) -> list[SpeedUnit]:
-    """The units in priority order (see the module docstring)."""
+def speed_units(plan: Plan, with_auto: bool = True, methods: tuple[str, ...] = ()) -> list[SpeedUnit]:
+    """The units in priority order (see the module docstring); `methods`: the engine's (traversal where it
+    has it)."""
     k, length = plan.headline_spectr
     single = plan.headline_length
     units = [SpeedUnit(versus_hf_unit(b), "headline vs HF", (SpeedRun("ours", b, compiled=True), SpeedRun("hf_static", b)), plan.repeats)
@@ -427,7 +428,8 @@ def speed_units(plan: Plan, with_auto: bool = True) -> list[SpeedUnit]:
         group = (SpeedRun("ours", b), SpeedRun("ours", b, "spectr", k, length), SpeedRun("hf", b))
         if b != 1:  # at batch 1 it is in the headline
             group += (SpeedRun("ours", b, "spectr", k, length, True),)
-        units.append(SpeedUnit(f"B={b}: eager, HF generate, SpecTr compiled", "per batch", group, plan.repeats))
+        units.append(SpeedUnit(f"B={b}: eager, HF generate" + (", SpecTr compiled" if b != 1 else ""),
+                               "per batch, compiling" if b != 1 else "per batch", group, plan.repeats))
     units.append(SpeedUnit("B=1: ours speculative vs HF assisted", "assisted",
                            (SpeedRun("ours", 1, "speculative", 1, single), SpeedRun("hf_assisted", 1, draft_length=single)),
                            plan.repeats))
@@ -436,6 +438,9 @@ def speed_units(plan: Plan, with_auto: bool = True) -> list[SpeedUnit]:
             if (drafts, draft_length) != plan.headline_spectr:
                 units.append(SpeedUnit(f"B={b}: SpecTr K={drafts} L={draft_length} eager", "grid",
                                        (SpeedRun("ours", b, "spectr", drafts, draft_length),), 1))
+        if "traversal" in methods:
+            units.append(SpeedUnit(f"B={b}: traversal K={k} L={length} eager", "grid",
+                                   (SpeedRun("ours", b, "traversal", k, length),), 1))
         if with_auto:
             units.append(SpeedUnit(f"B={b}: auto", "auto", (SpeedRun("ours", b, "auto", max(plan.grid_drafts),
                                                                       max(plan.grid_lengths)),), 1))
@@ -642,7 +647,7 @@ def main(argv: list[str] | None = None, *, started: float | None = None) -> int:
     runner = UnitRunner(out=args.out, stem="speed", budget_s=args.budget_s, results=results,
                         summarize=summarizer(list(args.plan.speed_batches)), render=markdown, prefix=PREFIX,
                         started=STARTED if started is None else started)
-    units = shared.select_units(speed_units(args.plan, auto_available()), args.only)
+    units = shared.select_units(speed_units(args.plan, auto_available(), tuple(spectr.known_methods())), args.only)
     pair, results["models"] = build_pair(args.plan, device) if units else ((None, None), {})
     log(PREFIX, f"{results['environment']['device_name']}, torch {torch.__version__}, transformers "
         f"{transformers.__version__}, budget {args.budget_s:.0f} s; {results['models'].get('description')}")

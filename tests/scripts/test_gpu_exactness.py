@@ -108,12 +108,14 @@ def test_a_unit_longer_than_the_time_left_is_not_begun_and_results_are_written_a
                                       summarize=gpu_exactness.summarize, render=gpu_exactness.markdown,
                                       prefix="test", started=time.perf_counter())
     runner.run_all([Unit("a", "fast", unit(0, fail=True)), Unit("b", "slow", unit(1, 0.6)),
-                    Unit("c", "slow", unit(2)), Unit("d", "fast", unit(3))])
-    assert seen == [[], ["a"], ["a", "b", "c"]]  # "c" was never begun
+                    Unit("c", "slow", unit(2)), Unit("d", "fast", unit(3)), Unit("e", "new", unit(4)),
+                    Unit("f", "cheap", unit(5), estimate_s=0.0)])
+    assert seen == [[], ["a"], ["a", "b", "c"], ["a", "b", "c", "d", "e"]]  # "c" and "e" were never begun
     results = json.loads((tmp_path / "check.json").read_text())
     status = {u["name"]: u["status"] for u in results["units"]}
-    assert status == {"a": "error", "b": "passed", "c": "skipped", "d": "passed"}
+    assert status == {"a": "error", "b": "passed", "c": "skipped", "d": "passed", "e": "skipped", "f": "passed"}
     assert "the last 'slow' unit took" in results["units"][2]["reason"]
+    assert "the longest unit so far took" in results["units"][4]["reason"]  # a first unit of its kind
     assert results["summary"]["passed"] is False and "a: ValueError: broken unit" in results["summary"]["failures"]
     assert (tmp_path / "check.md").exists()
 

@@ -76,9 +76,13 @@ def test_rows_have_throughput_costs_syncs_and_ratios(light):
     assert speculative["vs_hf"]["hf_run"] == "HF assisted L=2" and speculative["vs_hf"]["ratio"] > 0
 
 
+def smoke_units(gpu_speed):
+    return gpu_speed.speed_units(gpu_speed.SMOKE, gpu_speed.auto_available(), tuple(spectr.known_methods()))
+
+
 def test_the_headline_units_come_first_and_no_row_is_timed_twice_in_a_unit():
     gpu_speed = load_script()
-    units = gpu_speed.speed_units(gpu_speed.FULL)
+    units = gpu_speed.speed_units(gpu_speed.FULL, True, tuple(spectr.known_methods()))
     assert [(u.group[0].batch, [r.name for r in u.group]) for u in units[:3]] == [
         (b, ["ours autoregressive compiled", "HF generate static cache + compile"]) for b in (1, 16, 64)]
     assert [r.name for r in units[3].group] == ["ours autoregressive compiled", "ours spectr K=2 L=4 compiled",
@@ -94,7 +98,7 @@ def test_a_spent_budget_skips_every_unit_and_exits_zero(tmp_path):
     gpu_speed = load_script()
     assert gpu_speed.main(["--smoke", "--budget-s", "0", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "speed.json").read_text())
-    assert len(results["units"]) == len(gpu_speed.speed_units(gpu_speed.SMOKE, gpu_speed.auto_available()))
+    assert [u["name"] for u in results["units"]] == [u.name for u in smoke_units(gpu_speed)]
     assert all(u["status"] == "skipped" and "budget of 0 s spent" in u["reason"] for u in results["units"])
     assert results["summary"]["counts"]["skipped"] == len(results["units"])
     assert "skipped for time" in (tmp_path / "speed.md").read_text()
@@ -204,7 +208,7 @@ def test_the_whole_smoke_run_as_the_gpu_machine_runs_it(tmp_path):
     assert all(u["status"] == "measured" for u in results["units"]), [u for u in results["units"]
                                                                        if u["status"] != "measured"]
     gpu_speed = load_script()
-    assert [u["name"] for u in results["units"]] == [u.name for u in gpu_speed.speed_units(gpu_speed.SMOKE)]
+    assert [u["name"] for u in results["units"]] == [u.name for u in smoke_units(gpu_speed)]
     top = results["summary"]["headline"]
     assert all(v["ratio"] > 0 for v in top["compiled_autoregressive_vs_hf_static_compiled"])
     assert top["best_exact_vs_autoregressive_b1"]["ratio"] > 0
