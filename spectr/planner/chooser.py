@@ -5,9 +5,9 @@ conditional law, so the chooser learns on the real iterations of the job, whose 
 kept (`wasted_seconds` is 0).
 
 - Candidates: a small set within the bounds (autoregressive, speculative L=1, block L=2..4,
-  spectr K in {2, 4} x L in {2, 3, 4}; speculative L >= 2 is left out because block L dominates it:
-  same draft, same verify, at least as many tokens), trimmed to the `MAX_CANDIDATES` best by the prior
-  (`spectr.planner.prior`: the one cost model on latencies guessed from parameter counts).
+  spectr and traversal K in {2, 4} x L in {2, 3, 4}; speculative L >= 2 is left out because block L
+  dominates it: same draft, same verify, at least as many tokens), trimmed to the `MAX_CANDIDATES` best by
+  the prior (`spectr.planner.prior`: the one cost model on latencies guessed from parameter counts).
 - Measurement: an iteration's rate is (live rows x tokens per row) / seconds, and the two factors
   are measured apart, because their noise differs:
   - seconds per iteration: per occupancy bucket (the live rows, rounded to a power of two above 2)
@@ -93,8 +93,8 @@ def default_candidates(max_num_drafts: int, max_draft_length: int, greedy: bool 
     found.append(StepConfig.of("speculative", 1, 1))
     found += [StepConfig.of("block", 1, n) for n in range(2, min(4, max_draft_length) + 1)]
     if not greedy:
-        found += [StepConfig.of("spectr", k, n) for k in (2, 4) if k <= max_num_drafts
-                  for n in range(2, min(4, max_draft_length) + 1)]
+        found += [StepConfig.of(method, k, n) for method in ("spectr", "traversal") for k in (2, 4)
+                  if k <= max_num_drafts for n in range(2, min(4, max_draft_length) + 1)]
     return found
 
 

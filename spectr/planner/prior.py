@@ -7,7 +7,11 @@ parameters over `batch` rows of T new tokens costs
     FORWARD_FIXED_S + P * (WEIGHT_S + TOKEN_S * batch * T)
 
 (a fixed launch and Python cost, reading the weights once, and the matmuls per token), the draft's
-sampling and the selection a small cost per row and vocabulary entry, the commit a constant. So
+sampling and the selection a small cost per row and vocabulary entry, the commit a constant. Traversal
+verification adds its rejection loop: K L steps (the widest tree's non-root nodes, at most), each a fixed
+cost (a few dozen small ops) plus a few float64 passes over one vocabulary row per row (its residual).
+Tokens per call (`reach`) are modelled token by token with the first position tried K times for every
+multi-draft method: a lower bound for traversal, whose measured/model ratio the chooser keeps apart. So
 `prior_tokens_per_second` is `spectr.planner.predict.iteration_seconds` (the project's one cost
 model, which the benchmark evaluates on measured tables) with a default acceptance, or the one
 measured so far. It only ranks which configurations the online chooser tries first
@@ -31,6 +35,10 @@ WEIGHT_S = 2e-10  # per parameter per forward: reading the weights
 TOKEN_S = 7e-11  # per parameter per token: two flops at ~30 GFLOP/s
 VOCAB_S = 2e-9  # per row, token and vocabulary entry: warps, sampling, selection
 STEP_S = 5e-4  # commit, bookkeeping
+# traversal's loop, per step (measured eagerly on this CPU, 1 thread, V = 8192: B = 1 and 8, K L = 8..64;
+# `scripts/bench_selection.py --method traversal`): ~45 small ops, and ~13 float64 passes over [B, V]
+TRAVERSAL_STEP_S = 2e-4
+TRAVERSAL_VOCAB_S = 1.5e-8  # per row and vocabulary entry
 DEFAULT_ACCEPTANCE = 0.7  # per draft position, before anything is measured
 
 
@@ -56,7 +64,10 @@ class PriorLatencies:
             return STEP_S
         if component.startswith("selection_"):
             width = 1 + (shape[0] * shape[1] if len(shape) == 2 else 0)
-            return STEP_S + VOCAB_S * batch * width * self.vocab_size
+            seconds = STEP_S + VOCAB_S * batch * width * self.vocab_size
+            if component.startswith("selection_traversal"):  # its loop: K L steps at most
+                seconds += (width - 1) * (TRAVERSAL_STEP_S + TRAVERSAL_VOCAB_S * batch * self.vocab_size)
+            return seconds
         raise KeyError(f"no prior for {component}")
 
 
