@@ -10,6 +10,10 @@ the batched code must return the same tensors.
 Block verification (`spectr.block`, K = 1) has its sampler `reference_block_sequence` (same
 uniforms as the batched rule: eta_i is uniforms[i - 1][0], the last token uses uniforms[L][1])
 and its exact law `block_output_distribution`; `block_weights_and_stops` gives w_i and h_i.
+Traversal verification (`spectr.traversal`, K >= 1) has `reference_traversal_sequence` (node
+(leader k, depth d) tested with uniforms[d - 1][k], the last token uniforms[L][K]) and its exact law
+`traversal_output_distribution`, both on one mutable tree per row (`_TraversalTree`); `child_order="token"`
+visits children by token id, the tests' negative control.
 
 Two kinds of functions:
 

@@ -27,7 +27,9 @@ The slots of one iteration (`IterationSlots`), for K drafts of L tokens:
 - ``[K*L, K*L + (L+1)*(K+1))``: selection; position i (row i of the ``[L+1, K+1]`` block,
   row L for the bonus token) uses column j < K for the test of draft j and column K for the
   correction (or bonus) token. Block verification (K = 1) reads its eta_i from column 0 of
-  row i and the uniform of its last token from column 1 of row L;
+  row i and the uniform of its last token from column 1 of row L; traversal verification tests
+  the tree node (leader k, depth i + 1) with column k of row i and draws its last token with
+  column K of row L (K = 1: block verification's slots);
 - autoregressive decoding uses slot 0 only (S = 1).
 
 Also here: `sample_categorical` / `sample_categorical_many` (inverse CDF with given uniforms).

@@ -21,8 +21,9 @@ on no alive drafts, and its results are discarded), so the walk reads no device 
 the host. Each row uses exactly its own [L + 1, K + 1] block of uniforms per call, whatever
 it accepts, so a row's randomness never depends on the other rows.
 
-Block verification (`spectr.block`, method "block", K = 1) is a sequence-level rule of its
-own, registered in `SEQUENCE_RULES`; `select_tree` and `select_sequences` dispatch to it by name.
+Block verification (`spectr.block`, method "block", K = 1) and traversal verification
+(`spectr.traversal`, method "traversal", any K) are sequence-level rules of their own, registered in
+`SEQUENCE_RULES`; `select_tree` and `select_sequences` dispatch to them by name.
 
 Randomness is passed in: the caller gives each row's [L + 1, K + 1] uniforms (the engine draws
 them from its counter-based streams, `spectr.rng.counter_uniforms`).
