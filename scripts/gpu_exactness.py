@@ -23,8 +23,8 @@ took (the first of a kind: its estimate, else the longest unit so far); otherwis
 Writes `exactness.json` and `exactness.md` to `--out`. `scripts/gpu_speed.py` is its companion (timings);
 `make gpu-check` runs both in one 10-minute GPU window, `make gpu-check ARGS=--smoke` both on the CPU.
 `--smoke` runs every unit on the CPU with fewer samples, the compiled ones with dynamo's "eager" backend
-(graphs traced whole and run as traced; inductor's kernel compilation would take minutes here), in well
-under 2 minutes.
+(graphs traced whole and run as traced; inductor's kernel compilation would take minutes here), in about
+a minute.
 
 Imports only torch, transformers, `spectr` and the standard library, and builds its models in-script: the
 GPU machine has torch 2.11 and transformers 5.17 and no network. Its copy of the working tree is limited to
@@ -94,10 +94,11 @@ class UnitRunner:
 
     A unit starts only while the budget is not spent and at least as much time is left as the last unit of the
     same kind took (for the first of its kind: its `estimate_s`, else the longest unit so far), so that a unit
-    that cannot finish in time is not begun; otherwise it is recorded with status "skipped" and the reason. A unit that raises is recorded with status "error" and its traceback, and the
-    next one runs. Nothing interrupts a running unit: the budget is checked between units only.
-    After every unit `results.json`-style `<stem>.json` and `<stem>.md` are rewritten (`summarize` fills
-    `results["summary"]` from the units first), so a run killed from outside keeps what it had.
+    that cannot finish in time is not begun; otherwise it is recorded with status "skipped" and the reason.
+    A unit that raises is recorded with status "error" and its traceback, and the next one runs. Nothing
+    interrupts a running unit: the budget is checked between units only. After every unit `<stem>.json` and
+    `<stem>.md` are rewritten (`summarize` fills `results["summary"]` from the units first), so a run killed
+    from outside keeps what it had.
     """
 
     def __init__(self, *, out: Path, stem: str, budget_s: float, results: dict,

@@ -26,10 +26,11 @@ job's steady state (these runs are shorter than the engine's 64 eager iterations
 
 The time budget (`--budget-s`, counted from the script's start) is checked between units, never inside one:
 a unit starts only while time is left, and at least as much as the last unit of its kind took (the first
-of a kind: as much as the longest unit so far); otherwise it is recorded as "skipped". Writes `speed.json` and `speed.md` to `--out` after every unit. Exit status 0
-unless the script itself crashed (a unit that raises is recorded as an error row; speed is measured, not
-checked: `scripts/gpu_exactness.py` is the check). `--smoke` runs the same units on the CPU with a tiny
-Llama, the compiled ones with dynamo's "eager" backend, in well under 2 minutes.
+of a kind: as much as the longest unit so far); otherwise it is recorded as "skipped". Writes `speed.json`
+and `speed.md` to `--out` after every unit. Exit status 0 unless the script itself crashed (a unit that
+raises is recorded as an error row; speed is measured, not checked: `scripts/gpu_exactness.py` is the
+check). `--smoke` runs the same units on the CPU with a tiny Llama, the compiled ones with dynamo's "eager"
+backend, in about a minute.
 
 Imports only torch, transformers, `spectr`, the standard library and its companion `gpu_exactness.py`
 (the unit runner), and builds its models in-script.
@@ -418,7 +419,8 @@ def speed_units(plan: Plan, with_auto: bool = True, methods: tuple[str, ...] = (
     has it)."""
     k, length = plan.headline_spectr
     single = plan.headline_length
-    units = [SpeedUnit(versus_hf_unit(b), "headline vs HF", (SpeedRun("ours", b, compiled=True), SpeedRun("hf_static", b)), plan.repeats)
+    units = [SpeedUnit(versus_hf_unit(b), "headline vs HF",
+                       (SpeedRun("ours", b, compiled=True), SpeedRun("hf_static", b)), plan.repeats)
              for b in plan.speed_batches]
     units.append(SpeedUnit("headline B=1: exact methods vs autoregressive, compiled", "headline exact",
                            (SpeedRun("ours", 1, compiled=True), SpeedRun("ours", 1, "spectr", k, length, True),
@@ -431,8 +433,8 @@ def speed_units(plan: Plan, with_auto: bool = True, methods: tuple[str, ...] = (
         units.append(SpeedUnit(f"B={b}: eager, HF generate" + (", SpecTr compiled" if b != 1 else ""),
                                "per batch, compiling" if b != 1 else "per batch", group, plan.repeats))
     units.append(SpeedUnit("B=1: ours speculative vs HF assisted", "assisted",
-                           (SpeedRun("ours", 1, "speculative", 1, single), SpeedRun("hf_assisted", 1, draft_length=single)),
-                           plan.repeats))
+                           (SpeedRun("ours", 1, "speculative", 1, single),
+                            SpeedRun("hf_assisted", 1, draft_length=single)), plan.repeats))
     for b in sorted(plan.speed_batches, key=lambda b: (b == 1, b)):  # batch 1 last: the slowest per token
         for drafts, draft_length in itertools.product(plan.grid_drafts, plan.grid_lengths):
             if (drafts, draft_length) != plan.headline_spectr:
