@@ -31,6 +31,9 @@ MODEL_KEYS = ("dtype", "trust_remote_code", "allow_pickle", "device_map")
 # `spectr.*` settings a row sets for itself instead (sampling_params) or that the stage fixes
 NOT_ENGINE_KEYS = ("num_samples", "stop", "logprobs", "plan_cache")
 SAMPLING_PARAMS_COLUMN = "sampling_params"
+# rows in flight per actor (the engine's batch) when engine_kwargs has no batch_size: a GPU is filled by more rows
+# (a guess until a GPU run measures it); a CPU forward costs about in proportion to its rows
+ENGINE_BATCH_SIZE = {"gpu": 64, "cpu": 8}
 
 
 def engine_keys() -> tuple[str, ...]:
@@ -45,7 +48,7 @@ class SpecTrProcessorConfig:
 
     model_source: str  # the target's directory (as the job's model.target)
     draft_model_source: str  # the draft's directory (model.draft): same tokenizer and vocabulary
-    batch_size: int = 32  # rows per Ray Data batch (not the engine's rows in flight: engine_kwargs batch_size)
+    batch_size: int = 32  # rows per Ray Data batch (the engine's rows in flight are engine_kwargs' batch_size)
     concurrency: int | tuple[int, int] = 1  # actors: n (a fixed pool), or (min, max) (an autoscaling pool)
     accelerator_type: str | None = None  # e.g. "H100": each actor takes GPUs of that type
     num_gpus: int = 1  # GPUs per actor where there are GPUs; > 1 with engine_kwargs device_map="auto" splits the target
@@ -71,6 +74,8 @@ class SpecTrProcessorConfig:
         if unknown:
             raise ValueError(f"SpecTrProcessorConfig: unknown engine_kwargs {', '.join(unknown)}; known: "
                              f"{', '.join(engine_keys())} (per-row settings go in the rows' sampling_params)")
+        for key in ("model_source", "draft_model_source"):
+            missing_local_path(key, getattr(self, key))
         check_model(self.model_config())
         check_spectr(self.spectr_config())
         self.data_config()
@@ -80,22 +85,24 @@ class SpecTrProcessorConfig:
         own = {k: v for k, v in self.engine_kwargs.items() if k in MODEL_KEYS}
         return ModelConfig(target=str(self.model_source), draft=str(self.draft_model_source), **own)
 
-    def spectr_config(self) -> SpectrConfig:
+    def spectr_config(self, gpu: bool = False) -> SpectrConfig:
         """The job's `spectr.*` section: the engine_kwargs, with each token's log-probability kept (a row's
-        `sampling_params.logprobs` decides whether its `generated_logprobs` is filled)."""
+        `sampling_params.logprobs` decides whether its `logprobs` is filled). Without an engine_kwargs
+        `batch_size` (rows in flight per actor), `ENGINE_BATCH_SIZE` for the device (`gpu`)."""
         own = {k: v for k, v in self.engine_kwargs.items() if k not in MODEL_KEYS}
+        own.setdefault("batch_size", ENGINE_BATCH_SIZE["gpu" if gpu else "cpu"])
         spectr = SpectrConfig(**{**own, "logprobs": True})
         if spectr.method in ("speculative", "block"):
             spectr = dataclasses.replace(spectr, num_drafts=1)  # K = 1 methods, as the job's config says
         return spectr
 
-    def batches_in_flight(self) -> int:
+    def batches_in_flight(self, gpu: bool = False) -> int:
         """Ray Data batches an actor holds at once: enough rows to fill its engine's slots (rows in flight,
         engine_kwargs `batch_size`) plus one batch to refill them as rows finish, at most
         `max_concurrent_batches`. More would only sit in the actor: the first actor to load would hold the
         batches that another, ready a moment later, could run (4 batches of 32 rows on 2 actors of 8 slots
         went 4 and 0 with the bound at 4)."""
-        slots = self.spectr_config().batch_size
+        slots = self.spectr_config(gpu).batch_size
         return min(self.max_concurrent_batches, -(-slots // self.batch_size) + 1)
 
     def data_config(self) -> DataConfig:
@@ -106,6 +113,20 @@ class SpecTrProcessorConfig:
                           sampling_params_column=SAMPLING_PARAMS_COLUMN)
         check_row_columns_config(data)
         return data
+
+
+def missing_local_path(key: str, source: Any) -> None:
+    """A model source that names a local path (absolute, ./ or ../, ~, or more than one '/': not a hub id
+    `org/name`) must exist: refused on the driver, before any actor starts. A hub id or an s3:// / gs:// URI
+    goes on to loading, as in `ray.data.llm` (which this machine cannot reach: not tested beyond this)."""
+    from pathlib import Path
+
+    text = str(source)
+    if "://" in text:
+        return
+    local = text.startswith(("/", "./", "../", "~")) or text.count("/") > 1 or Path(text).exists()
+    if local and not Path(text).expanduser().exists():
+        raise ValueError(f"SpecTrProcessorConfig: {key} {text!r} is a local path that does not exist")
 
 
 def pool_size(concurrency: Any) -> dict[str, int]:

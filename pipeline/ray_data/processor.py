@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from pipeline.ray_data.config import SpecTrProcessorConfig, pool_size
+from pipeline.ray_data.config import SAMPLING_PARAMS_COLUMN, SpecTrProcessorConfig, pool_size
 from pipeline.ray_data.stage import ERROR_COLUMN, SpecTrStage
 
 
@@ -70,6 +70,19 @@ class SpecTrProcessor:
 
     stage_class: type = SpecTrStage  # the actor (a subclass may add instrumentation: scripts/bench_ray_data.py)
 
+    def input_column_names(self) -> list[str]:
+        """The columns the stage reads after `preprocess` (the others pass through unchanged)."""
+        prompt = "messages" if self.config.apply_chat_template else "prompt"
+        return [prompt, f"{SAMPLING_PARAMS_COLUMN} (optional)", "id (optional: the seed's key)"]
+
+    def log_input_column_names(self) -> list[str]:
+        """As `ray.data.llm`'s processors: log (and return) the columns the stage expects."""
+        import logging
+
+        names = self.input_column_names()
+        logging.getLogger("pipeline").info("SpecTr stage input columns: %s", ", ".join(names))
+        return names
+
     def __call__(self, dataset: Any) -> Any:
         if self.preprocess is not None:
             dataset = dataset.map(MergedPreprocess(self.preprocess), **self.preprocess_map_kwargs)
@@ -89,16 +102,17 @@ class SpecTrProcessor:
         config = self.config
         if gpus is None:
             gpus = ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
+        in_flight = config.batches_in_flight(bool(config.accelerator_type or gpus))
         kwargs: dict[str, Any] = dict(
             fn_constructor_kwargs={"config": config},
             # no batches queued on an actor beyond those it runs (Ray's default queues as many again): a
             # queued batch waits for its actor while another may have free slots, e.g. when one actor loads first
             compute=ray.data.ActorPoolStrategy(**pool_size(config.concurrency),
-                                               max_tasks_in_flight_per_actor=config.batches_in_flight()),
+                                               max_tasks_in_flight_per_actor=in_flight),
             batch_size=config.batch_size,
             batch_format="pyarrow",
             zero_copy_batch=True,
-            max_concurrency=config.batches_in_flight(),  # Ray Core: concurrent calls per (async) actor
+            max_concurrency=in_flight,  # Ray Core: concurrent calls per (async) actor
         )
         if config.accelerator_type or gpus:
             kwargs["num_gpus"] = config.num_gpus  # > 1 with device_map="auto": the target split over them
@@ -111,10 +125,20 @@ class SpecTrProcessor:
 
 def build_processor(config: SpecTrProcessorConfig, preprocess: Callable | None = None,
                     postprocess: Callable | None = None, preprocess_map_kwargs: dict[str, Any] | None = None,
-                    postprocess_map_kwargs: dict[str, Any] | None = None) -> SpecTrProcessor:
-    """The SpecTr stage (with the optional row functions around it): call it on a Dataset to get one."""
+                    postprocess_map_kwargs: dict[str, Any] | None = None,
+                    builder_kwargs: dict[str, Any] | None = None) -> SpecTrProcessor:
+    """The SpecTr stage (with the optional row functions around it): call it on a Dataset to get one.
+    builder_kwargs: as `ray.data.llm.build_processor`'s, more keyword arguments of this builder (here the
+    map kwargs: `preprocess_map_kwargs`, `postprocess_map_kwargs`)."""
     if not isinstance(config, SpecTrProcessorConfig):
         raise TypeError(f"build_processor takes a SpecTrProcessorConfig, got {type(config).__name__}")
+    extra = dict(builder_kwargs or {})
+    unknown = sorted(set(extra) - {"preprocess_map_kwargs", "postprocess_map_kwargs"})
+    if unknown:
+        raise TypeError(f"build_processor: unknown builder_kwargs {', '.join(unknown)}; known: "
+                        "preprocess_map_kwargs, postprocess_map_kwargs")
+    preprocess_map_kwargs = extra.get("preprocess_map_kwargs", preprocess_map_kwargs)
+    postprocess_map_kwargs = extra.get("postprocess_map_kwargs", postprocess_map_kwargs)
     return SpecTrProcessor(config, preprocess, postprocess, preprocess_map_kwargs, postprocess_map_kwargs)
 
 

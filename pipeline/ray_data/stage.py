@@ -11,11 +11,12 @@ method auto). Ray Data calls `__call__` for up to `config.batches_in_flight()` b
 its rows share the batch with the other calls' rows: a freed slot takes a row of any batch, so the engine's
 slots stay full across Ray Data batch boundaries, exactly as they do across the job's shards.
 
-A row: `prompt` (or `messages`, with `apply_chat_template`), optional `sampling_params` (`max_tokens`,
-`temperature`, `top_p`, `top_k`, `seed`, `stop`, `logprobs`), any other columns (returned unchanged).
+A row: `prompt` (or `messages`, with `apply_chat_template`), optional `sampling_params` (vLLM's names:
+`pipeline.row_columns.SAMPLING_KEYS`), any other columns (returned unchanged).
 Its seed: `sampling_params.seed`, else the job's rule (`row_seed(engine seed, id)`) with its `id` column as
-the id, else with its prompt text (as rendered) as the id. So a row's tokens are those of `spectr.generate`
-on its prompt ids with that seed and the same settings, whatever batch it shares.
+the id, else a fresh one (vLLM's `seed=None`: repeated rows are independent samples). So a row with an id or a
+seed gets the tokens of `spectr.generate` on its prompt ids with that seed and the same settings, whatever
+batch it shares.
 A row that cannot run (no prompt, bad sampling_params, a prompt too long for the model, an engine error)
 fails alone: with `should_continue_on_error` it carries the message in `__inference_error__` (`""` on the
 others, as Ray Data LLM does), else the batch raises and the dataset fails.
@@ -48,10 +49,11 @@ def output_types() -> dict[str, Any]:
         "num_input_tokens": pa.int64(),
         "prompt_token_ids": pa.list_(pa.int32()),
         "time_taken_llm": pa.float64(),  # seconds from joining the batch to finishing
-        "finish_reason": pa.string(),  # eos | length | stop | error
+        "finish_reason": pa.string(),  # vLLM's: stop | length (and error)
+        "stop_reason": pa.string(),  # null, the matched stop string, or the stop token id as text
         "target_calls": pa.int64(),
         "block_efficiency": pa.float64(),
-        "generated_logprobs": pa.list_(pa.float32()),  # null unless the row's sampling_params.logprobs asks
+        "logprobs": pa.list_(pa.float32()),  # raw target log-probabilities; null unless sampling_params.logprobs
     }
 
 
@@ -63,10 +65,12 @@ class SpecTrStage:
     """One draft/target pair and one continuous batch per actor; see the module docstring."""
 
     def __init__(self, config: SpecTrProcessorConfig):
+        import torch
+
         from pipeline.generate.worker import ShardGenerator
 
         self.config = config
-        spectr = config.spectr_config()
+        spectr = config.spectr_config(gpu=torch.cuda.is_available())
         self.generator = ShardGenerator(config.model_config(), spectr, num_threads=max(1, round(config.num_cpus or 1)),
                                         data=config.data_config())
         self.generator.feed.max_budget = spectr.max_new_tokens  # the pool's first size: the default budget
@@ -90,7 +94,7 @@ class SpecTrStage:
     def _shard(self, index: int, rows: list[dict[str, Any]]) -> tuple[Any, list[bool]]:
         """The batch as the job's `Shard` (problems, rendered and tokenized prompts, seeds, sampling params),
         and which rows asked for log-probabilities."""
-        from pipeline.generate.shards import row_seed, shard_of_rows
+        from pipeline.generate.shards import shard_of_rows
         from pipeline.prompts import PromptRows
         from pipeline.rowcheck import messages_problem, prompt_problem
 
@@ -110,9 +114,8 @@ class SpecTrStage:
                           extras={SAMPLING_PARAMS_COLUMN: list(params)})
         with self.generator._text_lock:  # the fast tokenizer is not re-entrant
             shard = shard_of_rows(index, read, self.generator.tokenizer, self.data, self.generator.spectr.seed)
-        base = self.generator.spectr.seed
-        seeds = [seed if row.get("id") is not None else row_seed(base, text or "")
-                 for row, seed, text in zip(rows, shard.seeds, shard.prompts)]  # no id: the prompt is the id
+        seeds = [seed if row.get("id") is not None else fresh_seed()
+                 for row, seed in zip(rows, shard.seeds)]  # no id (and no sampling_params.seed): vLLM's seed=None
         return dataclasses.replace(shard, seeds=seeds), list(asked)
 
     def _with_outputs(self, batch: Any, shard: Any, generated: list[dict[str, Any]], asked: list[bool]) -> Any:
@@ -131,10 +134,10 @@ class SpecTrStage:
             "prompt_token_ids": shard.prompt_token_ids,
             "time_taken_llm": [row.get("time_taken_s") for row in generated],
             "finish_reason": [row["finish_reason"] for row in generated],
+            "stop_reason": [row.get("stop_reason") for row in generated],
             "target_calls": [row["target_calls"] for row in generated],
             "block_efficiency": [row["block_efficiency"] for row in generated],
-            "generated_logprobs": [row.get("completion_logprobs") if want else None
-                                   for row, want in zip(generated, asked)],
+            "logprobs": [row.get("completion_logprobs") if want else None for row, want in zip(generated, asked)],
         }
         types = output_types()
         if self.config.should_continue_on_error:
@@ -147,6 +150,14 @@ class SpecTrStage:
             where = table.schema.get_field_index(name)
             table = table.set_column(where, name, array) if where >= 0 else table.append_column(name, array)
         return table
+
+
+def fresh_seed() -> int:
+    """A row with neither an id nor a seed draws a fresh seed (vLLM's seed=None): repeated rows are independent
+    samples, and a rerun gives other ones."""
+    import secrets
+
+    return secrets.randbits(62)
 
 
 def _plain(value: Any) -> Any:

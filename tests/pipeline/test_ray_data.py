@@ -67,13 +67,13 @@ def test_rows_get_spectr_generates_tokens_for_their_seed_and_settings(stage):
         {"id": 10, "prompt": words(rng), "sampling_params": {"max_tokens": 5, "seed": 3, "logprobs": True}},
         {"id": 11, "prompt": words(rng), "sampling_params": {"max_tokens": 2}},
         {"id": 12, "prompt": words(rng), "sampling_params": {"max_tokens": 7, "temperature": 0.5, "top_k": 5}},
-        {"id": None, "prompt": words(rng), "sampling_params": None},  # no id: the prompt text seeds it
+        {"id": None, "prompt": words(rng), "sampling_params": {"seed": 4}},  # no id: its own seed
     ]
     out = stage.generate(pa.Table.from_pylist(rows)).to_pylist()
     assert [r["id"] for r in out] == [10, 11, 12, None]
     assert all(set(output_types()) | {ERROR_COLUMN, "sampling_params", "prompt"} <= set(r) for r in out)
     tok = stage.generator.tokenizer
-    seeds = [3, row_seed(0, 11), row_seed(0, 12), row_seed(0, rows[3]["prompt"])]
+    seeds = [3, row_seed(0, 11), row_seed(0, 12), 4]
     budgets = [5, 2, 7, 8]
     warps = [{}, {}, {"temperature": 0.5, "top_k": 5}, {}]
     for row, seed, budget, warp in zip(out, seeds, budgets, warps):
@@ -83,11 +83,44 @@ def test_rows_get_spectr_generates_tokens_for_their_seed_and_settings(stage):
         assert row["num_generated_tokens"] == len(row["generated_tokens"]) <= budget
         assert row["finish_reason"] in ("stop", "length") and row[ERROR_COLUMN] == ""
         assert row["target_calls"] >= 1 and row["time_taken_llm"] >= 0
-    assert len(out[0]["generated_logprobs"]) == 5 and all(lp <= 0 for lp in out[0]["generated_logprobs"])
-    assert [r["generated_logprobs"] for r in out[1:]] == [None] * 3  # only where sampling_params asks
+    assert len(out[0]["logprobs"]) == 5 and all(lp <= 0 for lp in out[0]["logprobs"])
+    assert [r["logprobs"] for r in out[1:]] == [None] * 3  # only where sampling_params asks
     # negative control: another seed gives other tokens (the comparison above can fail)
     others = [reference(stage, r["prompt_token_ids"], s + 1, b, **w) for r, s, b, w in zip(out, seeds, budgets, warps)]
     assert others != [r["generated_tokens"] for r in out]
+
+
+def test_rows_without_id_or_seed_are_independent_samples_like_vllms_seed_none(stage):
+    """No id and no sampling_params.seed: a fresh seed per row (vLLM's seed=None), so copies of a prompt are
+    independent samples; the control: copies with one explicit seed are all the same."""
+    prompt = "the cat sat on"
+    fresh = stage.generate(pa.Table.from_pylist([{"prompt": prompt, "sampling_params": {"max_tokens": 6}}] * 8))
+    seeded = stage.generate(pa.Table.from_pylist([{"prompt": prompt, "sampling_params": {"max_tokens": 6,
+                                                                                      "seed": 9}}] * 8))
+    assert len({tuple(r["generated_tokens"]) for r in fresh.to_pylist()}) > 1
+    assert len({tuple(r["generated_tokens"]) for r in seeded.to_pylist()}) == 1
+
+
+def test_the_stage_reads_like_ray_data_llm(tiny_pair, tmp_path):
+    """ray.data.llm's surface: builder_kwargs, log_input_column_names, stop_reason; a missing local model path is
+    refused on the driver naming it (a hub id or an s3:// URI is passed on to loading); the engine's rows in flight
+    default by device."""
+    config = config_for(tiny_pair)
+    processor = build_processor(config, builder_kwargs={"postprocess_map_kwargs": {"num_cpus": 0.5}})
+    assert processor.postprocess_map_kwargs == {"num_cpus": 0.5}
+    assert processor.log_input_column_names()[0] == "prompt"
+    with pytest.raises(TypeError, match="unknown builder_kwargs nope"):
+        build_processor(config, builder_kwargs={"nope": 1})
+    missing = tmp_path / "no" / "such" / "model"
+    with pytest.raises(ValueError, match=f"model_source '{missing}' is a local path that does not exist"):
+        dataclasses.replace(config, model_source=str(missing))
+    from pipeline.ray_data.config import missing_local_path
+
+    missing_local_path("model_source", "Qwen/Qwen2.5-0.5B")  # a hub id: passed on
+    missing_local_path("model_source", "s3://bucket/models/target")
+    plain = config_for(tiny_pair, engine_kwargs={"method": "speculative"})
+    assert plain.spectr_config().batch_size == 8 and plain.spectr_config(gpu=True).batch_size == 64
+    assert "stop_reason" in output_types() and "logprobs" in output_types()
 
 
 def test_a_stop_string_cuts_the_completion(stage):
@@ -98,7 +131,7 @@ def test_a_stop_string_cuts_the_completion(stage):
     stop = words_out[2]
     cut = stage.generate(pa.Table.from_pylist([{**row, "sampling_params": {**row["sampling_params"],
                                                                            "stop": [stop]}}])).to_pylist()[0]
-    assert cut["finish_reason"] == "stop" and stop not in cut["generated_text"]
+    assert cut["finish_reason"] == "stop" and stop not in cut["generated_text"] and cut["stop_reason"] == stop
     assert full["generated_text"].startswith(cut["generated_text"])
     assert cut["generated_tokens"] == full["generated_tokens"][: cut["num_generated_tokens"]]
 
@@ -172,7 +205,7 @@ def test_failed_rows_carry_their_error_or_fail_the_batch(stage):
     out = stage.generate(pa.Table.from_pylist(rows)).to_pylist()
     errors = [r[ERROR_COLUMN] for r in out]
     assert "prompt is null" in errors[0] and "temperature must be >= 0" in errors[1]
-    assert "unknown key(s) n" in errors[2] and errors[3] and errors[4] == ""
+    assert "n=2 per row is not supported yet" in errors[2] and errors[3] and errors[4] == ""
     assert [r["finish_reason"] for r in out[:4]] == ["error"] * 4 and out[4]["num_generated_tokens"] == 3
     lenient = stage.config
     stage.config = dataclasses.replace(lenient, should_continue_on_error=False)
@@ -251,8 +284,8 @@ def test_read_parquet_from_s3_stage_write_parquet(ray_local, s3_prompts, stage, 
         seed = row_seed(0, row["id"]) if seed is None else seed
         assert row["generated_tokens"] == reference(stage, row["prompt_token_ids"], seed, row["budget"])
         assert row["answer_words"] == len(row["generated_text"].split())
-    assert len(out[2]["generated_logprobs"]) == out[2]["num_generated_tokens"]
-    assert all(r["generated_logprobs"] is None for r in out if r["id"] != 2)
+    assert len(out[2]["logprobs"]) == out[2]["num_generated_tokens"]
+    assert all(r["logprobs"] is None for r in out if r["id"] != 2)
 
 
 def test_ray_data_llm_build_processor_takes_the_config(tiny_pair):
@@ -314,3 +347,25 @@ def test_actors_do_not_import_the_ray_data_llm_registry(ray_local):
 
     assert ray.get(in_a_worker.remote()) == (False, False)
     assert pipeline.ray_data.RAY_DATA_LLM_REGISTERED
+
+
+@pytest.mark.slow
+def test_the_first_example_of_docs_ray_data_runs_as_written(ray_local, tiny_pair, tmp_path):
+    """docs/ray-data.md's first example, executed as written but for its paths (the tiny pair, local Parquet for
+    S3), a short budget and half a CPU per actor (the local Ray has 2): a pipeline written as for ray.data.llm."""
+    from pipeline.config import PROJECT_ROOT
+
+    text = (PROJECT_ROOT / "docs" / "ray-data.md").read_text()
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    rng = random.Random(5)
+    pq.write_table(pa.Table.from_pylist([{"id": i, "text": words(rng)} for i in range(12)]), tmp_path / "in.parquet")
+    for old, new in (("assets/models/target", str(tiny_pair["target"])), ("assets/models/draft", str(tiny_pair["draft"])),
+                     ("concurrency=2,", "concurrency=2, num_cpus=0.5,"), ('"max_tokens": 128', '"max_tokens": 4'),
+                     ('"s3://bucket/prompts/"', repr(str(tmp_path / "in.parquet"))),
+                     ('"s3://bucket/completions/"', repr(str(tmp_path / "out")))):
+        assert old in code, old
+        code = code.replace(old, new)
+    exec(compile(code, "docs/ray-data.md", "exec"), {})
+    out = sorted(pq.read_table(tmp_path / "out").to_pylist(), key=lambda r: r["id"])
+    assert [r["id"] for r in out] == list(range(12)) and set(out[0]) == {"id", "completion", "tokens", "reason"}
+    assert all(r["reason"] in ("stop", "length") and 1 <= r["tokens"] <= 4 for r in out)
