@@ -59,8 +59,9 @@ def rows_in_flight(snapshot: dict[int, int], shards: list[Shard]) -> int:
 class ProgressBar:
     """The driver's tqdm bar over prompts: whole shards as they are written, plus the rows in flight.
 
-    It redraws only when the count changes (a log file gets a line per redraw) and shows the run's
-    tokens/s and block efficiency so far. `on_progress` (a test hook) sees every shown count.
+    It redraws only when the count changes (a log file gets a line per redraw), never goes back (a retried
+    shard's overshoot waits for the count to catch up), and shows the run's tokens/s and block efficiency so
+    far. `on_progress` (a test hook) sees every shown count.
     """
 
     def __init__(
@@ -81,7 +82,9 @@ class ProgressBar:
         self.calls = 0
 
     def show(self, in_flight: int = 0, redraw: bool = False) -> None:
-        shown = min(self.written + in_flight, self.total)
+        # never back: at a shard's commit its rows move from in flight to written, and the other shards' rows
+        # in flight are only known again at the next poll
+        shown = max(self.bar.n, min(self.written + in_flight, self.total))
         if shown == self.bar.n and not redraw:
             return  # nothing new since the last poll: no redraw (a log file gets a line per redraw)
         self.bar.n = shown
