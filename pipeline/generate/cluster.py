@@ -17,7 +17,7 @@ log = logging.getLogger("pipeline")
 
 
 @contextlib.contextmanager
-def ray_session(config: RayConfig) -> Iterator[None]:
+def ray_session(config: RayConfig, verbose: bool = True) -> Iterator[None]:
     """Join the configured cluster, or start a local Ray; shut down only what we started.
 
     When this process is already connected to Ray (a notebook, a test session), that connection is used.
@@ -32,7 +32,8 @@ def ray_session(config: RayConfig) -> Iterator[None]:
         return
     if config.address:
         try:
-            ray.init(address=config.address, log_to_driver=True)
+            ray.init(address=config.address, log_to_driver=True,
+                     logging_level=logging.INFO if verbose else logging.WARNING)
         except ConnectionError as err:
             raise JobInputError(
                 f"ray.address: cannot join a Ray cluster at {config.address!r}: {err}"
@@ -41,6 +42,7 @@ def ray_session(config: RayConfig) -> Iterator[None]:
         ray.init(
             num_cpus=config.local_num_cpus,
             include_dashboard=False,
+            logging_level=logging.INFO if verbose else logging.WARNING,
             object_store_memory=config.local_object_store_mb * 1024 * 1024,
         )
     try:

@@ -88,6 +88,7 @@ class GenerateConfig:
     retry_failed: bool = True  # on resume, regenerate shards that have error rows
     lease_timeout_s: float = 60.0  # another job's lease without a heartbeat for this long is taken over
     progress: bool = True
+    verbose: bool = False  # the libraries' INFO lines too (MLflow's store and system metrics, Ray's start)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

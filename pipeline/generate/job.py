@@ -12,6 +12,7 @@ no rows: it receives each shard's statistics, file name and size, and appends th
 from __future__ import annotations
 
 import logging
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -71,10 +72,21 @@ class GenerationRun:
     generation_s: float = 0.0
 
 
+def quiet_libraries(verbose: bool) -> None:
+    """Without `verbose`, the libraries' INFO lines stay out of the job's output (MLflow's database creation and
+    system-metrics messages, Ray's start); their warnings and errors still show."""
+    level = logging.INFO if verbose else logging.WARNING
+    if not verbose:
+        os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # read when mlflow is first imported
+    for name in ("mlflow", "ray"):  # and for an mlflow imported already
+        logging.getLogger(name).setLevel(level)
+
+
 def run_generate(config: GenerateConfig, hooks: RunHooks | None = None) -> JobReport:
     """Run the whole job. Raises JobInputError (before anything starts) for bad input."""
     started = time.perf_counter()
     install_log_filter()  # no URI's password in the log
+    quiet_libraries(config.verbose)
     plan = prepare(config)
     check_reachable(config.mlflow)
     done = plan.state.rows_done
@@ -185,7 +197,7 @@ def _generate(
     import ray
 
     config = plan.config
-    with ray_session(config.ray):
+    with ray_session(config.ray, config.verbose):
         count, cpus_each, gpus_each = actor_resources(config.ray, ray.cluster_resources(), plan.shards_to_do)
         log.info("ray ready (%.1f s); starting %d actor(s)", time.perf_counter() - started, count)
         pool = ShardActorPool(config, count, cpus_each, gpus_each, _worker_job(plan, schema))
