@@ -70,6 +70,30 @@ class GenerationRun:
     device: str = "-"
     generation_started: float = 0.0
     generation_s: float = 0.0
+    startup_phases: dict[str, float] = field(default_factory=dict)  # seconds per phase (`startup_line`)
+
+
+def startup_phases(checked_s: float, ray_s: float, actors_s: float, workers: list[dict[str, Any]],
+                   waiting_mlflow_s: float, mlflow_s: float | None) -> dict[str, float]:
+    """Seconds per startup phase: the config and input check; Ray's start (from the check's end); the actors,
+    split into their own import-and-load seconds (the slowest actor's) and the rest (spawning them, Ray's
+    scheduling); MLflow's run creation (it overlaps Ray's start and the actors') and how long the driver then
+    still waited for it."""
+    load = max((float(w.get("startup", {}).get("load_s", 0.0)) for w in workers), default=0.0)
+    phases = {"check": checked_s, "ray_start": max(0.0, ray_s - checked_s), "actor_spawn": max(0.0, actors_s - load),
+              "actor_load": min(load, actors_s), "mlflow_wait": waiting_mlflow_s}
+    if mlflow_s is not None:
+        phases["mlflow_start"] = mlflow_s
+    return phases
+
+
+def startup_line(phases: dict[str, float]) -> str:
+    """One line: where the startup went (the phases that add up, then MLflow's overlapped start)."""
+    own = [k for k in ("check", "ray_start", "actor_spawn", "actor_load", "mlflow_wait") if k in phases]
+    total = sum(phases[k] for k in own)
+    parts = " + ".join(f"{k.replace('_', ' ')} {phases[k]:.1f}" for k in own)
+    overlapped = f" (mlflow start {phases['mlflow_start']:.1f} s, overlapped)" if "mlflow_start" in phases else ""
+    return f"startup {total:.1f} s = {parts}{overlapped}"
 
 
 def quiet_libraries(verbose: bool) -> None:
@@ -89,6 +113,7 @@ def run_generate(config: GenerateConfig, hooks: RunHooks | None = None) -> JobRe
     quiet_libraries(config.verbose)
     plan = prepare(config)
     check_reachable(config.mlflow)
+    plan.checked_s = time.perf_counter() - started
     done = plan.state.rows_done
     log.info(
         "checked config, models and %d prompts in %.1f s; %d of %d shards to generate%s",
@@ -118,8 +143,10 @@ def _start_tracking(tracker: Any, params: dict[str, Any], tags: dict[str, str]) 
     to create (`JobInputError`: exit 2 before anything is generated) stops the job; any other failure
     (MLflow's client has already retried its requests) is a warning, and the job goes on without MLflow:
     bookkeeping never fails a job."""
+    started = time.perf_counter()
     try:
         tracker.start(params=params, tags=tags)
+        tracker.start_s = time.perf_counter() - started  # the startup line's "mlflow start"
         return tracker
     except JobInputError:
         raise
@@ -199,26 +226,32 @@ def _generate(
     config = plan.config
     with ray_session(config.ray, config.verbose):
         count, cpus_each, gpus_each = actor_resources(config.ray, ray.cluster_resources(), plan.shards_to_do)
-        log.info("ray ready (%.1f s); starting %d actor(s)", time.perf_counter() - started, count)
+        ray_ready = time.perf_counter()
+        log.info("ray ready (%.1f s); starting %d actor(s)", ray_ready - started, count)
         pool = ShardActorPool(config, count, cpus_each, gpus_each, _worker_job(plan, schema))
         try:
-            return _generate_on(pool, plan, schema, tracker_started, hooks, started, (count, cpus_each, gpus_each))
+            return _generate_on(pool, plan, schema, tracker_started, hooks, started, (count, cpus_each, gpus_each),
+                                ray_ready)
         finally:
             pool.shutdown()
 
 
 def _generate_on(
     pool: ShardActorPool, plan: JobPlan, schema: Any, tracker_started: Future, hooks: RunHooks | None,
-    started: float, resources: tuple[int, float, float],
+    started: float, resources: tuple[int, float, float], ray_ready: float = 0.0,
 ) -> GenerationRun:
     """Wait for the pool's actors (`resources`: their count, CPUs and GPUs each), then generate every shard
     still to do on them."""
     count, cpus_each, gpus_each = resources
     workers = pool.wait_ready()
-    log.info("actors loaded the pair (%.1f s)", time.perf_counter() - started)
+    loaded = time.perf_counter()
+    log.info("actors loaded the pair (%.1f s)", loaded - started)
     tracker = tracker_started.result()  # MLflow's start overlapped Ray's and the actors'
     if tracker.run_id:
         log.info("mlflow run %s (%.1f s)", tracker.run_id, time.perf_counter() - started)
+    phases = startup_phases(plan.checked_s, ray_ready - started, loaded - ray_ready, workers,
+                            time.perf_counter() - loaded, getattr(tracker, "start_s", None))
+    log.info("%s", startup_line(phases))
     _open_output(plan)
     _best_effort("mlflow: job start", tracker.job_started, count, workers)  # tags; the run file
     if hooks and hooks.on_actors_ready:
@@ -227,7 +260,7 @@ def _generate_on(
         f"{workers[0]['device']} ({cpus_each:g} CPU, {gpus_each:g} GPU, "
         f"{workers[0]['torch_threads']} torch threads each)"
     )
-    run = GenerationRun(num_actors=len(workers), device=device)
+    run = GenerationRun(num_actors=len(workers), device=device, startup_phases=phases)
     _run_shards(plan, pool, schema, hooks, run, tracker)
     return run
 
@@ -309,6 +342,7 @@ def _finish(plan: JobPlan, tracker: Any, run: GenerationRun, started: float, sta
         earlier_generation_s=tracker.earlier_generation_s,
         earlier_wall_s=tracker.earlier_wall_s,
     )
+    summary.startup_phases = dict(run.startup_phases)
     messages = _failure_messages(plan, summary)
     plan_cache.save_states(plan, plan_cache.pair_key(plan), run.planner_states)  # method=auto; best effort
     if not messages:

@@ -57,6 +57,7 @@ class JobPlan:
     lease: Any = field(default=None)  # the job's `Lease` while it runs (set by pipeline.generate.job)
     run_tag: str = field(default_factory=lambda: uuid.uuid4().hex[:8])  # fences this run's part names
     limit_note: str = ""  # "first N of M rows (data.limit)" when data.limit left input rows out
+    checked_s: float = 0.0  # seconds the config and input check took (the job's first line)
 
     @property
     def output_dir(self) -> str:

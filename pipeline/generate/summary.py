@@ -121,6 +121,7 @@ class JobSummary:
     planner_values: dict[str, float] = field(default_factory=dict)  # method=auto: `planner_metrics`
     compile_s: float = 0.0  # spectr.compile: seconds the actors spent compiling (summed), inside generation
     compile_fallbacks: int = 0  # compiled calls that failed or disagreed with eager, answered eagerly (spectr.native)
+    startup_phases: dict[str, float] = field(default_factory=dict)  # this run's startup, seconds per phase
 
     @classmethod
     def build(
@@ -215,6 +216,7 @@ class JobSummary:
             values["planner_measured_tokens_per_s"] = self.planner_measured_tokens_per_s
             values["planner_measured_over_predicted"] = self.measured_over_predicted
         values.update(self.planner_values)
+        values.update({f"startup_{phase}_s": float(seconds) for phase, seconds in self.startup_phases.items()})
         return values
 
     @property

@@ -97,6 +97,7 @@ class ShardGenerator:
         generation.
         job: what `generate_shard` needs (the pool sends it with each shard instead, by reference).
         data: where rows' own settings are when there is no job (the Ray Data stage, `pipeline.ray_data`)."""
+        init_started = time.time()
         import torch
 
         from pipeline import models
@@ -131,6 +132,7 @@ class ShardGenerator:
         self.eos_token_id = models.eos_token_ids_of(self.target, self.tokenizer)  # every EOS id
         # one continuous batch (one cache pool) for every shard this actor holds, built at the first shard
         self.feed = ShardFeed(self.target, self.draft, spectr, self.eos_token_id, on_rows=self._report_rows)
+        self.startup = {"load_s": time.time() - init_started}  # torch, the stack's imports, the pair's load
         self.feed.decode = self._decode  # stop strings end rows early (pipeline.generate.feed)
 
     def ready(self) -> dict[str, Any]:
@@ -148,6 +150,7 @@ class ShardGenerator:
             "device": self.device,
             "device_kind": device_kind(self.device),
             "torch_threads": torch.get_num_threads(),
+            "startup": getattr(self, "startup", {}),  # the actor's own seconds: imports and loading the pair
         }
 
     def ping(self) -> dict[str, Any]:
