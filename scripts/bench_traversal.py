@@ -16,8 +16,9 @@ growing K L; the grid stops once --budget-s seconds have been spent, and the rep
     .venv/bin/python scripts/bench_traversal.py --threads 1 [--drafts 2 3 4 5 6 7 8 --lengths 2 3 4 5 6 7 8
         --prompts 16 --new-tokens 48 --budget-s 900 --out benchmarks/results/traversal]
 
-Writes block_efficiency.md (a table) and block_efficiency.json (every cell, the settings, the command)
-under --out. Not a test: nothing is asserted (the slow test in tests/spectr/test_traversal_e2e.py asserts
+Writes block_efficiency.md (a table, with a row pooled over K: tokens / calls summed over the cells of
+each L) and block_efficiency.json (every cell, the settings, the command) under --out; --from-json rewrites
+the table from an earlier run's JSON. Not a test: nothing is asserted (the slow test in tests/spectr/test_traversal_e2e.py asserts
 the 1.03x goal).
 """
 
@@ -57,6 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--bootstrap", type=int, default=2000)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "traversal"))
+    parser.add_argument("--from-json", help="only rewrite the markdown of this block_efficiency.json")
     return parser.parse_args(argv)
 
 
@@ -119,6 +121,13 @@ def markdown(cells, drafts, lengths, settings: dict) -> str:
             c = done.get((k, n))
             row.append("-" if c is None else f"{c['ratio']:.3f}x ({c['traversal']['block_efficiency']:.2f})")
         lines.append(f"| {k} | " + " | ".join(row) + " |")
+    pooled = []
+    for n in lengths:  # tokens / calls summed over the K that ran at this L
+        here = [c for c in cells if c["draft_length"] == n]
+        rate = {m: sum(c[m]["generated_tokens"] for c in here) / max(1, sum(c[m]["target_calls"] for c in here))
+                for m in METHODS}
+        pooled.append(f"{rate['traversal'] / rate['spectr']:.3f}x" if here else "-")
+    lines.append("| all K (pooled) | " + " | ".join(pooled) + " |")
     lines += ["", "| K | L | spectr | traversal | ratio | 95% (bootstrap over prompts) | calls spectr / traversal |",
               "|---|---|---|---|---|---|---|"]
     for c in cells:
@@ -131,6 +140,13 @@ def markdown(cells, drafts, lengths, settings: dict) -> str:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        cells = saved["cells"]
+        drafts = sorted({c["num_drafts"] for c in cells})
+        lengths = sorted({c["draft_length"] for c in cells})
+        Path(args.from_json).with_suffix(".md").write_text(markdown(cells, drafts, lengths, saved["settings"]))
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     import transformers
