@@ -64,6 +64,7 @@ class MlflowConfig:
     log_every_s: float = 5.0  # live metrics while a job runs: one point at most this often (<= 30 s)
     system_metrics: bool = True  # MLflow's system-metrics monitor on the driver (CPU, memory, GPU)
     system_metrics_interval_s: float = 10.0  # its sampling period
+    shutdown_timeout_s: float = 10.0  # at a job's end, the most it waits for MLflow (queued points; the final logging)
 
 
 def resolved_container(cfg: Any) -> dict[str, Any]:
@@ -197,6 +198,8 @@ def check_mlflow(m: MlflowConfig) -> None:
         raise out_of_range("mlflow.log_every_s", "in (0, 30] seconds", m.log_every_s)
     if not (0.0 < m.system_metrics_interval_s <= 3600.0):
         raise out_of_range("mlflow.system_metrics_interval_s", "in (0, 3600] seconds", m.system_metrics_interval_s)
+    if not (0.0 <= m.shutdown_timeout_s <= 3600.0):
+        raise out_of_range("mlflow.shutdown_timeout_s", "in [0, 3600] seconds", m.shutdown_timeout_s)
 
 
 def shared_sections(model: Any, data: Any, mlflow: Any) -> tuple[ModelConfig, DataConfig, MlflowConfig]:

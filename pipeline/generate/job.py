@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ class JobReport:
     tracker_lines: list[tuple[str, str]] = field(default_factory=list)  # where the MLflow run is
     total_s: float = 0.0  # run_generate's wall time, including the final MLflow logging
     logging_s: float = 0.0  # the final MLflow logging (metrics, artifacts, plot)
+    mlflow_dropped: int = 0  # live MLflow points never sent (a slow or down server; the final ones are logged)
 
 
 @dataclass
@@ -71,6 +73,7 @@ class GenerationRun:
     generation_started: float = 0.0
     generation_s: float = 0.0
     startup_phases: dict[str, float] = field(default_factory=dict)  # seconds per phase (`startup_line`)
+    live: Any = None  # the live MLflow metrics, stopped once the results are written (they never wait on MLflow)
 
 
 def startup_phases(checked_s: float, ray_s: float, actors_s: float, workers: list[dict[str, Any]],
@@ -253,7 +256,8 @@ def _generate_on(
                             time.perf_counter() - loaded, getattr(tracker, "start_s", None))
     log.info("%s", startup_line(phases))
     _open_output(plan)
-    _best_effort("mlflow: job start", tracker.job_started, count, workers)  # tags; the run file
+    _within(plan.config.mlflow.shutdown_timeout_s, "mlflow: job start", _best_effort, "mlflow: job start",
+            tracker.job_started, count, workers)  # tags; the run file (bounded: the actors are waiting)
     if hooks and hooks.on_actors_ready:
         hooks.on_actors_ready(pool.actors, workers)
     device = (
@@ -301,10 +305,13 @@ def _run_shards(
             ShardQueue(plan.todo(), plan.shard), on_result, hooks,
             on_partial=on_partial if watching else None, check=plan.lease.check,
         )  # fmt: skip
+    except BaseException:
+        live.stop(timeout_s=0.0)  # the job fails: what waits for MLflow is dropped
+        raise
     finally:
         bar.close()
         commits.close()
-        live.stop()
+    run.live = live  # stopped by `_finish`, after _SUCCESS and the actors' release
     run.generation_s = time.perf_counter() - run.generation_started
 
 
@@ -352,8 +359,12 @@ def _finish(plan: JobPlan, tracker: Any, run: GenerationRun, started: float, sta
         if removed:
             log.info("removed %d part file(s) of attempts that were not committed", len(removed))
         write_success(output)
+    # MLflow last, each step bounded: the results above never wait on it, nor does the job's end
     logging_started = time.perf_counter()
-    _best_effort("mlflow: final logging", tracker.finish, summary, _params(plan), "FAILED" if messages else "FINISHED")
+    timeout_s = plan.config.mlflow.shutdown_timeout_s
+    dropped = run.live.stop(timeout_s) if run.live is not None else 0
+    _within(timeout_s, "mlflow: final logging", _best_effort, "mlflow: final logging", tracker.finish, summary,
+            _params(plan), "FAILED" if messages else "FINISHED")  # fmt: skip
     logging_s = time.perf_counter() - logging_started
     return JobReport(
         plan=plan,
@@ -365,7 +376,24 @@ def _finish(plan: JobPlan, tracker: Any, run: GenerationRun, started: float, sta
         tracker_lines=tracker.describe(),
         total_s=time.perf_counter() - started,
         logging_s=logging_s,
+        mlflow_dropped=dropped,
     )
+
+
+def _within(timeout_s: float, what: str, function: Any, *args: Any) -> bool:
+    """`function(*args)` on a daemon thread, waited for at most `timeout_s`: MLflow's client retries a
+    request for minutes, and a down or hanging server must hold neither the actors nor the job's end. False
+    (and a warning) when it had not finished; it may still finish later, or end with the process."""
+    thread = threading.Thread(target=function, args=args, name="mlflow-bounded", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        log.warning(
+            "%s did not finish in %g s (mlflow.shutdown_timeout_s; the tracking server is slow or down): the job "
+            "goes on without waiting for it; its results are in the output directory", what, timeout_s,
+        )  # fmt: skip
+        return False
+    return True
 
 
 def _best_effort(what: str, function: Any, *args: Any, attempts: int = 3) -> None:

@@ -14,7 +14,11 @@ when a shard arrives, at most every `mlflow.log_every_s` seconds, and, while no 
 wall-time axis shows the pace). The first point comes with this run's first shard. Each worker's
 resource usage (`pipeline.generate.stats.ResourceMeter`) goes with the next point as `system/worker_<n>/<name>`, the peak over the interval.
 The MLflow calls run on one background thread, so a slow tracking server never holds up generation; a
-failed call is logged as a warning and the job goes on.
+failed call is logged as a warning and the job goes on. At most `MAX_PENDING` calls wait for that thread:
+past that (a server that is down, each call retried for minutes by MLflow's client) the oldest waiting
+point is dropped, and counted (`dropped`): a later point holds the job's totals so far. `stop(timeout_s)`
+waits at most `timeout_s` (`mlflow.shutdown_timeout_s`) for what is pending, then drops it; the thread is
+a daemon, so a call that hangs keeps neither the job nor the process.
 
 Not here: the run itself and the final metrics (`pipeline.generate.tracking`), the arithmetic
 (`pipeline.generate.summary`).
@@ -22,10 +26,12 @@ Not here: the run itself and the final metrics (`pipeline.generate.tracking`), t
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pipeline.generate.stats import merge_stats
@@ -34,6 +40,7 @@ from pipeline.generate.summary import progress_metrics, total_stats
 log = logging.getLogger("pipeline")
 
 HEARTBEAT_S = 30.0  # a point at least this often, shard or not
+MAX_PENDING = 32  # MLflow calls waiting for the background thread; beyond, the oldest is dropped
 
 
 def worker_key(worker: dict[str, Any]) -> str:
@@ -47,6 +54,70 @@ def merge_usage(held: dict[str, float], usage: dict[str, float]) -> dict[str, fl
     for key, value in usage.items():
         merged[key] = max(merged.get(key, float(value)), float(value))
     return merged
+
+
+class BoundedSender:
+    """One daemon thread making calls in order; at most `limit` wait, the oldest dropped (and counted) past
+    that. `drain(timeout_s)` waits for what was submitted; `close(timeout_s)` drains, then drops the rest."""
+
+    def __init__(self, limit: int = MAX_PENDING, name: str = "mlflow-live"):
+        self.limit = limit
+        self.dropped = 0  # calls never made: dropped when the queue was full, or left at `close`
+        self._pending: deque[tuple[Callable[[Any], None], Any]] = deque()
+        self._busy = False
+        self._closed = False
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, function: Callable[[Any], None], argument: Any) -> None:
+        with self._changed:
+            if self._closed:
+                self.dropped += 1
+                return
+            if len(self._pending) >= self.limit:
+                self._pending.popleft()
+                self.dropped += 1
+            self._pending.append((function, argument))
+            self._changed.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                while not self._pending and not self._closed:
+                    self._changed.wait()
+                if not self._pending:
+                    return
+                function, argument = self._pending.popleft()
+                self._busy = True
+            try:
+                function(argument)
+            finally:
+                with self._changed:
+                    self._busy = False
+                    self._changed.notify_all()
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Wait until every call submitted so far was made (True), or `timeout_s` passed (False)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._changed:
+            while self._pending or self._busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._changed.wait(left)
+        return True
+
+    def close(self, timeout_s: float | None = None) -> int:
+        """Drain for at most `timeout_s`, then stop taking calls; what still waits is dropped. Returns
+        `dropped`. A call in progress is left to finish on the daemon thread, unwaited."""
+        self.drain(timeout_s)
+        with self._changed:
+            self._closed = True
+            self.dropped += len(self._pending)
+            self._pending.clear()
+            self._changed.notify_all()
+        return self.dropped
 
 
 class LiveMetrics:
@@ -83,7 +154,7 @@ class LiveMetrics:
         self.points = 0  # live points submitted
         self.workers: dict[str, int] = {}  # worker_key -> its number in the metric names
         self.pending_usage: dict[int, dict[str, float]] = {}
-        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlflow-live")
+        self._background = BoundedSender()
         self._warned = False
         self.on_plan = on_plan
         self.plan = ""
@@ -94,7 +165,7 @@ class LiveMetrics:
         if self.on_plan is not None and stats.get("plan") and stats["plan"] != self.plan:
             self.plan = stats["plan"]
             choice = stats.get("plan_choice")
-            self._background.submit(self._call, lambda plan: self.on_plan(plan, choice), self.plan)
+            self._background.submit(functools.partial(self._call, lambda plan: self.on_plan(plan, choice)), self.plan)
         if worker is not None and stats.get("resources"):
             number = self.workers.setdefault(worker_key(worker), len(self.workers))
             self.pending_usage[number] = merge_usage(self.pending_usage.get(number, {}), stats["resources"])
@@ -156,16 +227,28 @@ class LiveMetrics:
                 log.warning("live MLflow metrics failed (%s: %s); the job goes on", type(err).__name__, err)
                 self._warned = True
 
+    @property
+    def dropped(self) -> int:
+        """Points (and planner tags) never sent: the queue was full, or `stop` gave up on them."""
+        return self._background.dropped
+
     def flush(self) -> None:
         """Wait until every point submitted so far was sent (or failed)."""
-        self._background.submit(lambda: None).result()
+        self._background.drain()
 
-    def stop(self) -> None:
-        """Send what is pending (worker usage) and wait for the background thread."""
+    def stop(self, timeout_s: float | None = None) -> int:
+        """Send what is pending (worker usage), waiting at most `timeout_s` for the background thread; what
+        it has not sent by then is dropped. Returns the points dropped in all (logged when any were)."""
         usage = self._usage_metrics()
         if usage:
             self._background.submit(self._send, usage)
-        self._background.shutdown(wait=True)
+        dropped = self._background.close(timeout_s)
+        if dropped:
+            log.warning(
+                "mlflow: %d live metric point(s) dropped (the tracking server was slow or down); the final "
+                "values are logged at the end", dropped,
+            )  # fmt: skip
+        return dropped
 
 
 class NullLive:
@@ -177,5 +260,7 @@ class NullLive:
     def tick(self) -> None:
         pass
 
-    def stop(self) -> None:
-        pass
+    dropped = 0
+
+    def stop(self, timeout_s: float | None = None) -> int:
+        return 0

@@ -76,6 +76,39 @@ def test_live_points_are_rate_limited_and_stepped_by_prompts_completed():
     assert len(sent) == len(first)  # nothing more within every_s
 
 
+def test_a_hanging_server_drops_the_oldest_points_and_stop_waits_at_most_its_timeout():
+    """Issue #40: every live call hangs (a tracking server that accepts and never answers). The points
+    queue up to MAX_PENDING (the oldest dropped and counted beyond), and `stop` gives up after its timeout
+    instead of waiting for each call's minutes of retries."""
+    import threading
+    import time
+
+    from pipeline.generate.live import MAX_PENDING
+
+    answer = threading.Event()
+    calls: list = []
+
+    def hanging(metrics: list) -> None:
+        calls.append(metrics)
+        answer.wait()
+
+    clock = Clock()
+    live = LiveMetrics(hanging, [], 0.0, 10_000, 1.0, started=clock(), clock=clock)
+    for point in range(100):
+        clock.now += 2.0
+        live.shard_written(shard(2, 20, 10, [5], 10), None)
+        while point == 0 and not calls:  # the first call is in flight (and hangs) before the others come
+            time.sleep(0.01)
+    assert live.dropped == 100 - 1 - MAX_PENDING  # one in flight, MAX_PENDING waiting: the newest
+    started = time.monotonic()
+    assert live.stop(timeout_s=0.3) == 100 - 1 and len(calls) == 1
+    assert time.monotonic() - started < 2.0
+    clock.now += 2.0
+    live.shard_written(shard(2, 20, 10, [5], 10), None)  # after stop: dropped, never queued
+    answer.set()
+    assert live.dropped == 100 and len(calls) == 1
+
+
 def test_live_heartbeat_repeats_the_step_and_the_end_is_left_to_the_final_point():
     sent: list = []
     clock = Clock()
