@@ -20,7 +20,7 @@ from spectr.reference import (
     traversal_output_distribution,
 )
 from spectr.sequence import SEQUENCE_RULES, select_sequences, select_tree, sequence_methods
-from spectr.traversal import select_traversal
+from spectr.traversal import post_order, select_traversal
 from spectr.tree import compact_nodes, prefix_leaders
 
 EXACT_SHAPES = [(3, 2, 2), (3, 3, 2), (3, 2, 3), (3, 3, 3), (4, 2, 2), (4, 3, 2), (4, 2, 3)]  # (V, K, L)
@@ -88,6 +88,13 @@ def test_one_draft_is_block_verification_in_law(toy_pair_factory, draft_length, 
         # the same outcomes, up to block's h = S / (S + 1 - w) rounding to 1 - 3e-16 where traversal's is 1
         for produced in traversal.keys() | block.keys():
             assert traversal.get(produced, 0.0) == pytest.approx(block.get(produced, 0.0), abs=1e-14)
+
+
+def test_post_order_of_a_hand_made_tree():
+    """Drafts (7, 5), (4, 6), (7, 3): root -> 7 (leader 0) -> 5, 3 (leaders 0, 2); root -> 4 -> 6 (leader 1).
+    Post-order, children by leader: 75, 73, 7, 46, 4, root; then the non-nodes. Slots k (L + 1) + d."""
+    tokens = torch.tensor([[[7, 5], [4, 6], [7, 3]]])
+    assert post_order(prefix_leaders(tokens)).tolist() == [[2, 8, 1, 5, 4, 0, 3, 6, 7]]
 
 
 # --- batched == reference ---------------------------------------------------------------------------
