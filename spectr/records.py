@@ -81,21 +81,21 @@ class Records:
         self.tested_positions = zeros(slots)  # [B]
         self.tree_nodes = zeros(slots)  # [B]
         self.eos_ids = torch.tensor(list(eos_ids), dtype=torch.int64, device=device)  # [n_eos]
+        self._eos_list = [int(t) for t in eos_ids]  # host copy (set_stops reads no device value)
         # each row's stop tokens (the run's EOS unless the row was admitted with its own set), -1 padded
         self.stop_ids = self._stop_table(slots, [list(eos_ids)] * slots)  # [B, S]
         self.custom_stops = False  # host: some row was admitted with its own stop tokens
 
     def _stop_table(self, rows: int, stops: list[list[int]]) -> torch.Tensor:
+        """[rows, S] each row's stop ids, -1 padded: made on the host (admission only), one copy to the device."""
         width = max([1, *map(len, stops)])
-        table = torch.full((rows, width), -1, dtype=torch.int64)
-        for row, ids in enumerate(stops):  # admission only (a host loop over the new rows)
-            table[row, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
-        return table.to(self.device)
+        padded = [list(ids) + [-1] * (width - len(ids)) for ids in stops]
+        return torch.tensor(padded, dtype=torch.int64, device=self.device)
 
     def set_stops(self, slots: torch.Tensor, stops: Sequence[Sequence[int] | None]) -> None:
         """Rows in `slots` ([N] int64) end at the first of their own stop tokens (None: the run's EOS ids; an
         empty list: none, so such a row runs its whole budget). Widens the table when a row brings more ids."""
-        stops = [list(self.eos_ids.tolist()) if ids is None else [int(t) for t in ids] for ids in stops]
+        stops = [list(self._eos_list) if ids is None else [int(t) for t in ids] for ids in stops]
         rows = self._stop_table(len(stops), stops)  # [N, S']
         width = max(rows.shape[1], self.stop_ids.shape[1])
         if width > self.stop_ids.shape[1]:

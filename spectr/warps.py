@@ -66,12 +66,14 @@ def validate_extras(min_p: float, logit_bias) -> None:
 
 def dense_bias(logit_bias, vocab_size: int, device) -> torch.Tensor:
     """((token id, bias), ...) -> [V] float32 (ValueError for an id outside the vocabulary)."""
-    bias = torch.zeros(vocab_size, dtype=torch.float32)
-    for token, value in logit_bias:
+    for token, _ in logit_bias:
         if token >= vocab_size:
             raise ValueError(f"logit_bias: token id {token} is outside the vocabulary of {vocab_size}")
-        bias[token] = float(value)
-    return bias.to(device)
+    bias = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+    if logit_bias:  # one copy of ids and values to the device, no read back
+        ids = torch.tensor([t for t, _ in logit_bias], dtype=torch.int64, device=device)
+        bias.index_put_((ids,), torch.tensor([float(v) for _, v in logit_bias], dtype=torch.float32, device=device))
+    return bias
 
 
 def validate_sampling(temperature: float, top_k: int, top_p: float) -> None:
