@@ -77,6 +77,7 @@ class HangingProxy:
             s.close()
 
 
+@pytest.mark.slow  # 18 s with its server; the default suite keeps test_tracking.py::test_a_hanging_server_drops_the_oldest_points_and_stop_waits_at_most_its_timeout
 def test_a_tracking_server_that_hangs_mid_job_holds_neither_success_nor_the_end(
     mlflow_server, tiny_pair, prompts_jsonl, tmp_path, ray_local
 ):

@@ -102,6 +102,7 @@ def test_control_without_the_self_check_the_perturbed_core_changes_the_tokens(pa
     assert out.stats.compile_fallbacks == 0
 
 
+@pytest.mark.slow  # 7 s; the raise / perturb tests keep the guard in the default suite
 def test_a_healthy_compiled_core_passes_its_self_check_once_per_shape_class(pair, monkeypatch):
     checks = []
     mismatch = native.logits_mismatch
@@ -121,6 +122,7 @@ def test_width_buckets(new, bucket):
     assert native.width_bucket(new) == bucket
 
 
+@pytest.mark.slow  # 16 s: two compiled jobs traced
 def test_cuda_shape_rules_bound_the_shapes_of_a_job_with_varied_trees(pair, monkeypatch):
     """Under the CUDA rules (rows to powers of 2, new tokens to `width_bucket`, the view to CUDA_VIEW_BUCKET) a job
     of spectr trees whose width varies per iteration calls the compiled core with at most |rows| x |widths| x
@@ -199,6 +201,7 @@ def test_the_chooser_never_takes_an_iteration_that_compiled_as_a_sample(pair, mo
     assert any(measure for _, measure in compiled_during)
 
 
+@pytest.mark.slow  # 11 s: four compiled batchers
 def test_under_the_cuda_rules_a_new_batcher_takes_the_models_static_pool_once_the_old_one_is_gone(pair, monkeypatch):
     """The static-address pool is allocated once per shape, not per `generate` call: a second batcher of the same
     shape reads the same buffers (zeroed) when the first is gone, and new ones while the first still holds them."""

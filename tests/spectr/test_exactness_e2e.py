@@ -337,6 +337,7 @@ def traced_graphs():
     torch._dynamo.reset()
 
 
+@pytest.mark.slow  # 14 s; test_compiled_k_draft_selection_follows_the_target keeps a compiled chi-square in the default suite
 def test_compiled_mode_rows_admitted_mid_run_follow_the_target(pair, exact_laws, traced_graphs):
     out = run(pair, "spectr", 3, 2, "warped", 6000, batch_size=MID_RUN_BATCH, compile=True)
     assert traced_graphs.frame_count > 0

@@ -188,7 +188,8 @@ def _hf_copy(lm, cache):
     return copy
 
 
-@pytest.mark.parametrize("kv_heads", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.slow  # 18 s: FlexAttention traced on the CPU (refused under inductor here; a CUDA feature)
+@pytest.mark.parametrize("kv_heads", [2, 4])
 @torch.inference_mode()
 def test_flex_attention_core_equals_the_hf_path(counter, monkeypatch, kv_heads):
     """The compiled core with FlexAttention (`native.ATTENTION = "flex"`: the tree pattern as a block mask)
