@@ -18,6 +18,7 @@ import threading
 import time
 from urllib.parse import urlparse
 
+import pytest
 from tiny_pair_support import job_config
 
 from pipeline.generate.config import from_dict
