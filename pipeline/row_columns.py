@@ -33,7 +33,7 @@ from pipeline.errors import JobInputError
 # the output row's own columns: a kept input column may not take one of these names
 OUTPUT_COLUMNS = ("id", "prompt", "completion", "completion_token_ids", "prompt_tokens", "completion_tokens",
                   "finish_reason", "stop_reason", "target_calls", "block_efficiency", "seed", "error", "sample_index",
-                  "completion_logprobs", "time_taken_s")
+                  "completion_logprobs", "completion_top_logprobs", "time_taken_s")
 # vLLM's SamplingParams names, with vLLM's meanings (docs/sampling.md): top_k -1 or 0 = off; ignore_eos and
 # stop_token_ids decide which tokens end the row; logprobs is read by the stage / the job-wide spectr.logprobs
 SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",

@@ -34,6 +34,7 @@ def generate(
     compile: bool | str = False,
     min_p: float | Sequence[float] = 0.0,
     logit_bias: dict | Sequence[dict | None] | None = None,
+    top_logprobs: int = 0,
 ) -> GenerationOutput:
     """Generate up to `max_new_tokens` tokens per prompt from `target`, exactly its (warped) distribution.
 
@@ -56,12 +57,14 @@ def generate(
     log-probability under the warped target law it was drawn from (`output.logprobs`; "raw": the target's
     log-softmax instead, vLLM's default). compile:
     False, True or "auto" (`spectr.native`: Llama / Qwen2 models under torch.compile; "auto" where
-    the work pays for the compile time). min_p / logit_bias: vLLM's (`spectr.warps`), fixed methods only. Bad
+    the work pays for the compile time). min_p / logit_bias: vLLM's (`spectr.warps`); top_logprobs=N: each token's N
+    most likely tokens too (`output.top_logprobs`); these three with the fixed methods only. Bad
     input raises ValueError naming the argument and, per prompt, the row.
     """
     run = generate_auto if method == AUTO else generate_fixed
-    arguments = {} if method == AUTO else {"method": method, "min_p": min_p, "logit_bias": logit_bias}
-    if method == AUTO and (min_p or logit_bias):
+    arguments = {} if method == AUTO else {"method": method, "min_p": min_p, "logit_bias": logit_bias,
+                                           "top_logprobs": top_logprobs}
+    if method == AUTO and (min_p or logit_bias or top_logprobs):
         raise ValueError("min_p and logit_bias are taken by the fixed methods here; with method='auto', admit rows "
                          "with their own SamplingWarp (spectr.planner.AutoBatcher.admit(warps=...))")
     return run(target, draft, prompts, num_drafts=num_drafts, draft_length=draft_length,

@@ -120,6 +120,7 @@ class FinishedRow:
     tree_nodes: int = 0
     tokens_per_call_histogram: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None  # with logprobs: per token, log q of its warped target law ("raw": log-softmax)
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # with top_logprobs=N: per token, N (id, log-prob)
 
     @property
     def generated_tokens(self) -> int:
@@ -201,8 +202,8 @@ class ContinuousBatcher:
     def __init__(self, target, draft, *, batch_size: int, max_length: int | None = None, method: str = "spectr",
                  num_drafts: int = 4, draft_length: int = 4, max_num_drafts: int | None = None,
                  max_draft_length: int | None = None, temperature: float = 1.0, top_k: int = 0,
-                 top_p: float = 1.0, eos_token_id=None, pack_below: float | None = None, logprobs: bool = False,
-                 share_prefill: bool = True, compile: bool | str = False):
+                 top_p: float = 1.0, eos_token_id=None, pack_below: float | None = None, logprobs: bool | str = False,
+                 share_prefill: bool = True, compile: bool | str = False, top_logprobs: int = 0):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
         self.settings = Settings.for_run(methods=known_methods(), method=method, num_drafts=num_drafts,
@@ -225,8 +226,11 @@ class ContinuousBatcher:
         if logprobs not in (False, True, "processed", "raw"):
             raise ValueError(f"logprobs must be False, True / 'processed' (the warped law each token was drawn "
                              f"from) or 'raw' (the target's log-softmax), got {logprobs!r}")
-        self.logprobs = bool(logprobs)
+        if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or top_logprobs < 0:
+            raise ValueError(f"top_logprobs must be an int >= 0, got {top_logprobs!r}")
+        self.logprobs = bool(logprobs) or top_logprobs > 0
         self.raw_logprobs = logprobs == "raw"
+        self.top_logprobs = top_logprobs  # with logprobs: each token's N most likely tokens, from the same law
         self.share_prefill = bool(share_prefill)  # False: every row runs its own prefill (measurements)
         self.row_warps: RowWarps | None = None  # set when a row is admitted with its own warp
         self.stats = GenerationStats(method=s.method, num_drafts=s.num_drafts, draft_length=s.draft_length)
@@ -298,7 +302,8 @@ class ContinuousBatcher:
                                                                                 device=self.device))
         self.rows = RowState.pool(slots, self.target_cache, drafter, self.device)
         self.occupied = torch.zeros(slots, dtype=torch.bool, device=self.device)  # [B] admitted, not retired
-        self.records = Records(slots, self.max_length, max_l + 1, max_l, s.eos_ids, self.device, self.logprobs)
+        self.records = Records(slots, self.max_length, max_l + 1, max_l, s.eos_ids, self.device, self.logprobs,
+                               min(self.top_logprobs, self.target.vocab_size))
 
     # -- the caller's view -------------------------------------------------------------
     @property
@@ -626,7 +631,8 @@ class ContinuousBatcher:
                            finish_reason=result.finish_reason, target_calls=result.target_calls, error=error,
                            accepted_per_position=result.accepted_per_position,
                            tested_positions=result.tested_positions, tree_nodes=result.tree_nodes,
-                           tokens_per_call_histogram=result.tokens_per_call_histogram, logprobs=result.logprobs)
+                           tokens_per_call_histogram=result.tokens_per_call_histogram, logprobs=result.logprobs,
+                           top_logprobs=result.top_logprobs)
 
     @contextlib.contextmanager
     def _engaged(self):

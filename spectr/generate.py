@@ -43,6 +43,7 @@ class GenerationOutput:
     tokens: list[list[int]]
     stats: GenerationStats
     logprobs: list[list[float]] | None = None
+    top_logprobs: list[list[list[tuple[int, float]]]] | None = None  # with top_logprobs=N: per token, N (id, log-prob)
     chooser: Any = None  # method="auto": the `spectr.planner.chooser.OnlineChooser` that ran it
 
 
@@ -65,6 +66,7 @@ def generate(
     compile: bool | str = False,
     min_p: float | Sequence[float] = 0.0,
     logit_bias: dict | Sequence[dict | None] | None = None,
+    top_logprobs: int = 0,
 ) -> GenerationOutput:
     """Generate up to `max_new_tokens` tokens per prompt from `target`, exactly its (warped) distribution.
 
@@ -88,13 +90,14 @@ def generate(
     forwards), True (Llama / Qwen2 models run `spectr.native`'s forward under torch.compile; other
     models stay eager) or "auto" (compiled where it pays: `spectr.native.auto_compile`). min_p (vLLM's: 0 =
     off) and logit_bias (a {token id: bias} dict): one value, or one per prompt; applied to both models'
-    logits like the other warps (`spectr.warps`). Bad input raises ValueError naming the argument and, per
-    prompt, the row.
+    logits like the other warps (`spectr.warps`). top_logprobs=N: also each token's N most likely tokens and
+    their log-probabilities, from the same law as `logprobs` (`output.top_logprobs`). Bad input raises
+    ValueError naming the argument and, per prompt, the row.
     """
     return _run(Generation(target, draft, prompts, method=method, num_drafts=num_drafts, draft_length=draft_length,
                            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                            eos_token_id=eos_token_id, seed=seed, batch_size=batch_size, logprobs=logprobs,
-                           compile=compile, min_p=min_p, logit_bias=logit_bias))
+                           compile=compile, min_p=min_p, logit_bias=logit_bias, top_logprobs=top_logprobs))
 
 
 def _run(generation: Generation) -> GenerationOutput:
@@ -135,7 +138,8 @@ class Generation:
     def __init__(self, target, draft, prompts, *, method="spectr", num_drafts=4, draft_length=4,
                  max_new_tokens=64, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=None, seed=0,
                  batch_size: int | None = None, pack_below: float | None = None, make_batcher=None,
-                 logprobs: bool | str = False, compile: bool | str = False, min_p=0.0, logit_bias=None):
+                 logprobs: bool | str = False, compile: bool | str = False, min_p=0.0, logit_bias=None,
+                 top_logprobs: int = 0):
         self.prompts = check_prompts(prompts)
         check_batch_size(batch_size)
         (temperature, top_k, top_p), warps = split_row_warps(temperature, top_k, top_p, len(self.prompts), min_p,
@@ -149,10 +153,12 @@ class Generation:
         self.batcher = (make_batcher or ContinuousBatcher)(
             target, draft, batch_size=max(1, min(batch_size or count, count)), max_length=longest,
             method=method, num_drafts=num_drafts, draft_length=draft_length, temperature=temperature, top_k=top_k,
-            top_p=top_p, eos_token_id=eos_token_id, pack_below=pack_below, logprobs=logprobs, compile=compile)
+            top_p=top_p, eos_token_id=eos_token_id, pack_below=pack_below, logprobs=logprobs, compile=compile,
+            top_logprobs=top_logprobs)
         self.batcher.admit(self.prompts, max_new_tokens=list(self.settings.max_new_tokens),
                            seed=list(self.settings.seeds), warps=warps)
         self.logprobs: list[list[float]] | None = None
+        self.top_logprobs: list | None = None
         self.target, self.draft = self.batcher.target, self.batcher.draft
         self.method = self.settings.method
         self.finished: dict[int, FinishedRow] = {}
@@ -185,11 +191,14 @@ class Generation:
         self.tokens = [row.tokens for row in rows]
         if rows and rows[0].logprobs is not None:
             self.logprobs = [row.logprobs for row in rows]
+        if rows and rows[0].top_logprobs is not None:
+            self.top_logprobs = [row.top_logprobs for row in rows]
         for row in rows:
             self.stats.add_row(row)
 
     def output(self) -> GenerationOutput:
-        return GenerationOutput(tokens=self.tokens, stats=self.stats, logprobs=self.logprobs)
+        return GenerationOutput(tokens=self.tokens, stats=self.stats, logprobs=self.logprobs,
+                                top_logprobs=self.top_logprobs)
 
     def row_sequences(self) -> list[list[int]]:
         """Prompt + generated tokens of the row in each occupied slot, in slot order (reads the device: for tests)."""

@@ -136,13 +136,15 @@ def autoregressive_step(loop: Loop, rows: RowState) -> None:
         probs = loop.warp.probs(logits[:, 0])  # [R, V]
         uniforms = counter_uniforms(rows.keys, rows.iteration, 1)  # [R, 1]
         next_tokens = sample_categorical(probs, uniforms[:, 0])  # [R]
-        logprobs = None
-        if loop.records.logprobs is not None and loop.raw_logprobs:  # the raw target law (log-softmax)
-            logprobs = logits[:, 0].float().log_softmax(-1).gather(1, next_tokens[:, None])  # [R, 1]
-        elif loop.records.logprobs is not None:  # the law the token was drawn from
-            logprobs = probs.gather(1, next_tokens[:, None]).log()  # [R, 1]
+        logprobs, top = None, None
+        if loop.records.logprobs is not None:  # the raw target law (log-softmax), or the law the token was drawn from
+            source = logits[:, 0].float().log_softmax(-1) if loop.raw_logprobs else probs.log()  # [R, V]
+            logprobs = source.gather(1, next_tokens[:, None])  # [R, 1]
+            if loop.records.top:
+                values, ids = source.topk(loop.records.top, dim=-1)  # [R, N] each
+                top = (ids[:, None], values[:, None])  # [R, 1, N]
     still = loop.records.record(rows.slots, rows.running, next_tokens[:, None], torch.ones_like(next_tokens),
-                                errors, logprobs)
+                                errors, logprobs, top)
     loop.stats.verify_tokens += 1
     cache.rows.advance(still.to(torch.int64))
     rows.pending = torch.where(still, next_tokens, rows.pending)
@@ -168,17 +170,29 @@ def speculative_step(loop: Loop, rows: RowState) -> None:
         target_probs = loop.warp.probs(logits)  # [R, W, V]
         selection = _select(loop, _selection_compiled(loop, logits.device), tree, target_probs, selection_uniforms,
                             splits)
-        logprobs = None
+        logprobs, top = None, None
         if loop.records.logprobs is not None:  # the raw law's log-softmax, or the warped law it was drawn from
-            logprobs = _path_logprobs(tree, selection, logits.float().log_softmax(-1)) if loop.raw_logprobs \
-                else _path_logprobs(tree, selection, target_probs).log()
+            source = logits.float().log_softmax(-1) if loop.raw_logprobs else target_probs.log()  # [R, W, V]
+            logprobs = _path_logprobs(tree, selection, source)  # [R, L + 1]
+            if loop.records.top:
+                top = _path_top(tree, selection, source, loop.records.top)  # [R, L + 1, N] ids and values
     errors = target_nonfinite.to(torch.int64) * TARGET_NONFINITE + tree.nonfinite.to(torch.int64) * DRAFT_NONFINITE
     accepted = selection.num_accepted  # [R]
     loop.records.record_acceptance(rows.slots, rows.running, accepted, tree.num_nodes, loop.draft_length)
-    still = loop.records.record(rows.slots, rows.running, selection.tokens, accepted + 1, errors, logprobs)
+    still = loop.records.record(rows.slots, rows.running, selection.tokens, accepted + 1, errors, logprobs, top)
     loop.stats.verify_tokens += width
     _commit(loop, rows, tree, selection, still)
     rows.iteration = rows.iteration + 1
+
+
+def _path_top(tree, selection, log_probs: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `count` most likely tokens (ids, log-probabilities: [R, L + 1, N] each) of the law each emitted token
+    followed: the node of the chosen draft's prefix of its length (as `_path_logprobs`). log_probs: [R, W, V]."""
+    chosen = selection.draft_index[:, None, None].expand(-1, 1, tree.node_of.shape[2])  # [R, 1, L + 1]
+    path = tree.node_of.gather(1, chosen)[:, 0]  # [R, L + 1]
+    laws = log_probs.gather(1, path[:, :, None].expand(-1, -1, log_probs.shape[-1]))  # [R, L + 1, V]
+    values, ids = laws.topk(count, dim=-1)  # [R, L + 1, N] each
+    return ids, values
 
 
 def _path_logprobs(tree, selection, target_probs: torch.Tensor) -> torch.Tensor:

@@ -52,13 +52,14 @@ class SlotResult:
     tree_nodes: int
     tokens_per_call_histogram: list[int]
     logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, the N most likely (id, log-probability)
 
 
 class Records:
     """Outputs and counters of `num_slots` slots, written by the rows that occupy them."""
 
     def __init__(self, num_slots: int, max_new_tokens: int, emit_width: int, draft_length: int,
-                 eos_ids: Sequence[int], device, logprobs: bool = False):
+                 eos_ids: Sequence[int], device, logprobs: bool = False, top_logprobs: int = 0):
         """max_new_tokens: the largest budget any row may have (sizes the output buffer); logprobs: keep
         each output token's log-probability under its warped target law."""
         self.device = device
@@ -71,6 +72,10 @@ class Records:
         self.tokens = zeros(slots, max_new_tokens + emit_width)  # [B, max_new + E]
         self.logprobs = (torch.zeros(slots, max_new_tokens + emit_width, dtype=torch.float32, device=device)
                          if logprobs else None)  # [B, max_new + E]
+        self.top = top_logprobs  # N: each output token's N most likely tokens and their log-probabilities
+        self.top_ids = zeros(slots, max_new_tokens + emit_width, top_logprobs) if top_logprobs else None  # [B, M, N]
+        self.top_values = (torch.zeros(slots, max_new_tokens + emit_width, top_logprobs, dtype=torch.float32,
+                                       device=device) if top_logprobs else None)  # [B, M, N]
         self.lengths = zeros(slots)  # [B]
         self.budget = zeros(slots)  # [B] 0 for an empty slot
         self.reason = torch.full((slots,), LENGTH, dtype=torch.int64, device=device)  # [B]
@@ -111,7 +116,7 @@ class Records:
     @property
     def nbytes(self) -> int:
         tensors = [self.tokens, self.budget, self.reason, self.eos_ids, self.stop_ids, *self._counters()]
-        tensors += [] if self.logprobs is None else [self.logprobs]
+        tensors += [t for t in (self.logprobs, self.top_ids, self.top_values) if t is not None]
         return sum(t.untyped_storage().nbytes() for t in tensors)
 
     def reset(self, slots: torch.Tensor, budgets: torch.Tensor) -> None:
@@ -123,12 +128,13 @@ class Records:
 
     def move(self, source: torch.Tensor, dest: torch.Tensor) -> None:
         """Rows in slots `source` move to the empty slots `dest` ([M] int64 each)."""
-        outputs = [self.tokens] + ([] if self.logprobs is None else [self.logprobs])
+        outputs = [self.tokens] + [t for t in (self.logprobs, self.top_ids, self.top_values) if t is not None]
         for tensor in (*outputs, self.budget, self.reason, self.stop_ids, *self._counters()):
             tensor.index_copy_(0, dest, tensor.index_select(0, source))
 
     def record(self, slots: torch.Tensor, running: torch.Tensor, emitted: torch.Tensor, counts: torch.Tensor,
-               error_flags: torch.Tensor, logprobs: torch.Tensor | None = None) -> torch.Tensor:
+               error_flags: torch.Tensor, logprobs: torch.Tensor | None = None,
+               top: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """One iteration of the rows in `slots`; returns [R] bool, the rows still running afterwards.
 
         slots [R] slot of each row; running [R] bool rows that took part; emitted [R, E] tokens (the
@@ -151,6 +157,9 @@ class Records:
         self.tokens[slots[:, None], lengths[:, None] + offsets] = emitted  # see the module docstring
         if self.logprobs is not None:
             self.logprobs[slots[:, None], lengths[:, None] + offsets] = logprobs
+        if self.top_ids is not None:  # top: ids [R, E, N], log-probabilities [R, E, N]
+            self.top_ids[slots[:, None], lengths[:, None] + offsets] = top[0]
+            self.top_values[slots[:, None], lengths[:, None] + offsets] = top[1]
         new_lengths = lengths + kept
         self.lengths[slots] = new_lengths
         eos = healthy & (first_eos <= kept)
@@ -202,6 +211,9 @@ class Records:
         parts = [columns, self.accepted_per_position[slots], self.histogram[slots], self.tokens[slots]]
         if self.logprobs is not None:  # float32 bits as int64, so that one copy carries everything
             parts.append(self.logprobs[slots].view(torch.int32).to(torch.int64))
+        if self.top_ids is not None:  # [F, M * N] ids, then [F, M * N] float32 bits
+            parts.append(self.top_ids[slots].flatten(1))
+            parts.append(self.top_values[slots].view(torch.int32).to(torch.int64).flatten(1))
         host = torch.cat(parts, 1).tolist()  # host copy: the finished rows, once each
         width = self.tokens.shape[1]
         positions, bins = self.accepted_per_position.shape[1], self.histogram.shape[1]
@@ -210,13 +222,21 @@ class Records:
             slot, length, reason, flags, calls, tested, nodes = row[:7]
             histogram_end = 7 + positions + bins
             logprobs = None
+            tail = histogram_end + width
             if self.logprobs is not None:
-                bits = row[histogram_end + width : histogram_end + width + length]
+                bits = row[tail : tail + length]
                 logprobs = array("f", array("i", bits).tobytes()).tolist()  # the float32 bits back, on the host
+                tail += width
+            top = None
+            if self.top_ids is not None:
+                n = self.top
+                ids = row[tail : tail + length * n]
+                values = array("f", array("i", row[tail + width * n : tail + width * n + length * n]).tobytes())
+                top = [list(zip(ids[i * n : (i + 1) * n], values[i * n : (i + 1) * n])) for i in range(length)]
             results.append(SlotResult(
                 slot=slot, tokens=row[histogram_end : histogram_end + length], finish_reason=REASONS[reason],
                 error_flags=flags, target_calls=calls, accepted_per_position=row[7 : 7 + positions],
                 tested_positions=tested, tree_nodes=nodes, tokens_per_call_histogram=row[7 + positions : histogram_end],
-                logprobs=logprobs,
+                logprobs=logprobs, top_logprobs=top,
             ))
         return results

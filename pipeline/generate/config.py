@@ -51,7 +51,8 @@ class SpectrConfig:
     plan_cache: bool = True  # auto: warm-start from what earlier runs on this pair and device learned
     num_samples: int = 1  # completions per prompt, one output row each (`sample_index`)
     stop: Any = None  # stop strings (a list): a completion ends before the first one it contains
-    logprobs: bool = False  # a `completion_logprobs` column: each token's log-probability (logprobs_mode)
+    logprobs: Any = False  # true: a `completion_logprobs` column (logprobs_mode); an int N (vLLM's): also
+    # `completion_top_logprobs`, each token's N most likely tokens (0: the column alone)
     logprobs_mode: str = "raw"  # raw: the target's log-softmax (vLLM's default); processed: the warped law's
     compile: Any = "auto"  # true | false | auto: Llama/Qwen2 forwards under torch.compile (spectr.native)
 
@@ -129,7 +130,20 @@ def from_dict(raw: dict[str, Any]) -> GenerateConfig:
     return config
 
 
+def logprobs_wanted(s: SpectrConfig) -> bool:
+    """Whether rows get `completion_logprobs`: spectr.logprobs true, or an int N (vLLM's logprobs=N, 0 included)."""
+    return s.logprobs is True or (isinstance(s.logprobs, int) and not isinstance(s.logprobs, bool))
+
+
+def top_logprobs(s: SpectrConfig) -> int:
+    """N of spectr.logprobs=N: each token's N most likely tokens (`completion_top_logprobs`); 0 otherwise."""
+    return s.logprobs if isinstance(s.logprobs, int) and not isinstance(s.logprobs, bool) else 0
+
+
 def check_spectr(s: SpectrConfig) -> None:
+    if not (isinstance(s.logprobs, bool) or (isinstance(s.logprobs, int) and 0 <= s.logprobs <= 20)):
+        raise out_of_range("spectr.logprobs", "true, false, or an int N in [0, 20] (N most likely tokens per token)",
+                           s.logprobs)
     if s.logprobs_mode not in ("raw", "processed"):
         raise out_of_range("spectr.logprobs_mode", "raw (the target's log-softmax) or processed (the warped law)",
                            s.logprobs_mode)
@@ -219,7 +233,7 @@ def generation_settings(c: GenerateConfig) -> dict[str, Any]:
             data.pop(key)  # unset, the hash is the one output dirs written before the key existed
     if data["max_record_bytes"] == MAX_RECORD_BYTES:
         data.pop("max_record_bytes")  # likewise at its default
-    if not spectr["logprobs"]:
+    if not logprobs_wanted(c.spectr):
         spectr.pop("logprobs_mode")  # no column: the mode decides nothing
     for key, default in (("num_samples", 1), ("stop", None), ("logprobs", False)):
         if spectr[key] == default:

@@ -49,7 +49,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pipeline.generate.config import SpectrConfig
+from pipeline.generate.config import SpectrConfig, logprobs_wanted, top_logprobs
 from pipeline.generate.mix import ConfigMix
 from pipeline.generate.stats import empty_stats
 
@@ -66,7 +66,7 @@ BATCH_FIELDS = ("iterations", *PHASE_FIELDS, "compile_seconds", "compile_fallbac
 
 def engine_logprobs(s: SpectrConfig) -> bool | str:
     """The engine's `logprobs` for spectr.logprobs / logprobs_mode: False, "raw" or True (the warped law)."""
-    return ("raw" if s.logprobs_mode == "raw" else True) if s.logprobs else False
+    return ("raw" if s.logprobs_mode == "raw" else True) if logprobs_wanted(s) else False
 
 
 class FeedAborted(RuntimeError):
@@ -343,7 +343,7 @@ class ShardFeed:
                 method=config.method, num_drafts=config.num_drafts, draft_length=config.draft_length,
                 max_new_tokens=[row.budget], temperature=temperature, top_k=top_k, top_p=top_p,
                 eos_token_id=self.eos_token_id if row.stop_ids is None else list(row.stop_ids), seed=[row.seed],
-                logprobs=engine_logprobs(s), min_p=min_p,
+                logprobs=engine_logprobs(s), top_logprobs=top_logprobs(s), min_p=min_p,
                 logit_bias=dict(bias) or None,
             )  # fmt: skip
         except Exception as err:  # noqa: BLE001 - this row's own failure: its error row
@@ -357,6 +357,7 @@ class ShardFeed:
             accepted_per_position=list(stats.accepted_per_position), tested_positions=stats.tested_positions,
             tree_nodes=stats.tree_nodes, tokens_per_call_histogram=list(stats.tokens_per_call_histogram),
             logprobs=None if output.logprobs is None else output.logprobs[0],
+            top_logprobs=None if output.top_logprobs is None else output.top_logprobs[0],
         )  # fmt: skip
 
     def _hand_out(self, outcomes: list[tuple[ShardRun, Row, FinishedRow | str]]) -> None:
@@ -421,7 +422,7 @@ class ShardFeed:
         s = self.spectr
         common = dict(batch_size=s.batch_size, max_length=config.capacity, temperature=s.temperature, top_k=s.top_k,
                       top_p=s.top_p, eos_token_id=self.eos_token_id, logprobs=engine_logprobs(s),
-                      compile=s.compile)  # fmt: skip
+                      compile=s.compile, top_logprobs=top_logprobs(s))  # fmt: skip
         if config.method == "auto":
             from spectr.planner import AutoBatcher
 

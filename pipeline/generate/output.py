@@ -35,12 +35,16 @@ FINISH_REASONS = ("stop", "length", "error")  # vLLM's; "stop": end-of-sequence,
 _OWN_TEMPORARIES = (".part-", f".{MANIFEST_NAME}", f".{SUCCESS_NAME}", "._lease.json")
 
 
-def output_schema(id_kind: str, settings: dict[str, Any] | None = None, logprobs: bool = False,
+def output_schema(id_kind: str, settings: dict[str, Any] | None = None, logprobs: Any = False,
                   kept: tuple[tuple[str, Any], ...] = ()) -> pa.Schema:
     """The Parquet row of the contract; run-level `settings` go into the schema metadata as JSON.
 
-    logprobs: with `spectr.logprobs`, a `completion_logprobs` column; kept: the `data.keep_columns`
+    logprobs: `spectr.logprobs`: true or an int N adds a `completion_logprobs` column, N > 0 also
+    `completion_top_logprobs` (per token, N structs of token_id and logprob); kept: the `data.keep_columns`
     (name, Arrow type), last."""
+    top = logprobs if isinstance(logprobs, int) and not isinstance(logprobs, bool) else 0
+    with_logprobs = logprobs is True or (isinstance(logprobs, int) and not isinstance(logprobs, bool))
+    entry = pa.struct([("token_id", pa.int32()), ("logprob", pa.float32())])
     schema = pa.schema(
         [
             ("id", pa.int64() if id_kind == "int" else pa.string()),
@@ -57,7 +61,8 @@ def output_schema(id_kind: str, settings: dict[str, Any] | None = None, logprobs
             ("error", pa.string()),
             ("sample_index", pa.int32()),
             ("time_taken_s", pa.float64()),
-            *([("completion_logprobs", pa.list_(pa.float32()))] if logprobs else []),
+            *([("completion_logprobs", pa.list_(pa.float32()))] if with_logprobs else []),
+            *([("completion_top_logprobs", pa.list_(pa.list_(entry)))] if top else []),
             *kept,
         ]
     )

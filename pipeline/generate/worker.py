@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.config import DataConfig, ModelConfig
-from pipeline.generate.config import SpectrConfig
+from pipeline.generate.config import SpectrConfig, logprobs_wanted, top_logprobs
 from pipeline.generate.feed import Row, ShardFeed
 from pipeline.generate.shards import Shard, ShardTask, load_shard
 from pipeline.generate.stats import ResourceMeter, device_kind, empty_stats, merge_stats
@@ -322,6 +322,7 @@ class ShardGenerator:
 
         tokens = [int(t) for t in finished.tokens]
         logprobs = finished.logprobs
+        top = getattr(finished, "top_logprobs", None)
         calls = int(finished.target_calls)
         reason = str(finished.finish_reason)
         stop_reason = None
@@ -333,6 +334,7 @@ class ShardGenerator:
         if cut is not None:
             tokens, reason, stop_reason = tokens[: cut.num_tokens], "stop", cut.stop
             logprobs = None if logprobs is None else logprobs[: cut.num_tokens]
+            top = None if top is None else top[: cut.num_tokens]
         elif reason == "eos":  # the engine's end-of-sequence: the model's EOS, or one of the row's stop tokens
             reason = "stop"
             last = tokens[-1] if tokens else None
@@ -354,8 +356,11 @@ class ShardGenerator:
             "error": finished.error,
             "sample_index": sample,
         }
-        if self.spectr.logprobs:
+        if logprobs_wanted(self.spectr):
             row["completion_logprobs"] = logprobs
+        if top_logprobs(self.spectr):
+            row["completion_top_logprobs"] = [[{"token_id": i, "logprob": v} for i, v in entries]
+                                              for entries in (top or [])]
         return self._with_extras(shard, i, row)
 
     def _with_extras(self, shard: Shard, i: int, row: dict[str, Any]) -> dict[str, Any]:

@@ -51,7 +51,7 @@ class AutoBatcher:
                  max_draft_length: int = 4, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                  eos_token_id=None, pack_below: float | None = None, warm_state: dict | None = None,
                  candidates: Sequence[StepConfig] | None = None, logprobs: bool | str = False,
-                 compile: bool | str = False):
+                 compile: bool | str = False, top_logprobs: int = 0):
         speculative = draft is not None
         # allocate for what a candidate may run, not for the bounds: the default candidates stop at K = L = 4
         widest = list(candidates) if candidates is not None else default_candidates(
@@ -61,7 +61,7 @@ class AutoBatcher:
         bounds = bounds if speculative else {}
         self.batcher = ContinuousBatcher(target, draft, batch_size=batch_size, max_length=max_length,
                                          method=AUTOREGRESSIVE, temperature=temperature, top_k=top_k, top_p=top_p,
-                                         eos_token_id=eos_token_id, pack_below=pack_below, logprobs=logprobs,
+                                         eos_token_id=eos_token_id, pack_below=pack_below, logprobs=logprobs, top_logprobs=top_logprobs,
                                          compile=compile, **bounds)
         max_k, max_l = self.batcher.bounds
         if candidates is None:

@@ -115,7 +115,7 @@ def test_a_sampling_params_column_in_vllms_names(tiny_pair, tmp_path, ray_local)
     data.write_text("".join(json.dumps({"id": name, "prompt": prompt, "params": value}) + "\n"
                             for name, value in params.items()))
     raw = job_config(tiny_pair, data, tmp_path / "out", **{
-        "spectr.method": "speculative", "spectr.logprobs": True, "data.sampling_params_column": "params",
+        "spectr.method": "speculative", "spectr.logprobs": 2, "data.sampling_params_column": "params",
         "ray.num_actors": 1, "max_failed_fraction": 0.5})
     report = run_generate(from_dict(raw))
     assert report.exit_code == 0
@@ -129,6 +129,10 @@ def test_a_sampling_params_column_in_vllms_names(tiny_pair, tmp_path, ray_local)
     expected = logits[len(prompt_ids) - 1 : -1].log_softmax(-1).gather(1, torch.tensor(greedy)[:, None])[:, 0]
     assert max(abs(a - b) for a, b in zip(row["completion_logprobs"], expected.tolist())) < 2e-3
     assert any(v < -1e-3 for v in row["completion_logprobs"])  # raw, not the greedy law's 0.0
+    top = row["completion_top_logprobs"]  # spectr.logprobs=2: each token's 2 most likely, most likely first
+    assert len(top) == 12 and all(len(entries) == 2 for entries in top)
+    assert [entries[0]["token_id"] for entries in top] == greedy  # greedy: the raw law's top token
+    assert max(abs(e[0]["logprob"] - v) for e, v in zip(top, row["completion_logprobs"])) < 1e-6
 
     assert rows["budget"]["finish_reason"] == "length" and rows["budget"]["completion_tokens"] == 12
     row = rows["stop_id"]

@@ -158,3 +158,25 @@ def test_rows_end_on_their_own_stop_tokens_or_run_their_budget(pair64):
     assert rows[0].tokens == path[: path.index(eos) + 1] and rows[0].finish_reason == "eos"
     assert rows[1].tokens == path and rows[1].finish_reason == "length"
     assert rows[2].tokens == path[: path.index(stop) + 1] and rows[2].finish_reason == "eos"
+
+
+@pytest.mark.parametrize("method", ["autoregressive", "speculative", "spectr"])
+def test_top_logprobs_are_the_most_likely_tokens_of_the_law_each_token_followed(pair64, method):
+    """top_logprobs=N: per token, the N most likely tokens of the raw target law at that position, equal (ids, and
+    values within 2e-3) to a plain full forward's, most likely first; the token's own log-probability agrees."""
+    import spectr
+
+    prompts = [[3, 17, 42, 8, 1], [9]]
+    out = spectr.generate(*pair64, prompts, method=method, num_drafts=2, draft_length=3, max_new_tokens=6,
+                          temperature=0.8, logprobs="raw", top_logprobs=3, seed=[5, 6])
+    target = pair64[0]
+    for prompt, tokens, own, top in zip(prompts, out.tokens, out.logprobs, out.top_logprobs):
+        with torch.no_grad():
+            logits = target(input_ids=torch.tensor([prompt + tokens]), use_cache=False).logits[0]
+        law = logits[len(prompt) - 1 : -1].float().log_softmax(-1)  # [T, V]
+        assert len(top) == len(tokens)
+        for t, entries in enumerate(top):
+            values, ids = law[t].topk(3)
+            assert [i for i, _ in entries] == ids.tolist()
+            assert max(abs(v - w) for (_, v), w in zip(entries, values.tolist())) < 2e-3
+            assert abs(own[t] - float(law[t, tokens[t]])) < 2e-3
