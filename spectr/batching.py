@@ -434,7 +434,7 @@ class ContinuousBatcher:
             index = torch.tensor(slots, dtype=torch.int64, device=self.device)  # [N]
             prompts = [r.prompt for r in requests]
             self._prefill(slots, prompts)
-            self._set_warps(index, requests)
+            self._set_warps(index, requests, slots)
             last_tokens = torch.tensor([p[-1] for p in prompts], dtype=torch.int64, device=self.device)  # [N]
             self.rows.admit(index, last_tokens, row_keys([r.seed for r in requests], self.device))
             self.occupied.index_fill_(0, index, True)
@@ -484,7 +484,7 @@ class ContinuousBatcher:
         self.stats.prefilled_rows += len(unique_slots)
         self.stats.shared_prefill_rows += len(copies)
 
-    def _set_warps(self, index: torch.Tensor, requests: list[_Request]) -> None:
+    def _set_warps(self, index: torch.Tensor, requests: list[_Request], slots: list[int]) -> None:
         """Rows with their own warp: the pool switches to per-row warps (`RowWarps`) on the first one."""
         if self.row_warps is None:
             if all(r.warp is None for r in requests):
@@ -493,7 +493,7 @@ class ContinuousBatcher:
             self.loop.warp = self.row_warps
             if self.rows.drafter is not None:
                 self.rows.drafter.warp = self.row_warps
-        self.row_warps.set(index, [self.settings.warp if r.warp is None else r.warp for r in requests])
+        self.row_warps.set(index, [self.settings.warp if r.warp is None else r.warp for r in requests], slots)
 
     # -- one iteration -------------------------------------------------------------------
     def _iterate(self, config: StepConfig) -> None:
@@ -531,7 +531,7 @@ class ContinuousBatcher:
         self.rows.move(source, dest)
         self.records.move(source, dest)
         if self.row_warps is not None:
-            self.row_warps.move(source, dest)
+            self.row_warps.move(source, dest, (sources, holes))
         self.occupied.index_fill_(0, dest, True)
         self.occupied.index_fill_(0, source, False)
         for slot, hole in zip(sources, holes):

@@ -190,8 +190,9 @@ class RowWarps:
         self.uses_min_p = default.min_p > 0
         self.default = default
 
-    def set(self, slots: torch.Tensor, warps: list[SamplingWarp]) -> None:
-        """Rows in `slots` ([N] int64) take `warps` (N of them)."""
+    def set(self, slots: torch.Tensor, warps: list[SamplingWarp], host_slots: list[int] | None = None) -> None:
+        """Rows in `slots` ([N] int64; `host_slots`: the same on the host, so that a logit bias reads no device
+        value) take `warps` (N of them)."""
         device = self.temperature.device
         self.temperature.index_copy_(0, slots, torch.tensor([w.temperature for w in warps], dtype=torch.float32,
                                                             device=device))
@@ -202,15 +203,16 @@ class RowWarps:
                          self.truncate[1] or any(w.top_p < 1.0 for w in warps))
         self.uses_min_p = self.uses_min_p or any(w.min_p > 0 for w in warps)
         if self.bias is not None or any(w.logit_bias for w in warps):  # admission only (a host loop over rows)
-            for slot, warp in zip(slots.tolist(), warps):
+            for slot, warp in zip(slots.tolist() if host_slots is None else host_slots, warps):
                 self._pending_bias[slot] = warp.logit_bias
 
-    def move(self, source: torch.Tensor, dest: torch.Tensor) -> None:
+    def move(self, source: torch.Tensor, dest: torch.Tensor, host: tuple[list[int], list[int]] | None = None) -> None:
+        """Rows in slots `source` move to `dest` ([M] int64 each; `host`: the same two on the host)."""
         for tensor in (self.temperature, self.top_k, self.top_p, self.min_p,
                        *(() if self.bias is None else (self.bias,))):
             tensor.index_copy_(0, dest, tensor.index_select(0, source))
         if self._pending_bias:
-            moves = dict(zip(source.tolist(), dest.tolist()))
+            moves = dict(zip(*((source.tolist(), dest.tolist()) if host is None else host)))
             self._pending_bias = {moves.get(slot, slot): bias for slot, bias in self._pending_bias.items()}
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:

@@ -169,6 +169,9 @@ def test_logprobs_and_row_warps_add_no_host_sync(pair64, method):
     base, base_tokens = per_step_syncs(top_p=0.9)
     featured, featured_tokens = per_step_syncs(top_p=[0.9] * 5, logprobs=True)
     assert featured == base and featured_tokens == base_tokens
+    extras, extras_tokens = per_step_syncs(top_p=0.9, logprobs="raw", top_logprobs=3, min_p=[0.0] * 5,
+                                           logit_bias=[{1: 0.0}] * 5)  # a zero bias: the same law
+    assert extras == base and extras_tokens == base_tokens
 
 
 # --- shared prefill -----------------------------------------------------------------------------
