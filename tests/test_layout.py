@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-JOB_PACKAGES = ("pipeline.generate", "pipeline.benchmark", "pipeline.train_pair")
+JOB_PACKAGES = ("pipeline.generate", "pipeline.benchmark", "pipeline.train_pair", "pipeline.train_draft")
 
 
 def imported_modules(path: Path) -> set[str]:

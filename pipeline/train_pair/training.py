@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from pipeline.distillation import per_position_divergence
 from pipeline.train_pair.corpus import list_corpus_files, read_sources
 from pipeline.train_pair.model import build_model, count_parameters, save_pair
 from pipeline.train_pair.spec import TrainSpec, validate_train_spec
@@ -79,7 +80,7 @@ def draft_loss_fn(
         return data_ce, data_ce
     target_log_probs = F.log_softmax(target_logits.detach().float(), dim=-1)  # [B, T, V]
     # KL(q || p) per position, averaged: pushes the draft to cover where the target puts mass.
-    kl = (target_log_probs.exp() * (target_log_probs - draft_log_probs)).sum(-1).mean()
+    kl = per_position_divergence(draft_log_probs, target_log_probs, "forward_kl").mean()
     return (1.0 - distill_weight) * data_ce + distill_weight * kl, data_ce
 
 
