@@ -117,3 +117,23 @@ class ToyPair:
 def toy_pair_factory():
     """The ToyPair class (tests build pairs with their own vocabulary size and seed)."""
     return ToyPair
+
+
+@pytest.fixture(scope="session")
+def e2e_pair():
+    """The end-to-end exactness tests' pair over 8 tokens: peaked, context-dependent random Llamas, so
+    acceptance is far from 0 and from 1 (built once per session; no test changes their weights)."""
+    from hf_tiny import tiny_model
+
+    target = tiny_model(vocab_size=8, hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=1, init_std=0.5, seed=1)
+    draft = tiny_model(vocab_size=8, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, init_std=0.5, seed=2)
+    return target, draft
+
+
+@pytest.fixture(scope="session")
+def pair64():
+    """A 64-token random Llama and a noisy copy of it as the draft (the logprobs, warps and stop tests)."""
+    from hf_tiny import noisy_copy, tiny_model
+
+    target = tiny_model(vocab_size=64, init_std=0.2, seed=3, max_positions=128)
+    return target, noisy_copy(target, noise_std=0.08, seed=4)

@@ -46,7 +46,7 @@ import copy
 
 import pytest
 import torch
-from hf_tiny import exact_joint_distribution, tiny_model
+from hf_tiny import exact_joint_distribution
 from scipy.stats import chi2
 from torch._dynamo.testing import CompileCounter
 
@@ -70,15 +70,10 @@ WARPS = {"plain": (1.0, 0, 1.0), "warped": (0.8, 5, 0.85)}
 
 
 @pytest.fixture(scope="module")
-def pair():
-    """Peaked, context-dependent random models, so acceptance is far from 0 and from 1."""
-    target = tiny_model(
-        vocab_size=VOCAB, hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=1, init_std=0.5, seed=1
-    )
-    draft = tiny_model(
-        vocab_size=VOCAB, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, init_std=0.5, seed=2
-    )
-    return target, draft
+def pair(e2e_pair):
+    """Peaked, context-dependent random models, so acceptance is far from 0 and from 1 (conftest)."""
+    assert e2e_pair[0].config.vocab_size == VOCAB
+    return e2e_pair
 
 
 @pytest.fixture(scope="module")

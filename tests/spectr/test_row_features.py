@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_tiny import exact_joint_distribution, noisy_copy, tiny_model
+from hf_tiny import exact_joint_distribution
 from test_exactness_e2e import LENGTH, PROMPT, VOCAB, chi_square_pvalue
 
 import spectr
@@ -31,18 +31,11 @@ METHODS = ["autoregressive", "speculative", "spectr", "specinfer", "block"]
 
 
 @pytest.fixture(scope="module")
-def tiny_pair():
-    target = tiny_model(vocab_size=VOCAB, hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=1, init_std=0.5,
-                        seed=1)
-    draft = tiny_model(vocab_size=VOCAB, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, init_std=0.5,
-                       seed=2)
-    return target, draft
+def tiny_pair(e2e_pair):
+    """The e2e pair (conftest)."""
+    assert e2e_pair[0].config.vocab_size == VOCAB
+    return e2e_pair
 
-
-@pytest.fixture(scope="module")
-def pair64():
-    target = tiny_model(vocab_size=64, init_std=0.2, seed=3, max_positions=128)
-    return target, noisy_copy(target, noise_std=0.08, seed=4)
 
 
 # --- per-row warps ------------------------------------------------------------------------------

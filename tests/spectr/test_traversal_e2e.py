@@ -43,13 +43,10 @@ ASSETS = Path(__file__).resolve().parents[2] / "assets"
 
 
 @pytest.fixture(scope="module")
-def pair():
-    """The e2e test's pair: peaked, context-dependent, acceptance far from 0 and 1."""
-    target = tiny_model(vocab_size=VOCAB, hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=1, init_std=0.5,
-                        seed=1)
-    draft = tiny_model(vocab_size=VOCAB, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, init_std=0.5,
-                       seed=2)
-    return target, draft
+def pair(e2e_pair):
+    """The e2e test's pair (conftest)."""
+    assert e2e_pair[0].config.vocab_size == VOCAB
+    return e2e_pair
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import copy
 
 import pytest
 import torch
-from hf_tiny import exact_joint_distribution, tiny_model
+from hf_tiny import exact_joint_distribution
 from test_exactness_e2e import LENGTH, PROMPT, VOCAB, chi_square_pvalue
 
 from spectr.batching import ContinuousBatcher
@@ -32,12 +32,10 @@ CASES = [("speculative", 1, 2), ("block", 1, 3), ("spectr", 3, 2)]
 
 
 @pytest.fixture(scope="module")
-def pair():
-    target = tiny_model(vocab_size=VOCAB, hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=1, init_std=0.5,
-                        seed=1)
-    draft = tiny_model(vocab_size=VOCAB, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, init_std=0.5,
-                       seed=2)
-    return target, draft
+def pair(e2e_pair):
+    """The e2e pair (conftest)."""
+    assert e2e_pair[0].config.vocab_size == VOCAB
+    return e2e_pair
 
 
 @pytest.fixture(scope="module")
@@ -104,13 +102,6 @@ def test_negative_control_a_warp_on_the_draft_only_is_rejected(pair, laws, name)
 
 
 # --- raw log-probabilities and per-row stop tokens -------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def pair64():
-    from hf_tiny import noisy_copy
-
-    target = tiny_model(vocab_size=64, init_std=0.2, seed=3, max_positions=128)
-    return target, noisy_copy(target, noise_std=0.08, seed=4)
 
 
 def raw_logprobs(target, prompt, tokens) -> list[float]:
