@@ -8,8 +8,9 @@ like Ctrl-C (its MLflow run is marked KILLED).
 
 `python -m jobs.generate -m key=a,b ...` is a sweep: every cell runs, each with its own output directory
 and MLflow run, nested under one parent run (`jobs.sweep.SweepCallback`); a cell returns its exit code
-instead of exiting, and the process exits non-zero only after the last cell, if any failed. Hydra's sweep
-directory is `runs/sweeps/<time>` (conf/generate.yaml).
+instead of exiting, and the process exits non-zero only after the last cell, if any failed. Cells that share
+`model.*` and `ray.*` run on one Ray and the same actors: the pair loads once (`pipeline.generate.keep`).
+Hydra's sweep directory is `runs/sweeps/<time>` (conf/generate.yaml).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pipeline.config import resolved_container
 from pipeline.errors import JobInputError
 from pipeline.generate.config import from_dict, from_omegaconf
 from pipeline.generate.job import JobReport, run_generate
+from pipeline.generate.keep import SWEEP_KEEPER
 from pipeline.generate.summary import format_report
 from pipeline.generate.sweep import cell_output_dir, cell_run_name, read_sweep
 from pipeline.redact import redact
@@ -59,9 +61,10 @@ def sweep_cell_config(cfg: DictConfig, sweep_dir: str) -> dict[str, Any]:
 
 
 def run_cell(cfg: DictConfig) -> int:
-    """One cell of a sweep: the job's exit code, never `sys.exit` (that would end Hydra's sweep)."""
+    """One cell of a sweep: the job's exit code, never `sys.exit` (that would end Hydra's sweep). Cells with
+    the same `model.*` and `ray.*` share Ray and the actors, the pair loaded once (`SWEEP_KEEPER`)."""
     try:
-        report = run_generate(from_dict(sweep_cell_config(cfg, HydraConfig.get().sweep.dir)))
+        report = run_generate(from_dict(sweep_cell_config(cfg, HydraConfig.get().sweep.dir)), keep=SWEEP_KEEPER)
     except JobInputError as err:
         print(f"error: {redact(str(err))}", file=sys.stderr)
         return 2

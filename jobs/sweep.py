@@ -8,8 +8,8 @@ Registered in conf/generate.yaml (`hydra.callbacks.mlflow_sweep`); it acts only 
   would end the sweep);
 - `on_multirun_end`: ends the parent run and, once every cell ran, exits non-zero if any cell failed.
 
-Ray is started (or joined) once, before the first cell, with that cell's `ray` settings, and kept for the
-whole sweep: each cell's job finds it running and uses it (its actors are its own).
+Ray and the actors are the cells' (`pipeline.generate.keep.SWEEP_KEEPER`): started by the first cell and
+kept while the next cells share its `model.*` and `ray.*`; shut down here after the last cell.
 An interrupted sweep (Ctrl-C, SIGTERM) marks the parent run KILLED on the way out (atexit).
 Not here: the cells themselves (`jobs.generate`).
 """
@@ -17,7 +17,6 @@ Not here: the cells themselves (`jobs.generate`).
 from __future__ import annotations
 
 import atexit
-import contextlib
 import sys
 from typing import Any
 
@@ -26,8 +25,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.config import MlflowConfig, build_section, check_mlflow
-from pipeline.generate.cluster import ray_session
-from pipeline.generate.config import RayConfig
+from pipeline.generate.keep import SWEEP_KEEPER
 from pipeline.generate.sweep import SweepRun
 
 
@@ -44,7 +42,6 @@ class SweepCallback(Callback):
 
     def __init__(self) -> None:
         self.sweep: SweepRun | None = None
-        self.ray: contextlib.ExitStack | None = None
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         mlflow = build_section(
@@ -55,13 +52,6 @@ class SweepCallback(Callback):
         self.sweep = SweepRun(mlflow, config.hydra.sweep.dir)
         self.sweep.start(overrides, swept)
         atexit.register(self._killed)
-
-    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
-        if self.sweep is None or self.ray is not None:
-            return
-        ray = build_section(RayConfig, OmegaConf.to_container(config.ray, resolve=True), prefix="ray")
-        self.ray = contextlib.ExitStack()
-        self.ray.enter_context(ray_session(ray))  # ended by on_multirun_end (or at exit)
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         if self.sweep is None:
@@ -75,17 +65,12 @@ class SweepCallback(Callback):
         if self.sweep is None:
             return
         code = self.sweep.finish()
-        self._stop_ray()
+        SWEEP_KEEPER.close()  # the cells' actors and Ray
         print(self.sweep.report())
         if code:
             sys.exit(code)  # after every cell ran: Hydra's sweep is over
 
-    def _stop_ray(self) -> None:
-        if self.ray is not None:
-            self.ray.close()
-            self.ray = None
-
     def _killed(self) -> None:
-        self._stop_ray()
+        SWEEP_KEEPER.close()
         if self.sweep is not None and not self.sweep.ended:
             self.sweep.finish(status="KILLED")

@@ -24,6 +24,7 @@ from pipeline.generate import plan_cache
 from pipeline.generate.cluster import actor_resources, ray_session
 from pipeline.generate.commit_log import compact_commit_log, open_commit_log, read_commit_records
 from pipeline.generate.config import GenerateConfig
+from pipeline.generate.keep import PairKeeper, pair_key
 from pipeline.generate.lease import Lease
 from pipeline.generate.output import (
     output_schema,
@@ -109,8 +110,11 @@ def quiet_libraries(verbose: bool) -> None:
         logging.getLogger(name).setLevel(level)
 
 
-def run_generate(config: GenerateConfig, hooks: RunHooks | None = None) -> JobReport:
-    """Run the whole job. Raises JobInputError (before anything starts) for bad input."""
+def run_generate(config: GenerateConfig, hooks: RunHooks | None = None, keep: PairKeeper | None = None) -> JobReport:
+    """Run the whole job. Raises JobInputError (before anything starts) for bad input.
+
+    keep: a sweep's cells (`pipeline.generate.keep`): Ray and the actors stay up for the next cell, and this
+    one runs on the last cell's when it has the same pair (None: both shut down at the end)."""
     started = time.perf_counter()
     install_log_filter()  # no URI's password in the log
     quiet_libraries(config.verbose)
@@ -133,7 +137,7 @@ def run_generate(config: GenerateConfig, hooks: RunHooks | None = None) -> JobRe
             _start_tracking, tracker, _params(plan), {"output_dir": str(plan.output_dir), "config_hash": plan.config_hash}
         )
         try:
-            report = _execute(plan, tracker_started, hooks, started)
+            report = _execute(plan, tracker_started, hooks, started, keep)
         except BaseException:
             if tracker_started.done() and tracker_started.exception() is None:
                 tracker_started.result().fail()
@@ -192,14 +196,15 @@ def _open_output(plan: JobPlan) -> None:
         remove_success(plan.output)  # shards are regenerated: not a success until this run says so
 
 
-def _execute(plan: JobPlan, tracker_started: Future, hooks: RunHooks | None, started: float) -> JobReport:
+def _execute(plan: JobPlan, tracker_started: Future, hooks: RunHooks | None, started: float,
+             keep: PairKeeper | None = None) -> JobReport:
     schema = output_schema(plan.id_kind, _schema_settings(plan), logprobs=plan.config.spectr.logprobs,
                            kept=plan.source.columns.kept)
     with Lease.acquire(plan.output, plan.config.lease_timeout_s) as lease:
         plan.lease = lease
         plan.refresh()  # the directory as it is now that this job holds it
         if plan.shards_to_do:
-            run = _generate(plan, schema, tracker_started, hooks, started)
+            run = _generate(plan, schema, tracker_started, hooks, started, keep)
         else:
             _open_output(plan)
             run = GenerationRun()
@@ -217,26 +222,36 @@ def _schema_settings(plan: JobPlan) -> dict[str, Any]:
 def _worker_job(plan: JobPlan, schema: Any) -> WorkerJob:
     pair = plan_cache.pair_key(plan)
     states = plan_cache.load_states(plan, pair) if plan.config.spectr.method == "auto" else {}
-    return WorkerJob(plan.config.data, plan.source, plan.output.uri, plan.manifest.part_digits, schema, pair, states)
+    return WorkerJob(plan.config.data, plan.source, plan.output.uri, plan.manifest.part_digits, schema, pair, states,
+                     plan.config.spectr)
 
 
 def _generate(
-    plan: JobPlan, schema: Any, tracker_started: Future, hooks: RunHooks | None, started: float
+    plan: JobPlan, schema: Any, tracker_started: Future, hooks: RunHooks | None, started: float,
+    keep: PairKeeper | None = None,
 ) -> GenerationRun:
-    """Start the actors, then generate every shard still to do."""
+    """Start the actors (or, in a sweep, take the last cell's), then generate every shard still to do."""
     import ray
 
     config = plan.config
-    with ray_session(config.ray, config.verbose):
-        count, cpus_each, gpus_each = actor_resources(config.ray, ray.cluster_resources(), plan.shards_to_do)
+    with keep.ray_session(config.ray, config.verbose) if keep else ray_session(config.ray, config.verbose):
+        resources = actor_resources(config.ray, ray.cluster_resources(), plan.shards_to_do)
+        count, cpus_each, gpus_each = resources
+        kept = keep.take(pair_key(config, resources)) if keep else None
         ray_ready = time.perf_counter()
-        log.info("ray ready (%.1f s); starting %d actor(s)", ray_ready - started, count)
-        pool = ShardActorPool(config, count, cpus_each, gpus_each, _worker_job(plan, schema))
+        log.info("ray ready (%.1f s); %s %d actor(s)", ray_ready - started,
+                 "the last sweep cell's pair stays loaded on its" if kept else "starting", count)
+        pool = ShardActorPool(config, count, cpus_each, gpus_each, _worker_job(plan, schema), kept=kept)
+        ended = False
         try:
-            return _generate_on(pool, plan, schema, tracker_started, hooks, started, (count, cpus_each, gpus_each),
-                                ray_ready)
+            run = _generate_on(pool, plan, schema, tracker_started, hooks, started, resources, ray_ready)
+            ended = True
+            return run
         finally:
-            pool.shutdown()
+            if keep is not None and ended:
+                keep.hold(pair_key(config, resources), pool)  # for the next cell, when it ended clean
+            else:
+                pool.shutdown()
 
 
 def _generate_on(

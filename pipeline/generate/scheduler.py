@@ -31,6 +31,10 @@ starting or restarting) it fails, and with none working it waits at most `ray.ac
 one. Every wait has a timeout. Ray does
 not re-run tasks itself (`ray.max_task_retries=0`): the driver does, on any actor.
 
+A sweep cell may run on an earlier cell's actors (`KeptActors`, when that cell ended clean; see
+`pipeline.generate.keep`): `wait_ready` sends them the cell's engine settings (`ShardGenerator.reconfigure`)
+instead of waiting for a load; everything the watch above counts starts from nothing.
+
 Not here: committing results (`pipeline.generate.job`), sizing the pool (`pipeline.generate.cluster`).
 """
 
@@ -68,6 +72,16 @@ class RunHooks:
     on_shard_written: Callable[[ShardResult], None] | None = None
     on_progress: Callable[[int], None] | None = None  # prompts done, shards in flight included (polled)
     on_actor_joined: Callable[[Any, dict[str, Any]], None] | None = None  # a late or restarted actor is up
+
+
+@dataclass
+class KeptActors:
+    """A pool's actors, handed to the next sweep cell that has the same pair and actor resources
+    (`pipeline.generate.keep`): they keep the pair loaded and take the cell's engine settings."""
+
+    actors: list[Any]
+    progress: Any  # the ShardProgress actor the actors report to (by name)
+    progress_name: str
 
 
 class NamedReporter:
@@ -156,8 +170,11 @@ class ShardActorPool:
     """The job's actors and the shard queue; see the module docstring."""
 
     def __init__(
-        self, config: GenerateConfig, count: int, cpus_each: float, gpus_each: float, job: WorkerJob
+        self, config: GenerateConfig, count: int, cpus_each: float, gpus_each: float, job: WorkerJob,
+        kept: KeptActors | None = None,
     ):
+        """kept: an earlier sweep cell's actors (`count` of them, built with these resources), used instead of
+        new ones; `wait_ready` sends them this job's engine settings."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -179,14 +196,17 @@ class ShardActorPool:
         threads = max(1, int(cpus_each))
         device = "cuda" if gpus_each > 0 else "cpu"  # a CPU actor stays on CPU even on a GPU node
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-        name = f"spectr-progress-{uuid.uuid4().hex[:12]}"
-        self.progress = ray.remote(ShardProgress).options(num_cpus=0, scheduling_strategy=here, name=name).remote()
+        name = kept.progress_name if kept else f"spectr-progress-{uuid.uuid4().hex[:12]}"
+        self.progress = kept.progress if kept else ray.remote(ShardProgress).options(
+            num_cpus=0, scheduling_strategy=here, name=name).remote()
+        self._progress_name = name
         reporter = NamedReporter(name)  # by name: an actor handle in the constructor arguments pins them
         self._actor_args = (config.model, config.spectr, threads, device, reporter)
         # one copy in the object store for every actor; each shard task carries a reference to it (nested in
         # a list, so that Ray passes the reference), which the actor fetches once
         self._job_ref = ray.put(job)
-        self.actors = [self._remote_class.remote(*self._actor_args) for _ in range(count)]
+        self._kept = kept is not None
+        self.actors = list(kept.actors) if kept else [self._remote_class.remote(*self._actor_args) for _ in range(count)]
         self._slots: list[_Slot] = []
         self._failures: dict[int, int] = {}
         self._hooks: RunHooks | None = None
@@ -199,7 +219,8 @@ class ShardActorPool:
         from ray.exceptions import RayError
 
         started = time.monotonic()
-        refs = {actor.ready.remote(): actor for actor in self.actors}
+        spectr = self.config.spectr  # kept actors: this job's engine settings on the pair they hold
+        refs = {(actor.reconfigure.remote(spectr) if self._kept else actor.ready.remote()): actor for actor in self.actors}
         self._slots = [_Slot(actor, state="starting", ready=ref, started=started) for ref, actor in refs.items()]
         deadline = started + self.config.ray.actor_start_timeout_s
         workers: dict[Any, dict[str, Any]] = {}
@@ -476,6 +497,17 @@ class ShardActorPool:
             self._ray.kill(slot.actor, no_restart=True)
         except Exception:  # noqa: BLE001 - either way we no longer use it
             pass
+
+    def kept(self) -> KeptActors | None:
+        """The actors, for the next sweep cell, when this run ended clean: every actor working, idle, never
+        restarted or replaced, and no shard failed (else None: the next cell starts fresh actors, and
+        its fault handling starts from nothing)."""
+        clean = bool(self._slots) and not self._failures and all(
+            slot.state == "ok" and not slot.in_flight and not slot.lives and not slot.failed for slot in self._slots
+        )
+        if not clean or len(self.actors) != len(self._slots):
+            return None
+        return KeptActors(list(self.actors), self.progress, self._progress_name)
 
     def shutdown(self) -> None:
         """Kill every actor of the pool and the progress actor: a job that ends (or fails) in a session that

@@ -65,6 +65,7 @@ class WorkerJob:
     schema: Any  # pyarrow.Schema of the part files, with the run's settings in its metadata
     plan_pair: str = ""  # method=auto: the plan cache's pair key (`pipeline.generate.plan_cache`)
     plan_states: dict[str, Any] = field(default_factory=dict)  # method=auto: cached chooser states by entry key
+    spectr: SpectrConfig | None = None  # the job's engine settings: an actor built for another (kept) takes them
 
 
 PLAN_METADATA_KEY = b"spectr.plan"
@@ -113,6 +114,7 @@ class ShardGenerator:
         self.job = job
         self.data = data
         self._job_ref: Any = None
+        self._job_lock = threading.Lock()  # the shards' threads fetch the job (and take its settings) once
         self.cache = ReadCache()
         # the shards' threads share the read cache and the tokenizer (a fast tokenizer is not re-entrant)
         self._text_lock = threading.Lock()
@@ -130,10 +132,24 @@ class ShardGenerator:
         self.target = models.load_model(model.target, model, device, plan=plan)
         self.draft = models.load_model(model.draft, model, device)
         self.eos_token_id = models.eos_token_ids_of(self.target, self.tokenizer)  # every EOS id
-        # one continuous batch (one cache pool) for every shard this actor holds, built at the first shard
-        self.feed = ShardFeed(self.target, self.draft, spectr, self.eos_token_id, on_rows=self._report_rows)
+        self._new_feed(spectr)
         self.startup = {"load_s": time.time() - init_started}  # torch, the stack's imports, the pair's load
+
+    def _new_feed(self, spectr: SpectrConfig) -> None:
+        """One continuous batch (one cache pool) for every shard this actor holds, built at the first shard."""
+        self.spectr = spectr
+        self.feed = ShardFeed(self.target, self.draft, spectr, self.eos_token_id, on_rows=self._report_rows)
         self.feed.decode = self._decode  # stop strings end rows early (pipeline.generate.feed)
+
+    def reconfigure(self, spectr: SpectrConfig) -> dict[str, Any]:
+        """The next sweep cell on this actor (`pipeline.generate.keep`): its engine settings, with the pair
+        loaded already. A new feed (a new batch, statistics from zero) on the same models; called while the
+        actor holds no shard. Returns `ready()`, whose startup then says that nothing was loaded."""
+        started = time.time()
+        self._new_feed(spectr)
+        self._shard_steps = 0
+        self.startup = {"load_s": 0.0, "reconfigure_s": time.time() - started}
+        return self.ready()
 
     def ready(self) -> dict[str, Any]:
         """Where this generator runs (called once so that load errors surface before any shard)."""
@@ -168,9 +184,7 @@ class ShardGenerator:
         from pipeline.generate.output import write_shard
 
         if job_ref is not None and job_ref[0] != self._job_ref:
-            import ray
-
-            self.job, self._job_ref = ray.get(job_ref[0]), job_ref[0]
+            self._take_job(job_ref[0])
         job = self.job
         if job is None:
             raise RuntimeError(
@@ -190,6 +204,19 @@ class ShardGenerator:
         self._shard_steps += 1
         result.rows, result.attempt = None, task.attempt  # the driver gets statistics only
         return result
+
+    def _take_job(self, ref: Any) -> None:
+        """The job's WorkerJob, once per job and process; a process Ray restarted with the arguments it was
+        first built with (an earlier sweep cell's settings) takes the job's own before its first shard."""
+        import ray
+
+        with self._job_lock:
+            if ref == self._job_ref:
+                return  # another shard's thread took it
+            job = ray.get(ref)
+            if job.spectr is not None and job.spectr != self.spectr:
+                self._new_feed(job.spectr)
+            self.job, self._job_ref = job, ref
 
     def __call__(self, shard: Shard) -> ShardResult:
         """One shard's contract rows, generated in the actor's continuous batch (`ShardFeed.run` blocks until
