@@ -1,0 +1,196 @@
+"""Distil a draft for a target: the logic behind `python -m jobs.train_draft`.
+
+1. check the config, the output directory, the target (architecture, tokenizer) before any work;
+2. the prompts, split into training and held-out; the target's own completions of both (`completions`);
+3. a small Llama draft with the target's vocabulary (`draft_model`);
+4. the loop: a batch of the target's sequences through both models; the loss is the divergence
+   (`train.loss`: forward KL or total variation, `pipeline.distillation`) between the target's full
+   next-token distribution and the draft's at every completion position; checkpoints in `out`;
+5. the draft saved as a Hugging Face model directory with the target's tokenizer; its acceptance
+   sum_x min(p, q) on the held-out completions (the saved weights, as the generate job loads them).
+
+Not here: Hydra (the entry point, `jobs/train_draft.py`) or MLflow's calls (`tracking`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from pipeline.distillation import acceptance_sum, distillation_loss
+from pipeline.train_draft import output
+from pipeline.train_draft.completions import Sequences, cached_completions, padded_batch, read_prompt_ids
+from pipeline.train_draft.config import DraftJobConfig
+from pipeline.train_draft.draft_model import build_draft, count_parameters, draft_shape, load_target
+
+
+@dataclass
+class DraftResult:
+    out: str
+    draft_parameters: int
+    target_parameters: int
+    steps: int
+    train_seconds: float
+    stopped_by: str
+    final_loss: float
+    acceptance: float  # mean over held-out completion positions of sum_x min(p, q)
+    heldout_positions: int
+    train_sequences: int
+    train_completion_tokens: int
+    compare_acceptance: float | None = None
+    history: list[tuple[int, float]] = field(default_factory=list)  # (step, loss)
+
+    def generate_command(self, target: str) -> str:
+        return f"python -m jobs.generate model.target={target} model.draft={self.out} data.path=PROMPTS"
+
+
+def resolve_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def run_train_draft(config: DraftJobConfig, tracker: Any = None) -> DraftResult:
+    # 1) checks, before anything is written
+    device = resolve_device(config.device)
+    if config.threads:
+        torch.set_num_threads(int(config.threads))
+    target, tokenizer = load_target(config.model, device)
+    shape = draft_shape(target.config, config.draft)
+    max_prompt = max(1, int(target.config.max_position_embeddings) - config.train.max_new_tokens - 1)
+    train_prompts, heldout_prompts = read_prompt_ids(config.data, tokenizer, max_prompt)
+    folder = output.claim_output(config.out, config.run_key())
+    # 2) the target's completions (cached for a resume)
+    from pipeline.models import eos_token_ids_of
+
+    eos_ids = eos_token_ids_of(target, tokenizer)
+    train_set, heldout_set = cached_completions(folder, target, train_prompts, heldout_prompts, config.train, eos_ids)
+    # 3) the draft
+    draft = build_draft(target, tokenizer, shape, config.draft.init_embedding, seed=config.train.seed).to(device)
+    if tracker is not None:
+        tracker.started(config, count_parameters(draft), count_parameters(target), len(train_set))
+    # 4) the loop
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_ids or [0])[0]
+    loop = _train(config, folder, target, draft, train_set, pad_id, device, tracker)
+    # 5) save, then measure the saved weights
+    root = Path(config.out).expanduser()
+    output.save_draft(root, draft, tokenizer, config.train.save_dtype)
+    saved = draft.to(getattr(torch, config.train.save_dtype)).float().eval()
+    accepted, positions = heldout_acceptance(target, saved, heldout_set, pad_id, config, device)
+    compare = None
+    if config.compare_draft:
+        other = _load_compare_draft(config.compare_draft, device)
+        compare = heldout_acceptance(target, other, heldout_set, pad_id, config, device)[0]
+    result = DraftResult(
+        out=str(root), draft_parameters=count_parameters(draft), target_parameters=count_parameters(target),
+        steps=loop["step"], train_seconds=loop["seconds"], stopped_by=loop["stopped_by"],
+        final_loss=loop["loss"], acceptance=accepted, heldout_positions=positions,
+        train_sequences=len(train_set), train_completion_tokens=train_set.completion_tokens(),
+        compare_acceptance=compare, history=loop["history"],
+    )
+    output.write_json(folder / "run.json", {"run_key": config.run_key(), "config": config.to_dict(),
+                                            "result": {k: v for k, v in vars(result).items() if k != "history"}})
+    return result
+
+
+def _load_compare_draft(path: str, device: str) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+
+
+def learning_rate(config: DraftJobConfig, step: int, progress: float) -> float:
+    train = config.train
+    if step < train.warmup_steps:
+        return train.lr * (step + 1) / train.warmup_steps
+    cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    return train.lr * (train.min_lr_ratio + (1.0 - train.min_lr_ratio) * cosine)
+
+
+def _make_optimizer(draft: Any, config: DraftJobConfig) -> torch.optim.Optimizer:
+    decay = [p for n, p in draft.named_parameters() if p.ndim >= 2 and "norm" not in n]
+    rest = [p for n, p in draft.named_parameters() if not (p.ndim >= 2 and "norm" not in n)]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": config.train.weight_decay},
+                              {"params": rest, "weight_decay": 0.0}], lr=config.train.lr, betas=(0.9, 0.95))
+
+
+def _train(config, folder: Path, target, draft, train_set: Sequences, pad_id: int, device: str, tracker) -> dict:
+    train = config.train
+    optimizer = _make_optimizer(draft, config)
+    generator = torch.Generator().manual_seed(train.seed)
+    step, seconds_before = output.load_checkpoint(folder, draft, optimizer, generator)
+    budget_s = None if train.max_minutes is None else train.max_minutes * 60.0
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda")
+                else contextlib.nullcontext())
+    state = {"step": step, "loss": float("nan"), "stopped_by": "steps", "history": []}
+    start = time.monotonic()
+    bar = tqdm(total=train.steps, initial=step, disable=not config.show_progress, desc="train_draft",
+               dynamic_ncols=True, mininterval=2.0)
+    draft.train()
+    while state["step"] < train.steps:
+        elapsed = seconds_before + time.monotonic() - start
+        if budget_s is not None and elapsed >= budget_s:
+            state["stopped_by"] = "max_minutes"
+            break
+        progress = max(state["step"] / train.steps, elapsed / budget_s if budget_s else 0.0)
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(config, state["step"], progress)
+        rows = torch.randint(0, len(train_set), (train.batch_size,), generator=generator).tolist()
+        loss = _train_step(config, target, draft, optimizer, train_set, rows, pad_id, device, autocast, generator)
+        state["step"] += 1
+        state["loss"] = loss
+        state["history"].append((state["step"], loss))
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+        if tracker is not None:
+            tracker.step(state["step"], loss)
+        if state["step"] % train.checkpoint_every == 0 and state["step"] < train.steps:
+            output.save_checkpoint(folder, draft, optimizer, state["step"], generator,
+                                   seconds_before + time.monotonic() - start)
+    bar.close()
+    state["seconds"] = seconds_before + time.monotonic() - start
+    output.save_checkpoint(folder, draft, optimizer, state["step"], generator, state["seconds"])
+    draft.eval()
+    return state
+
+
+def _train_step(config, target, draft, optimizer, train_set, rows, pad_id, device, autocast, generator) -> float:
+    """One batch of the target's sequences: the divergence at every completion position, one optimiser step."""
+    inputs, attention, loss_mask = (t.to(device) for t in padded_batch(train_set, rows, pad_id))  # [B, T] each
+    with torch.no_grad(), autocast:
+        target_logits = target(input_ids=inputs, attention_mask=attention).logits.float()  # [B, T, V]
+    if config.train.shuffle_targets:  # negative control: each position gets another position's target law
+        picked = loss_mask.nonzero(as_tuple=True)
+        order = torch.randperm(picked[0].numel(), generator=generator).to(device)
+        target_logits[picked] = target_logits[picked][order]
+    with autocast:
+        draft_logits = draft(input_ids=inputs, attention_mask=attention).logits  # [B, T, V]
+    loss = distillation_loss(draft_logits, target_logits, config.train.loss, loss_mask, config.train.temperature)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(draft.parameters(), config.train.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(loss.detach())
+
+
+@torch.no_grad()
+def heldout_acceptance(target, draft, heldout: Sequences, pad_id: int, config: DraftJobConfig, device: str,
+                       batch_size: int = 8) -> tuple[float, int]:
+    """(mean over the held-out completion positions of sum_x min(p, q), number of positions), at the
+    training temperature: the single-draft acceptance of speculative sampling on the target's own text."""
+    total, positions = 0.0, 0
+    for start in range(0, len(heldout), batch_size):
+        rows = list(range(start, min(start + batch_size, len(heldout))))
+        inputs, attention, mask = (t.to(device) for t in padded_batch(heldout, rows, pad_id))  # [B, T] each
+        target_logits = target(input_ids=inputs, attention_mask=attention).logits  # [B, T, V]
+        draft_logits = draft(input_ids=inputs, attention_mask=attention).logits  # [B, T, V]
+        accepted, count = acceptance_sum(draft_logits, target_logits, mask, config.train.temperature)
+        total, positions = total + accepted, positions + count
+    return total / max(positions, 1), positions
