@@ -8,6 +8,7 @@ so that a resumed run does not generate them again. Not here: the loss or the lo
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,8 @@ import torch
 from pipeline.config import DataConfig
 from pipeline.errors import JobInputError
 from pipeline.train_draft.config import PromptSpec, TrainSpec
+
+log = logging.getLogger("pipeline")
 
 
 @dataclass
@@ -67,6 +70,8 @@ def cached_completions(folder: Path, target: Any, train_prompts, heldout_prompts
     if path.exists():
         saved = torch.load(path, weights_only=True)
         return Sequences(**saved["train"]), Sequences(**saved["heldout"])
+    log.info("the target completes %d training and %d held-out prompts (%d new tokens each at most)",
+             len(train_prompts), len(heldout_prompts), train.max_new_tokens)
     train_set = target_completions(target, train_prompts, train, eos_ids, seed=train.seed)
     heldout_set = target_completions(target, heldout_prompts, train, eos_ids, seed=train.seed + 1_000_003)
     tmp = path.with_name(path.name + ".tmp")
