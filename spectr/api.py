@@ -35,6 +35,10 @@ def generate(
     min_p: float | Sequence[float] = 0.0,
     logit_bias: dict | Sequence[dict | None] | None = None,
     top_logprobs: int = 0,
+    presence_penalty: float | Sequence[float] = 0.0,
+    frequency_penalty: float | Sequence[float] = 0.0,
+    repetition_penalty: float | Sequence[float] = 1.0,
+    min_tokens: int | Sequence[int] = 0,
 ) -> GenerationOutput:
     """Generate up to `max_new_tokens` tokens per prompt from `target`, exactly its (warped) distribution.
 
@@ -58,14 +62,18 @@ def generate(
     log-softmax instead, vLLM's default). compile:
     False, True or "auto" (`spectr.native`: Llama / Qwen2 models under torch.compile; "auto" where
     the work pays for the compile time). min_p / logit_bias: vLLM's (`spectr.warps`); top_logprobs=N: each token's N
-    most likely tokens too (`output.top_logprobs`); these three with the fixed methods only. Bad
-    input raises ValueError naming the argument and, per prompt, the row.
+    most likely tokens too (`output.top_logprobs`); presence_penalty / frequency_penalty / repetition_penalty /
+    min_tokens: vLLM's, counted on each draft-tree node's own path (`spectr.penalties`); these with the fixed
+    methods only. Bad input raises ValueError naming the argument and, per prompt, the row.
     """
     run = generate_auto if method == AUTO else generate_fixed
+    penalties = {"presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
+                 "repetition_penalty": repetition_penalty, "min_tokens": min_tokens}
     arguments = {} if method == AUTO else {"method": method, "min_p": min_p, "logit_bias": logit_bias,
-                                           "top_logprobs": top_logprobs}
-    if method == AUTO and (min_p or logit_bias or top_logprobs):
-        raise ValueError("min_p and logit_bias are taken by the fixed methods here; with method='auto', admit rows "
+                                           "top_logprobs": top_logprobs, **penalties}
+    if method == AUTO and (min_p or logit_bias or top_logprobs or tuple(penalties.values()) != (0.0, 0.0, 1.0, 0)):
+        raise ValueError("min_p, logit_bias, top_logprobs, the penalties and min_tokens are taken by the fixed "
+                         "methods here; with method='auto', admit rows "
                          "with their own SamplingWarp (spectr.planner.AutoBatcher.admit(warps=...))")
     return run(target, draft, prompts, num_drafts=num_drafts, draft_length=draft_length,
                max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,

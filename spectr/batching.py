@@ -334,7 +334,8 @@ class ContinuousBatcher:
         max_new_tokens: an int >= 1 or one per prompt; seed: an int (prompt i uses seed + i) or one
         per prompt; tags: None or one value per prompt, returned with the row; warps: None or one
         `SamplingWarp` (or None: the run's) per prompt, the law that row samples (rows of several
-        warps share the batch, each exact for its own); stop_token_ids: None or one entry per prompt, None (the
+        warps share the batch, each exact for its own; penalties and min_tokens are counted on each draft-tree
+        node's own path, `spectr.penalties`); stop_token_ids: None or one entry per prompt, None (the
         run's EOS ids end it) or the token ids that end that row instead (vLLM's stop_token_ids, with its EOS
         unless ignore_eos; an empty list: the row runs its whole budget).
         """
@@ -489,11 +490,15 @@ class ContinuousBatcher:
         if self.row_warps is None:
             if all(r.warp is None for r in requests):
                 return
-            self.row_warps = RowWarps(self.batch_size, self.settings.warp, self.device)
+            self.row_warps = RowWarps(self.batch_size, self.settings.warp, self.device, self.target.vocab_size)
             self.loop.warp = self.row_warps
             if self.rows.drafter is not None:
                 self.rows.drafter.warp = self.row_warps
-        self.row_warps.set(index, [self.settings.warp if r.warp is None else r.warp for r in requests], slots)
+        warps = [self.settings.warp if r.warp is None else r.warp for r in requests]
+        penalised = self.row_warps.path_dependent or any(w.path_dependent for w in warps)
+        self.row_warps.set(index, warps, slots, prompts=[r.prompt for r in requests] if penalised else None,
+                           stops=[self.settings.eos_ids if r.stops is None else r.stops for r in requests]
+                           if penalised else None)  # repetition reads the prompt, min_tokens masks the stops
 
     # -- one iteration -------------------------------------------------------------------
     def _iterate(self, config: StepConfig) -> None:

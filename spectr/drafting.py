@@ -16,7 +16,9 @@ are sampled from ONE row, its leader's (the smallest draft index through the nod
 other drafts through the node compute duplicate rows, which are never read: a fixed width of
 K rows per depth keeps the step free of host syncs, and reading only the leader's row makes
 the sampled tokens and the selection use the same p bit for bit, whatever the dtype.
-Children stay i.i.d. given the node: each draft has its own uniform.
+Children stay i.i.d. given the node: each draft has its own uniform. With penalties or min_tokens
+(`spectr.penalties`) a draft's row at depth i is penalised with the row's committed tokens plus the
+draft's own first i tokens: the node's path, which the verify counts at that node too.
 
 Draft-cache layout during an iteration (see spectr.kv_cache for the invariant): with
 `base = lengths + num_pending`, draft k's token of depth i (i < L-1) sits at slot
@@ -41,6 +43,7 @@ from __future__ import annotations
 import torch
 
 from spectr.kv_cache import tree_attention
+from spectr.penalties import draft_paths, root_paths
 from spectr.rng import sample_categorical_many
 from spectr.tree import DraftTree, compact_nodes, extend_same_prefix, leaders_of, shared_depths
 from spectr.warps import SamplingWarp
@@ -105,7 +108,8 @@ class TreeDrafter:
         last = (self.num_pending - 1)[:, None, None].expand(batch, 1, logits.shape[-1])
         root_logits = logits.gather(1, last)  # [B, 1, V]
         nonfinite = nonfinite_rows(root_logits)[:, 0]  # [B]
-        probs[:, 0, 0] = self.warp.probs(root_logits[:, 0])  # the root's one row (draft 0 leads it)
+        penalised = self.warp.path_dependent  # penalties / min_tokens: each row's law counts its own path
+        probs[:, 0, 0] = self.warp.probs(root_logits[:, 0], root_paths(batch, device) if penalised else None)
         tokens[:, :, 0] = sample_categorical_many(probs[:, 0, 0], uniforms[:, 0])  # [B, K] i.i.d. children
         same = extend_same_prefix(
             torch.ones(batch, num_drafts, num_drafts, dtype=torch.bool, device=device), tokens[:, :, 0]
@@ -121,7 +125,7 @@ class TreeDrafter:
             allowed = tree_attention(base, self._visibility(num_drafts, depth), max_base + depth * num_drafts)
             logits = self.model.forward(tokens[:, :, depth - 1], positions, allowed, self.cache, slots)  # [B, K, V]
             nonfinite |= nonfinite_rows(logits).any(1)
-            probs[:, :, depth] = self.warp.probs(logits)
+            probs[:, :, depth] = self.warp.probs(logits, draft_paths(tokens[:, :, :depth]) if penalised else None)
             # Every draft draws from its node's leader row: draws[b, r, k] is draft k's draw from row r.
             draws = sample_categorical_many(probs[:, :, depth], uniforms[:, depth, None, :].expand(-1, num_drafts, -1))
             tokens[:, :, depth] = draws.gather(1, leaders[depth][:, None, :]).squeeze(1)

@@ -67,6 +67,10 @@ def generate(
     min_p: float | Sequence[float] = 0.0,
     logit_bias: dict | Sequence[dict | None] | None = None,
     top_logprobs: int = 0,
+    presence_penalty: float | Sequence[float] = 0.0,
+    frequency_penalty: float | Sequence[float] = 0.0,
+    repetition_penalty: float | Sequence[float] = 1.0,
+    min_tokens: int | Sequence[int] = 0,
 ) -> GenerationOutput:
     """Generate up to `max_new_tokens` tokens per prompt from `target`, exactly its (warped) distribution.
 
@@ -91,13 +95,17 @@ def generate(
     models stay eager) or "auto" (compiled where it pays: `spectr.native.auto_compile`). min_p (vLLM's: 0 =
     off) and logit_bias (a {token id: bias} dict): one value, or one per prompt; applied to both models'
     logits like the other warps (`spectr.warps`). top_logprobs=N: also each token's N most likely tokens and
-    their log-probabilities, from the same law as `logprobs` (`output.top_logprobs`). Bad input raises
+    their log-probabilities, from the same law as `logprobs` (`output.top_logprobs`). presence_penalty,
+    frequency_penalty, repetition_penalty and min_tokens (vLLM's; one value or one per prompt): counted, at every
+    node of the draft tree, on that node's own path, on both models' logits (`spectr.penalties`). Bad input raises
     ValueError naming the argument and, per prompt, the row.
     """
     return _run(Generation(target, draft, prompts, method=method, num_drafts=num_drafts, draft_length=draft_length,
                            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                            eos_token_id=eos_token_id, seed=seed, batch_size=batch_size, logprobs=logprobs,
-                           compile=compile, min_p=min_p, logit_bias=logit_bias, top_logprobs=top_logprobs))
+                           compile=compile, min_p=min_p, logit_bias=logit_bias, top_logprobs=top_logprobs,
+                           presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                           repetition_penalty=repetition_penalty, min_tokens=min_tokens))
 
 
 def _run(generation: Generation) -> GenerationOutput:
@@ -139,11 +147,13 @@ class Generation:
                  max_new_tokens=64, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=None, seed=0,
                  batch_size: int | None = None, pack_below: float | None = None, make_batcher=None,
                  logprobs: bool | str = False, compile: bool | str = False, min_p=0.0, logit_bias=None,
-                 top_logprobs: int = 0):
+                 top_logprobs: int = 0, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
+                 min_tokens=0):
         self.prompts = check_prompts(prompts)
         check_batch_size(batch_size)
         (temperature, top_k, top_p), warps = split_row_warps(temperature, top_k, top_p, len(self.prompts), min_p,
-                                                             logit_bias)
+                                                             logit_bias, presence_penalty, frequency_penalty,
+                                                             repetition_penalty, min_tokens)
         self.settings = Settings.from_arguments(
             self.prompts, methods=known_methods(), method=method, num_drafts=num_drafts,
             draft_length=draft_length, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,

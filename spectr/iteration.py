@@ -46,6 +46,7 @@ from spectr.drafting import nonfinite_rows
 from spectr.hf import HFCausalLM
 from spectr.kv_cache import tree_attention
 from spectr.native import compiled_select_tree, selection_compiles
+from spectr.penalties import root_paths, tree_paths
 from spectr.records import DRAFT_NONFINITE, TARGET_NONFINITE, Records
 from spectr.rng import IterationSlots, counter_uniforms, sample_categorical
 from spectr.rows import RowState
@@ -133,7 +134,8 @@ def autoregressive_step(loop: Loop, rows: RowState) -> None:
         logits = loop.target.forward(rows.pending[:, None], slots, allowed, cache, slots)  # [R, 1, V]
     with loop.timer.phase("selection"):
         errors = nonfinite_rows(logits)[:, 0].to(torch.int64) * TARGET_NONFINITE  # [R]
-        probs = loop.warp.probs(logits[:, 0])  # [R, V]
+        paths = root_paths(logits.shape[0], device) if loop.warp.path_dependent else None
+        probs = loop.warp.probs(logits[:, 0], paths)  # [R, V]
         uniforms = counter_uniforms(rows.keys, rows.iteration, 1)  # [R, 1]
         next_tokens = sample_categorical(probs, uniforms[:, 0])  # [R]
         logprobs, top = None, None
@@ -145,6 +147,7 @@ def autoregressive_step(loop: Loop, rows: RowState) -> None:
                 top = (ids[:, None], values[:, None])  # [R, 1, N]
     still = loop.records.record(rows.slots, rows.running, next_tokens[:, None], torch.ones_like(next_tokens),
                                 errors, logprobs, top)
+    _count_committed(loop, rows, next_tokens[:, None])
     loop.stats.verify_tokens += 1
     cache.rows.advance(still.to(torch.int64))
     rows.pending = torch.where(still, next_tokens, rows.pending)
@@ -167,7 +170,8 @@ def speculative_step(loop: Loop, rows: RowState) -> None:
     with loop.timer.phase("selection"):
         real = torch.arange(width, device=logits.device) < tree.num_nodes[:, None]  # [R, W]
         target_nonfinite = (nonfinite_rows(logits) & real).any(1)  # [R]
-        target_probs = loop.warp.probs(logits)  # [R, W, V]
+        paths = tree_paths(tree.tokens, tree.node_of, width) if loop.warp.path_dependent else None
+        target_probs = loop.warp.probs(logits, paths)  # [R, W, V] (penalties: each node's own path)
         selection = _select(loop, _selection_compiled(loop, logits.device), tree, target_probs, selection_uniforms,
                             splits)
         logprobs, top = None, None
@@ -180,6 +184,7 @@ def speculative_step(loop: Loop, rows: RowState) -> None:
     accepted = selection.num_accepted  # [R]
     loop.records.record_acceptance(rows.slots, rows.running, accepted, tree.num_nodes, loop.draft_length)
     still = loop.records.record(rows.slots, rows.running, selection.tokens, accepted + 1, errors, logprobs, top)
+    _count_committed(loop, rows, selection.tokens)
     loop.stats.verify_tokens += width
     _commit(loop, rows, tree, selection, still)
     rows.iteration = rows.iteration + 1
@@ -207,6 +212,14 @@ def _path_logprobs(tree, selection, target_probs: torch.Tensor) -> torch.Tensor:
     path = tree.node_of.gather(1, chosen)[:, 0]  # [R, L + 1] node of the prefix of length i
     rows = torch.arange(path.shape[0], device=path.device)[:, None]  # [R, 1]
     return target_probs[rows, path, selection.tokens.clamp(min=0)]  # [R, L + 1] (padding: ignored)
+
+
+def _count_committed(loop: Loop, rows: RowState, emitted: torch.Tensor) -> None:
+    """Penalties: the tokens the records just kept (emitted [R, E], cut at the new lengths) join the rows'
+    output counts (`spectr.penalties.RowPenalties.commit`). No host read; nothing without penalties."""
+    penalties = getattr(loop.warp, "penalties", None)  # RowWarps' RowPenalties, once a row has one
+    if penalties is not None:
+        penalties.commit(rows.slots, emitted, loop.records.lengths[rows.slots])
 
 
 def _catch_up(loop: Loop, rows: RowState) -> None:

@@ -15,6 +15,10 @@ Face's `TemperatureLogitsWarper`, `TopKLogitsWarper` and `TopPLogitsWarper` (min
 - top-p (`top_p < 1`): keep the smallest set of most likely tokens whose mass reaches top_p
   (tokens whose ascending cumulative mass is <= 1 - top_p are removed; the top token is always kept).
 
+vLLM's penalties and min_tokens (`SamplingWarp.presence_penalty`, ... `min_tokens`) come after the bias and
+before temperature, but depend on the row's own tokens: `RowWarps` applies them per node of the draft tree
+with that node's path (`spectr.penalties`); `SamplingWarp.probs` alone does not.
+
 This module is not a sampler: it only maps logits to probabilities. Sampling with per-row
 uniforms is `spectr.rng.sample_categorical`.
 """
@@ -26,28 +30,49 @@ from dataclasses import dataclass
 
 import torch
 
+from spectr.penalties import NEUTRAL as PENALTIES_OFF
+from spectr.penalties import NodePaths, RowPenalties, validate_penalties
+
 
 @dataclass(frozen=True)
 class SamplingWarp:
     """Temperature / top-k / top-p / min-p settings and a logit bias; `top_k=0`, `top_p=1.0`, `min_p=0.0` and
-    `logit_bias=()` mean none. logit_bias: ((token id, bias), ...), sorted by id."""
+    `logit_bias=()` mean none. logit_bias: ((token id, bias), ...), sorted by id. vLLM's presence_penalty,
+    frequency_penalty (0 = off), repetition_penalty (1 = off) and min_tokens (0 = off) are per row and
+    path-dependent: applied by the pool (`RowWarps`, `spectr.penalties`), not by `probs`."""
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         validate_sampling(self.temperature, self.top_k, self.top_p)
         validate_extras(self.min_p, self.logit_bias)
+        validate_penalties(self.presence_penalty, self.frequency_penalty, self.repetition_penalty, self.min_tokens)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """Warped probabilities, float32, same shape as `logits` ([..., V])."""
+    @property
+    def penalty_settings(self) -> tuple[float, float, float, int]:
+        """(presence, frequency, repetition, min_tokens)."""
+        return (self.presence_penalty, self.frequency_penalty, self.repetition_penalty, self.min_tokens)
+
+    @property
+    def path_dependent(self) -> bool:
+        """Whether this warp has a penalty or min_tokens (its law at a node depends on the node's path)."""
+        return self.penalty_settings != PENALTIES_OFF
+
+    def probs(self, logits: torch.Tensor, paths=None) -> torch.Tensor:
+        """Warped probabilities, float32, same shape as `logits` ([..., V]). Penalties and min_tokens are not
+        applied here (`paths` is ignored: they need the row's counts, see `RowWarps`)."""
         if self.logit_bias:
             logits = logits.float() + dense_bias(self.logit_bias, logits.shape[-1], logits.device)
         return warp_probs(logits, self.temperature, self.top_k, self.top_p, self.min_p)
@@ -176,10 +201,12 @@ class RowWarps:
 
     `probs(logits)` warps [R, ..., V] logits of the rows [0, R) of the pool (R <= B: an iteration
     may run on a prefix of the pool). Host flags say whether any admitted row truncates, so that a
-    pool without top-k / top-p never sorts (nor min-p / a bias computes).
+    pool without top-k / top-p never sorts (nor min-p / a bias computes). Penalties and min_tokens
+    (`spectr.penalties.RowPenalties`, made when a row first brings one; `vocab_size` sizes it) are
+    path-dependent: `probs(logits, paths)` then needs each node's path (`path_dependent` says so).
     """
 
-    def __init__(self, num_slots: int, default: SamplingWarp, device):
+    def __init__(self, num_slots: int, default: SamplingWarp, device, vocab_size: int | None = None):
         self.temperature = torch.full((num_slots,), default.temperature, dtype=torch.float32, device=device)  # [B]
         self.top_k = torch.full((num_slots,), default.top_k, dtype=torch.int64, device=device)  # [B]
         self.top_p = torch.full((num_slots,), default.top_p, dtype=torch.float32, device=device)  # [B]
@@ -189,10 +216,19 @@ class RowWarps:
         self.truncate = (default.top_k > 0, default.top_p < 1.0)
         self.uses_min_p = default.min_p > 0
         self.default = default
+        self.vocab_size = vocab_size
+        self.penalties: RowPenalties | None = None  # once a row has a penalty or min_tokens
 
-    def set(self, slots: torch.Tensor, warps: list[SamplingWarp], host_slots: list[int] | None = None) -> None:
+    @property
+    def path_dependent(self) -> bool:
+        """Host flag: some admitted row has a penalty or min_tokens (`probs` needs the nodes' paths)."""
+        return self.penalties is not None
+
+    def set(self, slots: torch.Tensor, warps: list[SamplingWarp], host_slots: list[int] | None = None, *,
+            prompts=None, stops=None) -> None:
         """Rows in `slots` ([N] int64; `host_slots`: the same on the host, so that a logit bias reads no device
-        value) take `warps` (N of them)."""
+        value) take `warps` (N of them); prompts / stops: their token ids and stop tokens (host lists), read by
+        penalties (repetition counts the prompt) and min_tokens (masks the stop tokens)."""
         device = self.temperature.device
         self.temperature.index_copy_(0, slots, torch.tensor([w.temperature for w in warps], dtype=torch.float32,
                                                             device=device))
@@ -205,6 +241,18 @@ class RowWarps:
         if self.bias is not None or any(w.logit_bias for w in warps):  # admission only (a host loop over rows)
             for slot, warp in zip(slots.tolist() if host_slots is None else host_slots, warps):
                 self._pending_bias[slot] = warp.logit_bias
+        if self.penalties is not None or any(w.path_dependent for w in warps):
+            self._set_penalties(slots, warps, prompts, stops)
+
+    def _set_penalties(self, slots: torch.Tensor, warps: list[SamplingWarp], prompts, stops) -> None:
+        """Penalties and min_tokens of the new rows: their prompts (repetition) and stop tokens (min_tokens) as
+        host lists (None: empty)."""
+        if self.penalties is None:
+            if self.vocab_size is None:
+                raise ValueError("penalties and min_tokens need the pool's vocab_size (RowWarps(vocab_size=...))")
+            self.penalties = RowPenalties(self.temperature.shape[0], self.vocab_size, self.temperature.device)
+        count = len(warps)
+        self.penalties.set(slots, [w.penalty_settings for w in warps], prompts or [[]] * count, stops or [[]] * count)
 
     def move(self, source: torch.Tensor, dest: torch.Tensor, host: tuple[list[int], list[int]] | None = None) -> None:
         """Rows in slots `source` move to `dest` ([M] int64 each; `host`: the same two on the host)."""
@@ -214,15 +262,27 @@ class RowWarps:
         if self._pending_bias:
             moves = dict(zip(*((source.tolist(), dest.tolist()) if host is None else host)))
             self._pending_bias = {moves.get(slot, slot): bias for slot, bias in self._pending_bias.items()}
+        if self.penalties is not None:
+            self.penalties.move(source, dest)
 
-    def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """Warped probabilities of rows [0, R) of the pool: logits [R, ..., V] -> [R, ..., V] float32."""
+    def probs(self, logits: torch.Tensor, paths: NodePaths | None = None) -> torch.Tensor:
+        """Warped probabilities of rows [0, R) of the pool: logits [R, ..., V] -> [R, ..., V] float32.
+
+        paths: each node's draft tokens (`spectr.penalties.NodePaths`), needed when `path_dependent`: the logit
+        bias, then the penalties and min_tokens with the node's path counts, then the other warps."""
         rows = logits.shape[0]
         if self._pending_bias:
             self._fold_bias(logits.shape[-1], logits.device)
+        bias = None if self.bias is None else self.bias[:rows]
+        if self.penalties is not None:
+            if paths is None:
+                raise ValueError("this pool has penalties or min_tokens: probs needs the nodes' paths")
+            if bias is not None:
+                logits = logits.float() + bias.view(rows, *(1,) * (logits.dim() - 2), -1)  # [R, ..., V]
+                bias = None
+            logits = self.penalties.apply(logits, paths)
         return row_warp_probs(logits, self.temperature[:rows], self.top_k[:rows], self.top_p[:rows], self.truncate,
-                              self.min_p[:rows] if self.uses_min_p else None,
-                              None if self.bias is None else self.bias[:rows])
+                              self.min_p[:rows] if self.uses_min_p else None, bias)
 
     def _fold_bias(self, vocab_size: int, device) -> None:
         if self.bias is None:
@@ -234,21 +294,26 @@ class RowWarps:
         self._pending_bias = {}
 
 
-def split_row_warps(temperature, top_k, top_p, count: int, min_p=0.0, logit_bias=None
+def split_row_warps(temperature, top_k, top_p, count: int, min_p=0.0, logit_bias=None, presence_penalty=0.0,
+                    frequency_penalty=0.0, repetition_penalty=1.0, min_tokens=0
                     ) -> tuple[tuple[float, int, float], list[SamplingWarp] | None]:
     """Scalars, or one value per row (lists or [N] tensors), -> (the run's warp settings, per-row warps).
 
-    All scalars, no min_p and no logit_bias: (those scalars, None). Any of them per row, or a min_p / a logit
-    bias (a {token id: bias} dict, or one dict or None per row): (the defaults (1.0, 0, 1.0), one `SamplingWarp`
-    per row, scalars broadcast). ValueError names the argument and the row.
+    All scalars, no min_p, no logit_bias, no penalty and no min_tokens: (those scalars, None). Any of them per row,
+    or a min_p / a logit bias (a {token id: bias} dict, or one dict or None per row) / a penalty / min_tokens: (the
+    defaults (1.0, 0, 1.0), one `SamplingWarp` per row, scalars broadcast). ValueError names the argument and the
+    row.
     """
-    values = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p}
+    values = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
+              "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
+              "repetition_penalty": repetition_penalty, "min_tokens": min_tokens}
     for name, value in values.items():
         if isinstance(value, torch.Tensor):
             values[name] = value.tolist()
     per_row = {name: v for name, v in values.items() if isinstance(v, (list, tuple))}
     biases = logit_bias if isinstance(logit_bias, (list, tuple)) else [logit_bias] * count
-    if not per_row and not min_p and not logit_bias:
+    if not per_row and not min_p and not logit_bias and (presence_penalty, frequency_penalty, repetition_penalty,
+                                                         min_tokens) == PENALTIES_OFF:
         return (temperature, top_k, top_p), None
     for name, value in (*per_row.items(), *((("logit_bias", biases),) if isinstance(logit_bias, (list, tuple))
                                              else ())):
@@ -265,8 +330,9 @@ def split_row_warps(temperature, top_k, top_p, count: int, min_p=0.0, logit_bias
                                 for k, v in bias.items()))
             validate_sampling(*row_values[:3])
             validate_extras(row_values[3], bias)
+            validate_penalties(*row_values[4:])
         except (ValueError, TypeError) as error:
             raise ValueError(f"prompt {row}: {error}") from None
         warps.append(SamplingWarp(float(row_values[0]), int(row_values[1]), float(row_values[2]),
-                                  float(row_values[3]), bias))
+                                  float(row_values[3]), bias, *map(float, row_values[4:7]), int(row_values[7])))
     return (1.0, 0, 1.0), warps

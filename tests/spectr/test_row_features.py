@@ -99,7 +99,7 @@ def test_rows_of_several_warps_in_one_batch_each_follow_their_own_law(tiny_pair,
 
 def test_negative_control_one_warp_for_every_row_is_rejected(tiny_pair, group_laws, monkeypatch):
     """A pool warp that ignores the rows' own settings (every row gets the first row's warp)."""
-    def first_rows_warp(self, logits):
+    def first_rows_warp(self, logits, paths=None):
         rows = logits.shape[0]
         return row_warp_probs(logits, self.temperature[:1].expand(rows), self.top_k[:1].expand(rows),
                               self.top_p[:1].expand(rows), self.truncate)
