@@ -299,6 +299,8 @@ def test_the_public_generate_keeps_its_signature():
     assert [p.name for p in added][:5] == ["logprobs", "compile", "min_p", "logit_bias", "top_logprobs"]
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in added)
     assert [p.default for p in added][:5] == [False, False, 0.0, None, 0]  # defaults that keep the old behaviour
+    assert [(p.name, p.default) for p in added][5:9] == [("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                                                         ("repetition_penalty", 1.0), ("min_tokens", 0)]
 
 
 def test_generate_auto_keeps_the_contract_and_says_what_ran(pair):
