@@ -44,16 +44,8 @@ REFUSED_KEYS = {
     "best_of": "best_of picks among samples by score, which changes the output law (draw n samples instead)",
     "use_beam_search": "beam search is not sampling from the target's law",
     "logits_processors": "arbitrary logits processors cannot be applied identically to the draft tree's nodes",
-    "min_tokens": "min_tokens is not supported yet (a depth-dependent mask over the draft tree)",
-    "presence_penalty": "penalties are not supported yet: exactness needs them counted on each draft-tree node's own "
-                        "path (planned)",
-    "frequency_penalty": "penalties are not supported yet: exactness needs them counted on each draft-tree node's "
-                         "own path (planned)",
-    "repetition_penalty": "penalties are not supported yet: exactness needs them counted on each draft-tree node's "
-                          "own path (planned)",
 }
-NEUTRAL = {"best_of": (None, 1), "use_beam_search": (False,), "logits_processors": (None, []), "min_tokens": (0,),
-           "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0)}
+NEUTRAL = {"best_of": (None, 1), "use_beam_search": (False,), "logits_processors": (None, [])}
 
 
 def check_stop_list(value: Any, key: str) -> tuple[str, ...]:
@@ -243,6 +235,10 @@ class RowSettings:
     logit_bias: tuple[tuple[int, float], ...] = ()
     n: int | None = None
     logprobs: int | None = None  # vLLM's: None, or how many top log-probabilities (0: the sampled token's only)
+    presence_penalty: float = 0.0  # vLLM's penalties and min_tokens (spectr.penalties): 0, 0, 1, 0 are off
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
 
     @property
     def own_stops(self) -> bool:
@@ -319,10 +315,10 @@ def row_settings(params: Any, stop: Any, params_key: str, stop_key: str) -> RowS
     settings = RowSettings(stop=_stop_strings(stop, stop_key))
     try:
         values = _params(params)
-        for key in ("temperature", "top_p", "min_p"):
+        for key in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             if key in values:
                 setattr(settings, key, _number(values[key], key, integer=False))
-        for key in ("top_k", "max_tokens", "seed", "n"):
+        for key in ("top_k", "max_tokens", "seed", "n", "min_tokens"):
             if key in values:
                 setattr(settings, key, _number(values[key], key, integer=True))
         if settings.top_k == -1:
@@ -343,9 +339,14 @@ def row_settings(params: Any, stop: Any, params_key: str, stop_key: str) -> RowS
     checks = (("temperature", lambda v: v >= 0, ">= 0 (0 = greedy)"), ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
               ("top_k", lambda v: v >= 0, ">= 0, or -1 (0 and -1 = off)"), ("min_p", lambda v: 0 <= v <= 1, "in [0, 1]"),
               ("max_tokens", lambda v: v >= 1, ">= 1"), ("seed", lambda v: v >= 0, ">= 0"), ("n", lambda v: v >= 1, ">= 1"),
-              ("logprobs", lambda v: v >= 0, ">= 0"))
+              ("logprobs", lambda v: v >= 0, ">= 0"), ("presence_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]"),
+              ("frequency_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]"),
+              ("repetition_penalty", lambda v: v > 0, "> 0 (1 = off)"), ("min_tokens", lambda v: v >= 0, ">= 0"))
     for key, ok, rule in checks:
         value = getattr(settings, key)
         if value is not None and not ok(value):
             raise ValueError(f"{params_key}: {key} must be {rule}, got {value!r}")
+    if settings.max_tokens is not None and settings.min_tokens > settings.max_tokens:
+        raise ValueError(f"{params_key}: min_tokens ({settings.min_tokens}) must be <= max_tokens "
+                         f"({settings.max_tokens})")
     return settings

@@ -83,7 +83,8 @@ class Row:
     prompt: list[int]
     budget: int
     seed: int
-    warp: tuple | None = None  # (temperature, top_k, top_p[, min_p, logit_bias]): `spectr.SamplingWarp`'s fields
+    warp: tuple | None = None  # (temperature, top_k, top_p[, min_p, logit_bias, presence_penalty, frequency_penalty,
+    # repetition_penalty, min_tokens]): `spectr.SamplingWarp`'s fields, in its order
     stops: tuple[str, ...] = ()  # its stop strings: the row ends once its newest tokens complete one
     stop_ids: tuple[int, ...] | None = None  # the tokens that end it (None: the model's EOS ids); see the worker
 
@@ -336,7 +337,7 @@ class ShardFeed:
 
         s = self.spectr
         temperature, top_k, top_p, *extras = row.warp or (s.temperature, s.top_k, s.top_p)
-        min_p, bias = (extras + [0.0, ()])[:2]
+        min_p, bias, presence, frequency, repetition, min_tokens = (extras + [0.0, (), 0.0, 0.0, 1.0, 0][len(extras):])
         try:
             output = spectr.generate(
                 self.target, None if config.method == "autoregressive" else self.draft, [row.prompt],
@@ -344,7 +345,8 @@ class ShardFeed:
                 max_new_tokens=[row.budget], temperature=temperature, top_k=top_k, top_p=top_p,
                 eos_token_id=self.eos_token_id if row.stop_ids is None else list(row.stop_ids), seed=[row.seed],
                 logprobs=engine_logprobs(s), top_logprobs=top_logprobs(s), min_p=min_p,
-                logit_bias=dict(bias) or None,
+                logit_bias=dict(bias) or None, presence_penalty=presence, frequency_penalty=frequency,
+                repetition_penalty=repetition, min_tokens=min_tokens,
             )  # fmt: skip
         except Exception as err:  # noqa: BLE001 - this row's own failure: its error row
             return f"{type(err).__name__}: {err}"

@@ -293,10 +293,15 @@ class ShardGenerator:
         params = extras.get(data.sampling_params_column, [None] * len(shard))[i] if data.sampling_params_column else None
         stop = extras.get(data.stop_column, [None] * len(shard))[i] if data.stop_column else None
         try:
-            return row_settings(params, stop, f"data.sampling_params_column '{data.sampling_params_column}'",
-                                f"data.stop_column '{data.stop_column}'")
+            settings = row_settings(params, stop, f"data.sampling_params_column '{data.sampling_params_column}'",
+                                    f"data.stop_column '{data.stop_column}'")
         except ValueError as err:
             raise ValueError(f"row {shard.ids[i]!r}: {err}") from None
+        budget = settings.max_tokens or self._budget(shard, i)
+        if settings.min_tokens > budget:  # vLLM's rule: min_tokens <= max_tokens
+            raise ValueError(f"row {shard.ids[i]!r}: min_tokens ({settings.min_tokens}) must be <= the row's "
+                             f"max_tokens ({budget})")
+        return settings
 
     def _samples(self, shard: Shard, i: int, settings: Any) -> list[Row]:
         """Row i's `spectr.num_samples` engine rows: seeds from (the row's seed, the sample index)."""
@@ -304,12 +309,14 @@ class ShardGenerator:
 
         s = self.spectr
         warp = None
+        penalties = (settings.presence_penalty, settings.frequency_penalty, settings.repetition_penalty,
+                     settings.min_tokens)  # vLLM's penalties and min_tokens: (0, 0, 1, 0) is off
         if (settings.temperature, settings.top_k, settings.top_p, settings.min_p) != (None, None, None, None) \
-                or settings.logit_bias:
+                or settings.logit_bias or penalties != (0.0, 0.0, 1.0, 0):
             warp = (s.temperature if settings.temperature is None else settings.temperature,
                     s.top_k if settings.top_k is None else settings.top_k,
                     s.top_p if settings.top_p is None else settings.top_p,
-                    settings.min_p or 0.0, settings.logit_bias)
+                    settings.min_p or 0.0, settings.logit_bias, *penalties)
         budget = settings.max_tokens or self._budget(shard, i)
         seed = shard.seeds[i] if settings.seed is None else settings.seed
         stops = tuple(s.stop or ()) + tuple(settings.stop)
