@@ -66,16 +66,27 @@ def generate(
     min_tokens: vLLM's, counted on each draft-tree node's own path (`spectr.penalties`); these with the fixed
     methods only. Bad input raises ValueError naming the argument and, per prompt, the row.
     """
-    run = generate_auto if method == AUTO else generate_fixed
-    penalties = {"presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
-                 "repetition_penalty": repetition_penalty, "min_tokens": min_tokens}
-    arguments = {} if method == AUTO else {"method": method, "min_p": min_p, "logit_bias": logit_bias,
-                                           "top_logprobs": top_logprobs, **penalties}
-    if method == AUTO and (min_p or logit_bias or top_logprobs or tuple(penalties.values()) != (0.0, 0.0, 1.0, 0)):
-        raise ValueError("min_p, logit_bias, top_logprobs, the penalties and min_tokens are taken by the fixed "
-                         "methods here; with method='auto', admit rows "
-                         "with their own SamplingWarp (spectr.planner.AutoBatcher.admit(warps=...))")
+    extras = {"min_p": min_p, "logit_bias": logit_bias, "top_logprobs": top_logprobs,
+              "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
+              "repetition_penalty": repetition_penalty, "min_tokens": min_tokens}
+    run, arguments = (generate_auto, _auto_extras(extras)) if method == AUTO else (generate_fixed,
+                                                                                   {"method": method, **extras})
     return run(target, draft, prompts, num_drafts=num_drafts, draft_length=draft_length,
                max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                eos_token_id=eos_token_id, seed=seed, batch_size=batch_size, logprobs=logprobs, compile=compile,
                **arguments)
+
+
+_NEUTRAL = {"min_p": 0.0, "logit_bias": None, "top_logprobs": 0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+            "repetition_penalty": 1.0, "min_tokens": 0}
+
+
+def _auto_extras(extras: dict) -> dict:
+    """method="auto" takes none of the per-row extras here (they are the fixed methods' keywords): {} when all
+    are neutral, else ValueError naming them."""
+    set_ = [name for name, value in extras.items() if value != _NEUTRAL[name] and not (name == "logit_bias"
+                                                                                      and not value)]
+    if set_:
+        raise ValueError(f"{', '.join(set_)}: taken by the fixed methods here; with method='auto', admit rows with "
+                         "their own SamplingWarp (spectr.planner.AutoBatcher.admit(warps=...))")
+    return {}
