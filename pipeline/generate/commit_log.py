@@ -17,15 +17,25 @@ record, so the log a resume reads is bounded by the number of shards however oft
 file is rewritten whole (temporary name + rename), the segments are replaced by compacted ones of a newer run
 (then the old ones deleted; a crash in between leaves duplicates of the same last records).
 
+The driver appends through a `CommitWriter`: the records go out in order on a thread of their own, so a slow
+store (an upload that blocks for minutes) slows the commits, never the scheduling thread, whose pings would
+then look missed and whose healthy actors would be restarted. A failed append is retried like the other
+bookkeeping (`fs.BEST_EFFORT_ATTEMPTS` tries, then the job fails): a retried line replaces what the failed one
+may have left, and a retried segment is uploaded whole again.
+
 Not here: what a record means for resume (`pipeline.generate.manifest`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
-from collections.abc import Iterator
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from pipeline import fs
@@ -34,6 +44,9 @@ COMMITS_FILE = "_commits.jsonl"
 COMMITS_DIR = "_commits"
 SEGMENT_RECORDS = 256
 _SEGMENT = re.compile(r"^seg-(\d{6,})-(\d{6,})\.jsonl$")
+COMMIT_BACKOFF_S = 1.0  # before the n-th retry of an append: n times this
+
+log = logging.getLogger("pipeline")
 
 
 def encode(record: dict[str, Any]) -> bytes:
@@ -46,12 +59,24 @@ class AppendLog:
     def __init__(self, output: fs.Location):
         self.path = os.path.join(output.path, COMMITS_FILE)
         _cut_torn_tail(self.path)
+        self._end = os.path.getsize(self.path) if os.path.exists(self.path) else 0  # the last whole line's end
+        self._torn = False  # an append failed: part of its line may be in the file (or the buffer)
         self._file = open(self.path, "ab")
 
     def append(self, record: dict[str, Any]) -> None:
-        self._file.write(encode(record))
+        if self._torn:  # a retry: what the failed append left is cut off first
+            try:
+                self._file.close()
+            except OSError:
+                pass
+            os.truncate(self.path, self._end)
+            self._file = open(self.path, "ab")
+        line = encode(record)
+        self._torn = True
+        self._file.write(line)
         self._file.flush()
         os.fsync(self._file.fileno())
+        self._torn, self._end = False, self._end + len(line)
 
     def close(self) -> None:
         self._file.close()
@@ -67,14 +92,107 @@ class SegmentLog:
         self._lines: list[bytes] = []
 
     def append(self, record: dict[str, Any]) -> None:
-        self._lines.append(encode(record))
-        fs.write_bytes(self.folder.child(f"seg-{self.run:06d}-{self.segment:06d}.jsonl"), b"".join(self._lines))
+        lines = [*self._lines, encode(record)]  # kept only once uploaded: a retry uploads the same segment
+        fs.write_bytes(self.folder.child(f"seg-{self.run:06d}-{self.segment:06d}.jsonl"), b"".join(lines))
+        self._lines = lines
         if len(self._lines) >= SEGMENT_RECORDS:
             self.segment += 1
             self._lines = []
 
     def close(self) -> None:
         pass
+
+
+class CommitWriter:
+    """The commit log on a thread of its own; see the module docstring.
+
+        writer = CommitWriter(open_commit_log(output), check=lease.check)
+        writer.submit(record, result)      # returns at once
+        for result in writer.committed(): ...   # on the caller's thread: their records are durable
+        writer.flush()                     # waits until every record is (the job's end), then committed()
+
+    `check()` runs before each try (a lost lease: no retry). An append that fails `attempts` times, or a failed
+    check, is raised by the next `submit`, `committed` or `flush`; nothing after it is appended."""
+
+    def __init__(self, commits: AppendLog | SegmentLog, check: Callable[[], None] | None = None,
+                 attempts: int = fs.BEST_EFFORT_ATTEMPTS, backoff_s: float | None = None):
+        self.commits, self.check, self.attempts = commits, check, attempts
+        self.backoff_s = COMMIT_BACKOFF_S if backoff_s is None else backoff_s
+        self._pending: deque[tuple[dict[str, Any], Any]] = deque()
+        self._done: list[Any] = []
+        self._error: BaseException | None = None
+        self._busy = False
+        self._closed = False
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="commit-log", daemon=True)
+        self._thread.start()
+
+    def submit(self, record: dict[str, Any], item: Any) -> None:
+        with self._changed:
+            self._raise()
+            self._pending.append((record, item))
+            self._changed.notify_all()
+
+    def committed(self) -> list[Any]:
+        """The items whose records were appended since the last call, in order."""
+        with self._changed:
+            self._raise()
+            done, self._done = self._done, []
+            return done
+
+    def flush(self) -> list[Any]:
+        """Wait until every submitted record is appended (or one failed for good); then `committed()`."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._error is not None or not (self._pending or self._busy))
+        return self.committed()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Drop what is not appended yet; wait at most `timeout_s` for an append in progress; close the log."""
+        with self._changed:
+            self._closed = True
+            self._pending.clear()
+            self._changed.notify_all()
+        self._thread.join(timeout_s)
+        self.commits.close()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._pending or self._closed)
+                if self._closed:
+                    return
+                record, item = self._pending.popleft()
+                self._busy = True
+            try:
+                self._append(record)
+            except BaseException as err:  # noqa: BLE001 - raised on the job's thread
+                with self._changed:
+                    self._error, self._busy = err, False
+                    self._pending.clear()
+                    self._changed.notify_all()
+                return
+            with self._changed:
+                self._done.append(item)
+                self._busy = False
+                self._changed.notify_all()
+
+    def _append(self, record: dict[str, Any]) -> None:
+        for attempt in range(self.attempts):
+            if self.check is not None:
+                self.check()  # never commit into a directory another job has taken over
+            try:
+                self.commits.append(record)
+                return
+            except Exception as err:  # noqa: BLE001 - retried, then raised
+                if attempt + 1 == self.attempts:
+                    raise
+                log.warning("commit log: appending shard %s's record failed (%s: %s); retrying",
+                            record.get("shard"), type(err).__name__, err)
+                time.sleep(self.backoff_s * (attempt + 1))
 
 
 def open_commit_log(output: fs.Location) -> AppendLog | SegmentLog:

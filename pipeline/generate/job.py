@@ -22,7 +22,12 @@ from typing import Any
 from pipeline.errors import JobFailedError, JobInputError
 from pipeline.generate import plan_cache
 from pipeline.generate.cluster import actor_resources, ray_session
-from pipeline.generate.commit_log import compact_commit_log, open_commit_log, read_commit_records
+from pipeline.generate.commit_log import (
+    CommitWriter,
+    compact_commit_log,
+    open_commit_log,
+    read_commit_records,
+)
 from pipeline.generate.config import GenerateConfig
 from pipeline.generate.keep import PairKeeper, pair_key
 from pipeline.generate.lease import Lease
@@ -293,12 +298,14 @@ def _run_shards(
     rows = plan.num_rows * config.spectr.num_samples  # output rows: one per prompt and sample
     bar = ProgressBar(rows, plan.state.rows_done, config.progress, hooks.on_progress if hooks else None)
     run.generation_started = time.perf_counter()
-    commits = open_commit_log(plan.output)
+    # appended on a thread of its own (a slow store never holds the scheduling thread), under the lease
+    commits = CommitWriter(open_commit_log(plan.output), check=plan.lease.check)
     live = tracker.live_metrics([plan.state.earlier_stats], started=run.generation_started)
 
     def on_result(result: ShardResult) -> None:
-        plan.lease.check()  # never commit into a directory another job has taken over
-        commits.append(_commit_record(result, plan.lease.holder.token))
+        commits.submit(_commit_record(result, plan.lease.holder.token), result)
+
+    def committed(result: ShardResult) -> None:  # its record is in the log: the shard is done
         plan.state.done[result.index] = 1
         plan.state.rows_done += result.num_rows
         merge_stats(run.stats, result.stats)
@@ -314,12 +321,19 @@ def _run_shards(
         bar.show(rows_in_flight)
         live.tick()  # a live MLflow point when no shard arrived for 30 s (heartbeat)
 
+    def check() -> None:  # between the scheduler's waits
+        plan.lease.check()
+        for result in commits.committed():
+            committed(result)
+
     try:
         watching = config.progress or bool(hooks and hooks.on_progress) or config.mlflow.enabled
         pool.run(
             ShardQueue(plan.todo(), plan.shard), on_result, hooks,
-            on_partial=on_partial if watching else None, check=plan.lease.check,
+            on_partial=on_partial if watching else None, check=check,
         )  # fmt: skip
+        for result in commits.flush():
+            committed(result)
     except BaseException:
         live.stop(timeout_s=0.0)  # the job fails: what waits for MLflow is dropped
         raise

@@ -17,7 +17,9 @@ queue, as its next attempt (a new part name: `ShardTask.fence`), when:
   unavailable" (`ActorUnavailableError`: Ray is restarting it, or its node stopped answering): every shard
   queued on it goes back, and it gets no more until it answers a ping again;
 - its actor stops answering: a busy actor is pinged every `ray.heartbeat_s` (in a concurrency group of
-  its own, so it answers mid-shard); one that has not answered for `ray.heartbeat_timeout_s` is restarted;
+  its own, so it answers mid-shard); one that has not answered for `ray.heartbeat_timeout_s` since it was
+  asked is restarted (answers that came while the driver was busy are read first, and the time the driver
+  did not ask never counts: a slow driver never looks like a silent actor);
 - its actor makes no progress: a ping proves the process is alive, its answer's `progress` (engine
   iterations, shards read and written) that it works; a busy actor whose progress stays put for
   `ray.stall_timeout_s` (a hung kernel, a deadlock) is restarted, as is one whose head shard runs past
@@ -158,6 +160,7 @@ class _Slot:
     suspect_since: float = 0.0
     ping: Any = None
     ping_sent: float = 0.0
+    asked_since: float | None = None  # when the first ping not answered since its last answer was sent
     progress: int = -1  # the actor's progress counter at its last ping answer
     progress_at: float = 0.0  # when it last moved (or a result came, or the idle actor got work)
     failed: set[int] = field(default_factory=set)  # shards that failed on this actor's process
@@ -403,6 +406,7 @@ class ShardActorPool:
         slot.lives += 1
         slot.failed.clear()
         slot.state, slot.suspect_since, slot.ping, slot.ping_sent = "suspect", time.monotonic(), None, 0.0
+        slot.asked_since = None
         try:
             self._ray.kill(slot.actor, no_restart=False)
         except Exception:  # noqa: BLE001 - it may be gone already; its pings say what became of it
@@ -439,6 +443,7 @@ class ShardActorPool:
             return
         log.warning("an actor joined the job (%s)", worker.get("host"))
         slot.state, slot.last_answer, slot.progress, slot.progress_at = "ok", time.monotonic(), -1, time.monotonic()
+        slot.asked_since = None
         self.actors.append(slot.actor)
         if self._hooks and self._hooks.on_actor_joined:
             self._hooks.on_actor_joined(slot.actor, worker)
@@ -455,7 +460,7 @@ class ShardActorPool:
         except RayError:
             return  # unavailable: asked again at the next heartbeat
         now = time.monotonic()
-        slot.last_answer = now
+        slot.last_answer, slot.asked_since = now, None
         if answer["progress"] != slot.progress:
             slot.progress, slot.progress_at = answer["progress"], now
         if slot.state == "suspect":
@@ -464,7 +469,20 @@ class ShardActorPool:
             if self._hooks and self._hooks.on_actor_joined:
                 self._hooks.on_actor_joined(slot.actor, answer)
 
+    def _read_pings(self) -> None:
+        """The ping answers that came while the driver was busy, read before any actor is judged silent."""
+        pings = {slot.ping: slot for slot in self._slots if slot.ping is not None}
+        if pings:
+            ready, _ = self._ray.wait(list(pings), num_returns=len(pings), timeout=0)
+            for ref in ready:
+                self._ping_answered(pings[ref], ref)
+
+    def _silent_s(self, slot: _Slot, now: float) -> float:
+        """How long the actor has not answered a ping it was asked (0 when none is unanswered)."""
+        return 0.0 if slot.asked_since is None else now - max(slot.asked_since, slot.last_answer)
+
     def _heartbeat(self, queue: ShardQueue) -> None:
+        self._read_pings()
         now = time.monotonic()
         r = self.config.ray
         # an actor waiting for room (a lost node) costs nothing while others work: it joins when a node
@@ -479,11 +497,13 @@ class ShardActorPool:
             if slot.ping is None and now - slot.ping_sent >= r.heartbeat_s:
                 slot.ping = slot.actor.ping.options(concurrency_group=HEALTH_GROUP).remote()
                 slot.ping_sent = now
+                if slot.asked_since is None:
+                    slot.asked_since = now
             if slot.state == "suspect":
                 if now - max(slot.suspect_since, self._working_at) > r.actor_start_timeout_s:
                     self._dead(slot, f"unavailable for {now - slot.suspect_since:.0f} s")
-            elif now - slot.last_answer > r.heartbeat_timeout_s:
-                self._restart(slot, queue, f"no answer for {now - slot.last_answer:.0f} s")
+            elif self._silent_s(slot, now) > r.heartbeat_timeout_s:
+                self._restart(slot, queue, f"no answer for {self._silent_s(slot, now):.0f} s")
             elif now - slot.progress_at > r.stall_timeout_s:
                 self._restart(slot, queue, f"no progress for {now - slot.progress_at:.0f} s (ray.stall_timeout_s)")
             elif r.shard_timeout_s is not None and slot.in_flight and now - slot.head_since > r.shard_timeout_s:

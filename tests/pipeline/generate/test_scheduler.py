@@ -1,0 +1,132 @@
+"""The driver's watch on its actors (`pipeline.generate.scheduler.ShardActorPool`), without Ray: a fake Ray
+whose refs the test answers, and a clock the test moves. Decisions only (which actor is restarted, which shard
+goes where, what is charged); the jobs that inject the same faults on a real Ray are in tests/jobs."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from pipeline.generate import scheduler
+from pipeline.generate.config import RayConfig
+from pipeline.generate.scheduler import ShardActorPool, ShardQueue, _Slot
+from pipeline.generate.shards import ShardTask
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class Ref:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"Ref({self.name})"
+
+
+class Method:
+    """`actor.<name>.options(...).remote(...)`: a new ref, recorded on the actor."""
+
+    def __init__(self, actor: FakeActor, name: str) -> None:
+        self.actor, self.name = actor, name
+
+    def options(self, **_: object) -> Method:
+        return self
+
+    def remote(self, *args: object) -> Ref:
+        ref = Ref(f"{self.actor.name}.{self.name}")
+        self.actor.calls.append((self.name, ref, args))
+        return ref
+
+
+class FakeActor:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.calls: list[tuple[str, Ref, tuple]] = []
+        for method in ("ping", "generate_shard", "ready", "forget"):
+            setattr(self, method, Method(self, method))
+
+    def sent(self, method: str) -> list[tuple[Ref, tuple]]:
+        return [(ref, args) for name, ref, args in self.calls if name == method]
+
+
+class FakeRay:
+    """What the pool calls on Ray; `answers[ref]` is what a ready ref returns (or raises)."""
+
+    def __init__(self) -> None:
+        self.answers: dict[Ref, object] = {}
+        self.killed: list[tuple[str, bool]] = []
+
+    def wait(self, refs, num_returns=1, timeout=None):
+        ready = [ref for ref in refs if ref in self.answers][:num_returns]
+        return ready, [ref for ref in refs if ref not in ready]
+
+    def get(self, ref, timeout=None):
+        answer = self.answers[ref]
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    def kill(self, actor, no_restart=True):
+        self.killed.append((actor.name, no_restart))
+
+
+def make_pool(monkeypatch, names: list[str], **ray_keys) -> tuple[ShardActorPool, FakeRay, Clock, ShardQueue]:
+    """A pool of `names` actors, every one up and idle, with a queue of 8 shards (0..7)."""
+    clock = Clock()
+    monkeypatch.setattr(scheduler, "time", clock)
+    pool = ShardActorPool.__new__(ShardActorPool)
+    ray = FakeRay()
+    pool._ray, pool.config = ray, SimpleNamespace(ray=RayConfig(**ray_keys))
+    pool.actors = [FakeActor(name) for name in names]
+    pool._slots = [_Slot(actor, last_answer=clock.now, progress_at=clock.now) for actor in pool.actors]
+    pool._failures, pool._hooks, pool._working_at = {}, None, clock.now
+    pool.progress = FakeActor("progress")
+    pool._remote_class, pool._actor_args = SimpleNamespace(remote=lambda *a: FakeActor("new")), ()
+    pool._job_ref = None
+    queue = ShardQueue(np.arange(8), lambda i: ShardTask(i, i * 4, i * 4 + 4))
+    queue.deal(len(names))
+    pool._queue = queue
+    return pool, ray, clock, queue
+
+
+def test_a_busy_driver_never_takes_a_healthy_actor_for_a_silent_one(monkeypatch):
+    """The driver is busy for 10 s, far past `ray.heartbeat_timeout_s` (2 s), e.g. on a commit to a slow store;
+    the actor answered its ping meanwhile: it is not restarted. An actor that really stops answering is."""
+    pool, ray, clock, queue = make_pool(monkeypatch, ["a"], heartbeat_s=0.5, heartbeat_timeout_s=2.0)
+    slot = pool._slots[0]
+    pool._dispatch(queue, None)
+    pool._heartbeat(queue)  # pings the busy actor
+    (ping, _), = slot.actor.sent("ping")
+    ray.answers[ping] = {"progress": 1, "pid": 1}  # answered at once
+    clock.sleep(10.0)  # the driver was away (one slow commit)
+    pool._heartbeat(queue)
+    assert ray.killed == [] and slot.state == "ok"
+    clock.sleep(0.1)
+    pool._heartbeat(queue)  # asks again, and this ping is never answered
+    clock.sleep(2.5)
+    pool._heartbeat(queue)
+    assert ray.killed == [("a", False)] and slot.state == "suspect"  # the control: silence is still seen
+
+
+def test_a_busy_driver_that_did_not_ask_never_counts_as_silence(monkeypatch):
+    """No ping was out while the driver was away: the time it did not ask is not the actor's silence."""
+    pool, ray, clock, queue = make_pool(monkeypatch, ["a"], heartbeat_s=5.0, heartbeat_timeout_s=5.0)
+    slot = pool._slots[0]
+    pool._dispatch(queue, None)
+    pool._heartbeat(queue)
+    (ping, _), = slot.actor.sent("ping")
+    ray.answers[ping] = {"progress": 1, "pid": 1}
+    pool._heartbeat(queue)  # read: no ping out now
+    clock.sleep(30.0)
+    pool._heartbeat(queue)
+    assert ray.killed == [] and slot.state == "ok"
