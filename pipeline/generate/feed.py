@@ -26,7 +26,10 @@ takes the rows that were held back; a rebuilt auto batcher keeps what its choose
   (`ContinuousBatcher.finish_rows`): its slot takes the next prompt instead of running to its budget;
 - after a `step()` that raised: the rows that were in the batcher are re-run one by one with
   `spectr.generate` (a row's output does not depend on its batch, so this loses nothing), so only a
-  row that fails alone gets an error; the next rows go into a fresh batcher.
+  row that fails alone gets an error; the next rows go into a fresh batcher. When every one of them
+  fails alone too and so does a probe (the first token of one of them, one new token), the error is the
+  device's, not the rows' (a sticky CUDA error): no error row is kept, the shard fails with `ActorFault`
+  (its neighbours with `FeedAborted`), and the driver re-queues them uncharged and restarts the actor.
 A row the engine refuses at admission (a prompt too long for the model) gets its error alone.
 
 Statistics of a shard: its rows' own counters, plus the batch-level ones (`iterations`, i.e. batched
@@ -72,6 +75,11 @@ def engine_logprobs(s: SpectrConfig) -> bool | str:
 class FeedAborted(RuntimeError):
     """A shard that was in the feed when another shard's thread failed: not this shard's fault (the driver
     re-queues it without charging an attempt)."""
+
+
+class ActorFault(RuntimeError):
+    """The actor's device fails whatever it runs (every row of a failed batch, alone too, and a one-token
+    probe): not the shard's fault. The driver re-queues the shard uncharged and restarts the actor."""
 
 
 @dataclass(frozen=True)
@@ -170,7 +178,7 @@ class ShardFeed:
                 with self._cond:
                     self._stepping = False
                     self._cond.notify_all()
-        if isinstance(shard_run.error, FeedAborted):
+        if isinstance(shard_run.error, (FeedAborted, ActorFault)):
             raise shard_run.error
         if shard_run.error is not None:
             raise RuntimeError(f"shard {index}: generation failed: {shard_run.error}") from shard_run.error
@@ -321,7 +329,14 @@ class ShardFeed:
         config, alone = self.config, self._alone_config()
         self._retire_batcher()
         self._next = self._next or config
-        return [(shard_run, row, self._alone(alone, row)) for shard_run, row in affected]
+        outcomes = [(shard_run, row, self._alone(alone, row)) for shard_run, row in affected]
+        if affected and all(isinstance(outcome, str) for _, _, outcome in outcomes):
+            probe = self._alone(alone, dataclasses.replace(affected[0][1], prompt=affected[0][1].prompt[:1] or [0],
+                                                           budget=1, stops=()))
+            if isinstance(probe, str):  # the device fails whatever it runs: the actor's fault, not the rows'
+                raise ActorFault(f"every row of a failed batch ({len(affected)}) fails alone, and so does a "
+                                 f"one-token probe: {probe}")
+        return outcomes
 
     def _alone_config(self) -> EngineConfig:
         """The configuration a row re-run alone uses: the batcher's, or under auto the chooser's current one."""

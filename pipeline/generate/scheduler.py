@@ -10,9 +10,14 @@ The job starts as soon as one actor has loaded the pair (the others get as long 
 queue, as its next attempt (a new part name: `ShardTask.fence`), when:
 
 - its task fails because of the shard (reading, writing, generating): charged to that shard, up to
-  `ray.shard_attempts`; it goes to an actor it has not failed on first (quarantine), and an actor whose
-  failed shard then succeeds elsewhere is restarted (a sticky device error goes with its process). The
-  other shards that were in that actor's batch (`FeedAborted`) go back uncharged;
+  `ray.shard_attempts`; it goes to an actor it has not failed on first, and no re-queued shard goes to an
+  actor with a failure not yet cleared (quarantine: sick actors fail fast and would grab them first) while
+  another can take it; an actor whose failed shard then succeeds elsewhere is restarted (a sticky device
+  error goes with its process). The other shards that were in that actor's batch (`FeedAborted`) go back
+  uncharged;
+- its actor's device fails whatever it runs (`ActorFault`: every row of a failed batch fails alone too,
+  and so does a one-token probe): the shard goes back uncharged, and the actor is restarted at once (three
+  sick actors cannot fail one healthy shard three times);
 - its actor died (`ActorDiedError`: the first shard is charged, the rest go back), or is "temporarily
   unavailable" (`ActorUnavailableError`: Ray is restarting it, or its node stopped answering): every shard
   queued on it goes back, and it gets no more until it answers a ping again;
@@ -54,7 +59,7 @@ import numpy as np
 
 from pipeline import fs
 from pipeline.generate.config import GenerateConfig
-from pipeline.generate.feed import FeedAborted
+from pipeline.generate.feed import ActorFault, FeedAborted
 from pipeline.generate.progress import PROGRESS_POLL_S, BatchReporter, ShardProgress, rows_in_flight
 from pipeline.generate.shards import ShardTask
 from pipeline.generate.worker import ShardGenerator, ShardResult, WorkerJob
@@ -84,6 +89,12 @@ class KeptActors:
     actors: list[Any]
     progress: Any  # the ShardProgress actor the actors report to (by name)
     progress_name: str
+
+
+def _last_line(err: BaseException) -> str:
+    """An error's last line (a remote error's message after its traceback), at most 300 characters."""
+    lines = str(err).strip().splitlines()
+    return lines[-1][:300] if lines else type(err).__name__
 
 
 class NamedReporter:
@@ -311,9 +322,11 @@ class ShardActorPool:
                     hooks.on_dispatch(slot.actor, task)
 
     def _elsewhere(self, slot: _Slot, index: int) -> bool:
-        """Quarantine: shard `index` failed on this actor and another working actor has not failed it."""
-        return index in slot.failed and any(
-            other is not slot and other.state == "ok" and index not in other.failed for other in self._slots
+        """Quarantine: re-queued shard `index` failed on this actor and another working actor has not failed
+        it; or this actor has a failure not yet cleared and another working actor has none."""
+        others = [other for other in self._slots if other is not slot and other.state == "ok"]
+        return (index in slot.failed and any(index not in other.failed for other in others)) or (
+            bool(slot.failed) and any(not other.failed for other in others)
         )
 
     def _waiting_refs(self) -> dict[Any, tuple[_Slot, ShardTask | None]]:
@@ -344,6 +357,10 @@ class ShardActorPool:
         try:
             result = self._ray.get(ref)
         except RayTaskError as err:  # the shard's own failure (or, FeedAborted, a neighbour's)
+            if isinstance(err, ActorFault):  # the device's: uncharged, and the actor is quarantined
+                queue.push_front(task.again())
+                self._restart(slot, queue, f"its device fails every row and a probe ({_last_line(err)})")
+                return
             if not isinstance(err, FeedAborted):
                 slot.failed.add(task.index)
                 self._charge(task, err)
@@ -368,7 +385,7 @@ class ShardActorPool:
         self._failures[task.index] = failures
         if failures >= self.config.ray.shard_attempts:
             raise RuntimeError(f"shard {task.index} failed {failures} time(s); last error: {err}") from err
-        log.warning("shard %d: %s; handing it to another actor", task.index, str(err).strip().splitlines()[-1][:300])
+        log.warning("shard %d: %s; handing it to another actor", task.index, _last_line(err))
 
     def _quarantine(self, index: int, winner: _Slot, queue: ShardQueue) -> None:
         """Shard `index` succeeded: every other actor it failed on is sick, and restarted."""

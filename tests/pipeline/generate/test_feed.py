@@ -394,3 +394,27 @@ def test_a_stop_string_ends_its_row_early_under_auto(tiny_pair):
     for got in (rows[0], control[0]):
         assert got["finish_reason"] == "stop" and got["completion"] == expected.text
         assert got["completion_token_ids"] == tokens[: expected.num_tokens]
+
+
+def _sick_forward(model):
+    """The model's forward raises like a GPU with a sticky error, whatever it runs."""
+    import functools
+
+    @functools.wraps(model.forward)  # the same signature, which the engine checks
+    def sick(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    model.forward = sick
+
+
+def test_a_device_that_fails_every_row_and_a_probe_is_the_actors_fault_not_the_rows(tiny_pair):
+    """Every forward raises (a sticky device error): the batch fails, each row fails alone too, and so does the
+    one-token probe, so the shard fails with `ActorFault` (the driver re-queues it uncharged and restarts the
+    actor) instead of returning error rows for a healthy shard."""
+    from pipeline.generate.feed import ActorFault
+
+    shards = shards_of(tiny_pair, prompts_of(6, seed=6), 6)
+    generator = generator_for(tiny_pair, batch_size=4)
+    _sick_forward(generator.target)
+    with pytest.raises(ActorFault, match="one-token probe: RuntimeError: CUDA error"):
+        generator(shards[0])

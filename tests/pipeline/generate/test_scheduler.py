@@ -130,3 +130,54 @@ def test_a_busy_driver_that_did_not_ask_never_counts_as_silence(monkeypatch):
     clock.sleep(30.0)
     pool._heartbeat(queue)
     assert ray.killed == [] and slot.state == "ok"
+
+
+def actor_fault(message: str) -> BaseException:
+    """What `ray.get` raises for a task that raised `ActorFault` on the actor (Ray's dual exception class)."""
+    from ray.exceptions import RayTaskError
+
+    from pipeline.generate.feed import ActorFault
+
+    return RayTaskError("generate_shard", "Traceback ...", ActorFault(message)).as_instanceof_cause()
+
+
+def in_flight(slot) -> list[int]:
+    return [task.index for _, task in slot.in_flight]
+
+
+def test_a_sick_device_charges_no_shard_and_its_actor_is_restarted_at_once(monkeypatch):
+    """Actor a's device fails every row and the probe (`ActorFault`): with `ray.shard_attempts=1` any charge
+    would end the job; instead its shards go back uncharged, a is restarted (no shard for it until its new
+    process answers), and b takes them."""
+    pool, ray, clock, queue = make_pool(monkeypatch, ["a", "b"], shard_attempts=1)
+    a, b = pool._slots
+    pool._dispatch(queue, None)
+    assert in_flight(a) == [0, 1] and in_flight(b) == [4, 5]
+    ref, task = a.in_flight[0]
+    ray.answers[ref] = actor_fault("every row of a failed batch (2) fails alone, and so does a one-token probe")
+    pool._handle(ref, (a, task), queue, on_result=lambda result: None)
+    assert pool._failures == {} and ray.killed == [("a", False)] and a.state == "suspect" and not a.in_flight
+    done_ref, done_task = b.in_flight[0]
+    ray.answers[done_ref] = SimpleNamespace(index=4)
+    pool._handle(done_ref, (b, done_task), queue, on_result=lambda result: None)
+    pool._dispatch(queue, None)
+    assert in_flight(a) == [] and in_flight(b) == [5, 1]  # the re-queued shards go to b, not to the sick a
+
+
+def test_a_requeued_shard_goes_to_no_actor_that_failed_it_or_is_quarantined(monkeypatch):
+    """Shard 0 failed on a and shard 4 on b (charged): while c has failed nothing, neither a nor b gets a
+    re-queued shard (sick actors fail fast and would grab them first); a shard never goes back to the actor
+    that failed it while another can take it."""
+    pool, ray, clock, queue = make_pool(monkeypatch, ["a", "b", "c"])
+    a, b, c = pool._slots
+    a.failed, b.failed = {0}, {4}
+    for index in (0, 4):
+        queue.push_front(ShardTask(index, index * 4, index * 4 + 4, attempt=1))
+    assert pool._elsewhere(a, 0) and pool._elsewhere(a, 4) and pool._elsewhere(b, 0) and pool._elsewhere(b, 4)
+    assert not pool._elsewhere(c, 0) and not pool._elsewhere(c, 4)
+    pool._dispatch(queue, None)
+    retried = [(task.index, task.attempt) for _, task in c.in_flight if task.attempt]
+    assert sorted(retried) == [(0, 1), (4, 1)]  # both re-queued shards on c
+    assert all(task.attempt == 0 for slot in (a, b) for _, task in slot.in_flight)  # a and b: fresh shards only
+    c.state = "suspect"  # with no clean actor left, a quarantined one that has not failed it may take it
+    assert pool._elsewhere(a, 0) and not pool._elsewhere(b, 0)
