@@ -63,7 +63,8 @@ class RayConfig:
     num_actors: int | None = None  # None: one per GPU, else cluster CPUs // cpus_per_actor
     gpus_per_actor: float | None = None  # None: 1 when the cluster has GPUs, else 0
     cpus_per_actor: int = 1
-    max_restarts: int = 2  # Ray restarts a dead actor this many times (it reloads the pair)
+    max_restarts: int = 2  # restarts and replacements of an actor (it reloads the pair) per restart_window_s
+    restart_window_s: float = 3600.0  # max_restarts counts those of the last this many seconds (a budget per window)
     max_task_retries: int = 0  # Ray's own re-runs of a task on a restarted actor (the driver re-queues instead)
     shard_attempts: int = 3  # the driver re-dispatches a shard whose task failed, up to this many tries
     shards_per_actor: int = 2  # shards queued on each actor, so that it never waits for the driver
@@ -191,7 +192,8 @@ def check_ray(r: RayConfig) -> None:
         raise out_of_range("ray.shard_attempts", ">= 1", r.shard_attempts)
     if r.shards_per_actor < 1:
         raise out_of_range("ray.shards_per_actor", ">= 1", r.shards_per_actor)
-    for key in ("heartbeat_s", "heartbeat_timeout_s", "stall_timeout_s", "actor_start_timeout_s"):
+    for key in ("heartbeat_s", "heartbeat_timeout_s", "stall_timeout_s", "actor_start_timeout_s",
+                "restart_window_s"):
         if not getattr(r, key) > 0:
             raise out_of_range(f"ray.{key}", "> 0 seconds", getattr(r, key))
     if r.heartbeat_timeout_s < r.heartbeat_s:

@@ -31,7 +31,8 @@ queue, as its next attempt (a new part name: `ShardTask.fence`), when:
   `ray.shard_timeout_s`.
 
 Restarting is Ray's (`ray.kill` without `no_restart`: a new process reloads the pair), up to
-`ray.max_restarts` per actor; an actor dead for good is replaced by a new one while that budget lasts,
+`ray.max_restarts` per actor in any `ray.restart_window_s` (older restarts no longer count, so a long job on
+spot nodes keeps its budget); an actor dead for good is replaced by a new one while that budget lasts,
 which starts when the cluster has room for it again (a returning node): while other actors work, an actor
 waits for room as long as it takes. The job goes on with the actors it has; with none left (none alive,
 starting or restarting) it fails, and with none working it waits at most `ray.actor_start_timeout_s` for
@@ -176,6 +177,10 @@ class _Slot:
     progress_at: float = 0.0  # when it last moved (or a result came, or the idle actor got work)
     failed: set[int] = field(default_factory=set)  # shards that failed on this actor's process
     lives: int = 0  # restarts the driver asked for + replacements
+    restarts: deque = field(default_factory=deque)  # when each of them was (the budget counts a window's)
+    pid: int | None = None  # the process that answered last
+    killed_pid: int | None = None  # the process a restart replaces: its late answers do not count
+    paid: bool = False  # a restart spent a life on the process to come (Ray's restart, or a replacement)
     ready: Any = None  # starting: the ref of its ready() call
     started: float = 0.0  # starting: since when
 
@@ -260,6 +265,7 @@ class ShardActorPool:
             )
         for slot in self._slots:
             if slot.ready in workers:
+                slot.pid = workers[slot.ready].get("pid")
                 slot.state, slot.ready, slot.last_answer = "ok", None, time.monotonic()
             elif slot.ready not in pending:  # failed to load
                 self._dead(slot, "it failed to load the pair")
@@ -409,8 +415,15 @@ class ShardActorPool:
         self._requeue_all(slot, queue)
 
     def _lives_left(self, slot: _Slot) -> bool:
-        limit = self.config.ray.max_restarts
-        return limit < 0 or slot.lives < limit
+        """Restarts left in the budget: `ray.max_restarts` in the last `ray.restart_window_s`."""
+        limit, now = self.config.ray.max_restarts, time.monotonic()
+        while slot.restarts and now - slot.restarts[0] > self.config.ray.restart_window_s:
+            slot.restarts.popleft()
+        return limit < 0 or len(slot.restarts) < limit
+
+    def _spend_life(self, slot: _Slot) -> None:
+        slot.lives += 1
+        slot.restarts.append(time.monotonic())
 
     def _restart(self, slot: _Slot, queue: ShardQueue, why: str) -> None:
         """A stuck, silent or sick actor: its shards go back, and Ray replaces its process (it reloads the
@@ -420,7 +433,8 @@ class ShardActorPool:
             return
         log.warning("restarting an actor (%s); %d shard(s) re-queued", why, len(slot.in_flight))
         self._requeue_all(slot, queue)
-        slot.lives += 1
+        self._spend_life(slot)
+        slot.killed_pid, slot.paid = slot.pid, True
         slot.failed.clear()
         slot.state, slot.suspect_since, slot.ping, slot.ping_sent = "suspect", time.monotonic(), None, 0.0
         slot.asked_since = None
@@ -441,8 +455,10 @@ class ShardActorPool:
             self._ray.kill(slot.actor, no_restart=True)
         except Exception:  # noqa: BLE001 - it may be gone already; either way we no longer use it
             pass
-        if self._lives_left(slot):
-            slot.lives += 1
+        if slot.paid or self._lives_left(slot):  # a restart Ray refused (its own budget spent) was paid for
+            if not slot.paid:
+                self._spend_life(slot)
+            slot.paid, slot.killed_pid = False, None
             slot.actor = self._remote_class.remote(*self._actor_args)
             slot.state, slot.started, slot.failed = "starting", time.monotonic(), set()
             slot.ready = slot.actor.ready.remote()
@@ -460,7 +476,7 @@ class ShardActorPool:
             return
         log.warning("an actor joined the job (%s)", worker.get("host"))
         slot.state, slot.last_answer, slot.progress, slot.progress_at = "ok", time.monotonic(), -1, time.monotonic()
-        slot.asked_since = None
+        slot.asked_since, slot.pid = None, worker.get("pid")
         self.actors.append(slot.actor)
         if self._hooks and self._hooks.on_actor_joined:
             self._hooks.on_actor_joined(slot.actor, worker)
@@ -476,8 +492,11 @@ class ShardActorPool:
             return
         except RayError:
             return  # unavailable: asked again at the next heartbeat
+        if slot.killed_pid is not None and answer.get("pid") == slot.killed_pid:
+            return  # the process a restart replaces, answering before it is gone (ray.kill is asynchronous)
         now = time.monotonic()
         slot.last_answer, slot.asked_since = now, None
+        slot.pid, slot.killed_pid, slot.paid = answer.get("pid", slot.pid), None, False
         if answer["progress"] != slot.progress:
             slot.progress, slot.progress_at = answer["progress"], now
         if slot.state == "suspect":

@@ -1,9 +1,13 @@
-"""A sick device (issue #40, finding 4), on the session's local Ray with the tiny pair.
+"""A sick device, and restart budgets over a long job (issue #40, findings 4 and 9), on the session's local Ray
+with the tiny pair.
 
 - A sick device: one actor's target forward raises a CUDA-like error whatever it runs (installed from outside
   with Ray's `__ray_call__`). Its batch fails, every row fails alone too, and so does the probe: the shard
   is the actor's fault, not the rows'. It goes back uncharged (`ray.shard_attempts=1`: one charge would end
   the job) and the actor is restarted at once; no error row is written for a healthy shard.
+- A budget per window: one actor, `ray.max_restarts=1`, its device sick again after its first restart. The
+  first restart is older than `ray.restart_window_s` by then, so the actor is restarted again instead of
+  given up (which, with no other actor, would end the job).
 
 Each ends with the output read back: every id once, only committed part files, `_SUCCESS`.
 """
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import sys
 
+import pytest
 from ray import cloudpickle
 from test_generate_faults import assert_complete
 from tiny_pair_support import job_config
@@ -62,3 +67,31 @@ def test_a_sick_device_is_the_actors_fault_its_shard_is_requeued_uncharged(
 
 def prompt_lines(path) -> list[str]:
     return path.read_text().splitlines()
+
+
+@pytest.mark.slow  # about 20 s; tests/pipeline/generate/test_scheduler.py has the fast check
+def test_restarts_older_than_the_window_no_longer_count(tiny_pair, prompts_jsonl, tmp_path, ray_local, caplog):
+    out = tmp_path / "out"
+    raw = job_config(
+        tiny_pair, prompts_jsonl, out, shard_size=8,
+        **{"spectr.batch_size": 2, "ray.num_actors": 1, "ray.max_restarts": 1, "ray.restart_window_s": 1.0,
+           "ray.heartbeat_s": 0.5},
+    )  # fmt: skip
+    episodes: list[int] = []
+
+    def make_sick(actor, worker):
+        episodes.append(worker["pid"])
+        ray_local.get(actor.__ray_call__.remote(_sick_device))
+
+    def on_joined(actor, answer):  # the restarted process: sick once more
+        if len(episodes) < 2:
+            make_sick(actor, answer)
+
+    hooks = RunHooks(on_actors_ready=lambda actors, workers: make_sick(actors[0], workers[0]),
+                     on_actor_joined=on_joined)
+    with caplog.at_level("WARNING", logger="pipeline"):
+        report = run_generate(from_dict(raw), hooks)
+    assert report.exit_code == 0, report.messages
+    assert caplog.text.count("restarting an actor (its device fails") == 2 and len(set(episodes)) == 2
+    assert "no restarts left" not in caplog.text
+    assert_complete(out, prompts_jsonl)

@@ -181,3 +181,44 @@ def test_a_requeued_shard_goes_to_no_actor_that_failed_it_or_is_quarantined(monk
     assert all(task.attempt == 0 for slot in (a, b) for _, task in slot.in_flight)  # a and b: fresh shards only
     c.state = "suspect"  # with no clean actor left, a quarantined one that has not failed it may take it
     assert pool._elsewhere(a, 0) and not pool._elsewhere(b, 0)
+
+
+def answer_ping(pool, slot, pid: int) -> None:
+    slot.ping = Ref("ping")
+    pool._ray.answers[slot.ping] = {"progress": 0, "pid": pid}
+    pool._ping_answered(slot, slot.ping)
+
+
+def test_the_restart_budget_is_per_window_of_time(monkeypatch):
+    """`ray.max_restarts=1` per `ray.restart_window_s=60`: a second restart within the minute gives the actor
+    up; one after it restarts it again (a long job on spot nodes keeps its budget)."""
+    pool, ray, clock, queue = make_pool(monkeypatch, ["a", "b"], max_restarts=1, restart_window_s=60.0)
+    a, b = pool._slots
+    a.pid, b.pid = 100, 200
+    pool._restart(a, queue, "sick")
+    answer_ping(pool, a, pid=100)  # the old process, before the kill reached it: not the restarted actor
+    assert a.state == "suspect"
+    answer_ping(pool, a, pid=101)  # its new process
+    assert a.state == "ok"
+    clock.sleep(61.0)
+    pool._restart(a, queue, "sick again, after the window")
+    assert ray.killed == [("a", False), ("a", False)] and a.state == "suspect"
+    pool._restart(b, queue, "sick")
+    answer_ping(pool, b, pid=201)
+    clock.sleep(10.0)
+    pool._restart(b, queue, "sick again, within the window")
+    assert ray.killed[-1] == ("b", True) and b.state == "dead"  # given up: no restarts left in this window
+
+
+def test_a_restart_ray_refuses_is_delivered_by_a_replacement_without_a_second_life(monkeypatch):
+    """Ray restarts an actor at most its own `max_restarts` times per actor, for good: a restart the driver paid
+    for in this window that Ray refuses (the actor dies instead) brings a new actor, not the end of the slot."""
+    from ray.exceptions import ActorDiedError
+
+    pool, ray, clock, queue = make_pool(monkeypatch, ["a"], max_restarts=1, restart_window_s=60.0)
+    a = pool._slots[0]
+    pool._restart(a, queue, "sick")
+    a.ping = Ref("ping")
+    ray.answers[a.ping] = ActorDiedError()
+    pool._ping_answered(a, a.ping)
+    assert a.state == "starting" and a.actor.name == "new" and a.lives == 1  # replaced, one life spent
