@@ -15,13 +15,15 @@ from pipeline.tracking import MlflowRun, check_reachable
 class DraftTracker:
     def __init__(self, config):
         check_reachable(config.mlflow)
-        self.run = MlflowRun(config.mlflow)
+        self.mlflow = config.mlflow
+        self.run: MlflowRun | None = None  # made once the checks pass: a refused job leaves no MLflow store
         self.every_s = float(config.mlflow.log_every_s)
         self._last = 0.0
 
     def started(self, config, draft_parameters: int, target_parameters: int, train_sequences: int) -> None:
         params = {**config.to_dict(), "draft_parameters": draft_parameters, "target_parameters": target_parameters,
                   "train_sequences": train_sequences}
+        self.run = MlflowRun(self.mlflow)
         self.run.start(params, tags={"job": "train_draft", "target": config.model.target})
 
     def step(self, step: int, loss: float) -> None:
@@ -39,7 +41,8 @@ class DraftTracker:
         self.run.terminate()
 
     def fail(self) -> None:
-        self.run.fail()
+        if self.run is not None:
+            self.run.fail()
 
     def _log(self, values: dict[str, Any], step: int) -> None:
         from mlflow.entities import Metric
