@@ -40,6 +40,7 @@ def _sick_device(generator) -> None:
     generator.target.forward = sick
 
 
+@pytest.mark.slow  # 12 s; test_feed.py and test_scheduler.py keep the rule in the default suite
 def test_a_sick_device_is_the_actors_fault_its_shard_is_requeued_uncharged(
     tiny_pair, prompts_jsonl, tmp_path, ray_local, caplog
 ):

@@ -68,6 +68,7 @@ def test_a_compiler_that_raises_falls_back_to_eager_loudly(pair, monkeypatch, me
     assert out.stats.compiled and out.stats.compile_fallbacks >= 1
 
 
+@pytest.mark.slow  # 9 s; the compiled core's fallback tests stay in the default suite
 def test_a_compiled_selection_that_raises_falls_back_and_stays_eager(pair, monkeypatch):
     """The core compiles (eager backend), the selection's compile raises: one fallback, same tokens."""
     def selection_breaks(graph, inputs):
@@ -172,6 +173,7 @@ def test_a_weight_changed_in_place_is_used_by_the_next_compiled_run(monkeypatch)
     assert after.stats.compile_fallbacks == 0  # rebuilt, not caught by the self-check
 
 
+@pytest.mark.slow  # 11 s: a compiled auto batcher
 def test_the_chooser_never_takes_an_iteration_that_compiled_as_a_sample(pair, monkeypatch):
     """method=auto, compiled: an iteration during which the compile timer moved reports measure=False to the
     chooser (its seconds are the compiler's, not its configuration's); the others are samples as before."""

@@ -340,6 +340,7 @@ def test_compiled_mode_rows_admitted_mid_run_follow_the_target(pair, exact_laws,
     assert chi_square_pvalue(out.tokens, exact_laws["warped"]) > ACCEPT_P
 
 
+@pytest.mark.slow  # 9 s; the compiled K-draft chi-square and its control stay in the default suite
 def test_compiled_mode_negative_control_a_commit_without_path_gather_is_rejected(pair, exact_laws, traced_graphs,
                                                                                   monkeypatch):
     monkeypatch.setattr(RowKVCache, "keep_path", lambda self, source, dest, rows=None: None)

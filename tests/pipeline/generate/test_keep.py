@@ -28,6 +28,7 @@ def cell(tiny_pair, prompts_jsonl, out, **overrides):
     return from_dict(job_config(tiny_pair, prompts_jsonl, out, **settings))
 
 
+@pytest.mark.slow  # 17 s: three job cells; the keeper and pool rules stay in the default suite
 def test_cells_with_the_same_pair_share_the_actor_and_another_target_reloads(
     tiny_pair, prompts_jsonl, tmp_path, ray_local
 ):
