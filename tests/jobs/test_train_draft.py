@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from tiny_pair_support import WORDS, build_tokenizer
 
 from jobs.train_draft import run, summary_line
 from pipeline.config import ModelConfig
 from pipeline.distillation import distillation_loss, per_position_divergence
 from pipeline.errors import JobInputError
-from tiny_pair_support import WORDS, build_tokenizer
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
