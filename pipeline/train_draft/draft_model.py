@@ -32,9 +32,8 @@ class ResolvedShape:
 
 def load_target(spec: TargetSpec, device: str) -> tuple[Any, Any]:
     """(target model in eval mode on `device`, its tokenizer); refuses what the draft cannot be built for."""
-    from spectr.native import native_supported
-
     from pipeline.models import check_model_dir, load_tokenizer, resolve_dtype
+    from spectr.native import native_supported
 
     target_dir = check_model_dir(spec.target, "model.target", allow_pickle=False)
     tokenizer = load_tokenizer(target_dir, "model.target", spec.trust_remote_code)
