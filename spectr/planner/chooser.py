@@ -5,7 +5,8 @@ conditional law, so the chooser learns on the real iterations of the job, whose 
 kept (`wasted_seconds` is 0).
 
 - Candidates: a small set within the bounds (autoregressive, speculative L=1, block L=2..4,
-  spectr and traversal K in {2, 4} x L in {2, 3, 4}; speculative L >= 2 is left out because block L
+  spectr K in {2, 4} x L in {2, 3, 4}, traversal K in {2, 4} at the longest L (3 or 4); speculative L >= 2
+  is left out because block L
   dominates it: same draft, same verify, at least as many tokens), trimmed to the `MAX_CANDIDATES` best by
   the prior (`spectr.planner.prior`: the one cost model on latencies guessed from parameter counts).
 - Measurement: an iteration's rate is (live rows x tokens per row) / seconds, and the two factors
@@ -93,8 +94,14 @@ def default_candidates(max_num_drafts: int, max_draft_length: int, greedy: bool 
     found.append(StepConfig.of("speculative", 1, 1))
     found += [StepConfig.of("block", 1, n) for n in range(2, min(4, max_draft_length) + 1)]
     if not greedy:
-        found += [StepConfig.of(method, k, n) for method in ("spectr", "traversal") for k in (2, 4)
+        found += [StepConfig.of("spectr", k, n) for k in (2, 4)
                   if k <= max_num_drafts for n in range(2, min(4, max_draft_length) + 1)]
+        # traversal at the longest draft only: its gain over spectr grows with L (about 0.98x tokens per call at
+        # L = 2, 1.04x at L = 4 on the embedded pair) while its selection costs more per iteration, and each extra
+        # candidate costs exploration (whole default jobs with K x L = {2, 4} x {2, 3, 4}: 0.87x the throughput
+        # of the same jobs without traversal; docs/performance.md#traversal-verification)
+        longest = min(4, max_draft_length)
+        found += [StepConfig.of("traversal", k, longest) for k in (2, 4) if k <= max_num_drafts and longest >= 3]
     return found
 
 

@@ -1,4 +1,4 @@
-"""The planner with traversal verification: a candidate like any method (K in {2, 4} x L in {2, 3, 4}, never
+"""The planner with traversal verification: a candidate like any method (K in {2, 4} at the longest L, never
 under greedy decoding), priced with its rejection loop, its tokens per call a lower bound (its own
 measured/model ratio), chosen where it is the fastest, and run by the `AutoBatcher` on the engine."""
 
@@ -25,9 +25,11 @@ TRAVERSAL = StepConfig.parse("traversal K=2 L=4")
 
 def test_traversal_candidates_within_the_bounds_and_not_under_greedy():
     labels = [c.label for c in default_candidates(4, 4) if c.method == "traversal"]
-    assert labels == [f"traversal K={k} L={n}" for k in (2, 4) for n in (2, 3, 4)]
-    assert [c.label for c in default_candidates(2, 3) if c.method == "traversal"] == [
-        "traversal K=2 L=2", "traversal K=2 L=3"]
+    assert labels == ["traversal K=2 L=4", "traversal K=4 L=4"]  # the longest draft only: where it gains
+    assert [c.label for c in default_candidates(2, 3) if c.method == "traversal"] == ["traversal K=2 L=3"]
+    assert not any(c.method == "traversal" for c in default_candidates(4, 2))
+    assert [c.label for c in default_candidates(8, 8) if c.method == "traversal"] == [
+        "traversal K=2 L=4", "traversal K=4 L=4"]  # the job's bounds (8, 8): the candidates stop at L = 4
     assert not any(c.method == "traversal" for c in default_candidates(4, 4, greedy=True))
     assert StepConfig.parse(TRAVERSAL.label) == TRAVERSAL
 
