@@ -80,6 +80,7 @@ class Loop:
     compiled: bool = False  # compiled mode: the selection may compile too (`_selection_compiled`)
     selection_runs: dict = field(default_factory=dict)  # (method, K, L) -> speculative iterations run so far
     raw_logprobs: bool = False  # records' logprobs: the raw target log-softmax (vLLM's default), not the warped law
+    selection_eager: set = field(default_factory=set)  # (method, K, L) whose compiled selection failed: eager for good
     selection_fallbacks: int = 0  # compiled selections that raised (answered eagerly; that configuration stays eager)
 
     def configure(self, method: str, num_drafts: int, draft_length: int) -> None:
@@ -97,11 +98,10 @@ def _selection_compiled(loop: Loop, device: torch.device) -> bool:
     if not (loop.compiled and selection_compiles(device)):
         return False
     key = (loop.method, loop.num_drafts, loop.draft_length)
-    runs = loop.selection_runs.get(key, 0)
-    if runs < 0:  # its compiled selection failed: eager for good
+    if key in loop.selection_eager:
         return False
-    loop.selection_runs[key] = runs + 1
-    return runs + 1 > native.SELECTION_COMPILE_AFTER
+    loop.selection_runs[key] = runs = loop.selection_runs.get(key, 0) + 1
+    return runs > native.SELECTION_COMPILE_AFTER
 
 
 def _select(loop: Loop, compiled: bool, tree, target_probs, uniforms, splits):
@@ -113,7 +113,7 @@ def _select(loop: Loop, compiled: bool, tree, target_probs, uniforms, splits):
             return compiled_select_tree(tree.tokens, tree.draft_probs, target_probs, tree.node_of, uniforms,
                                         method=loop.method)
         except Exception as error:  # noqa: BLE001 - any failure of the compiler or its code: eager, loudly
-            loop.selection_runs[(loop.method, loop.num_drafts, loop.draft_length)] = -1
+            loop.selection_eager.add((loop.method, loop.num_drafts, loop.draft_length))
             loop.selection_fallbacks += 1
             warnings.warn(f"spectr: the compiled selection of {loop.method} (K={loop.num_drafts}, "
                           f"L={loop.draft_length}) failed and runs eager from now on "

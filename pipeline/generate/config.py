@@ -131,14 +131,21 @@ def from_dict(raw: dict[str, Any]) -> GenerateConfig:
     return config
 
 
+def top_count(logprobs: Any) -> int | None:
+    """spectr.logprobs as vLLM's count: N for an int N (0 included), 0 for true, None for false."""
+    if isinstance(logprobs, bool):
+        return 0 if logprobs else None
+    return logprobs if isinstance(logprobs, int) else None
+
+
 def logprobs_wanted(s: SpectrConfig) -> bool:
     """Whether rows get `completion_logprobs`: spectr.logprobs true, or an int N (vLLM's logprobs=N, 0 included)."""
-    return s.logprobs is True or (isinstance(s.logprobs, int) and not isinstance(s.logprobs, bool))
+    return top_count(s.logprobs) is not None
 
 
 def top_logprobs(s: SpectrConfig) -> int:
     """N of spectr.logprobs=N: each token's N most likely tokens (`completion_top_logprobs`); 0 otherwise."""
-    return s.logprobs if isinstance(s.logprobs, int) and not isinstance(s.logprobs, bool) else 0
+    return top_count(s.logprobs) or 0
 
 
 def check_spectr(s: SpectrConfig) -> None:

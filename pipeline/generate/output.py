@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline import fs
+from pipeline.generate.config import top_count
 from pipeline.generate.shards import MIN_PART_DIGITS, part_name
 
 MANIFEST_NAME = "_manifest.json"
@@ -42,8 +43,8 @@ def output_schema(id_kind: str, settings: dict[str, Any] | None = None, logprobs
     logprobs: `spectr.logprobs`: true or an int N adds a `completion_logprobs` column, N > 0 also
     `completion_top_logprobs` (per token, N structs of token_id and logprob); kept: the `data.keep_columns`
     (name, Arrow type), last."""
-    top = logprobs if isinstance(logprobs, int) and not isinstance(logprobs, bool) else 0
-    with_logprobs = logprobs is True or (isinstance(logprobs, int) and not isinstance(logprobs, bool))
+    count = top_count(logprobs)
+    top, with_logprobs = count or 0, count is not None
     entry = pa.struct([("token_id", pa.int32()), ("logprob", pa.float32())])
     schema = pa.schema(
         [

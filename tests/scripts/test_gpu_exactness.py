@@ -11,7 +11,6 @@ machine runs it (a subprocess), is marked slow (about a minute).
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import subprocess
@@ -20,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+import script_support
 import torch
 
 import spectr
@@ -32,13 +32,7 @@ LIGHT_UNITS = ["chi-square float32 autoregressive compiled", "greedy llama", "ch
 
 
 def load_script():
-    """The script as a module (registered in sys.modules, as its dataclasses need), loaded once."""
-    if "gpu_exactness" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("gpu_exactness", SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["gpu_exactness"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["gpu_exactness"]
+    return script_support.load_script("gpu_exactness")
 
 
 @pytest.fixture(scope="module")

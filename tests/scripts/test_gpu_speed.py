@@ -10,7 +10,6 @@ marked slow (about a minute).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -19,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+import script_support
 import torch
 
 import spectr
@@ -29,13 +29,7 @@ LIGHT = "headline B=1: ours,ours speculative vs HF assisted"
 
 
 def load_script():
-    """The script as a module (registered in sys.modules, as its dataclasses need), loaded once."""
-    if "gpu_speed" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("gpu_speed", SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["gpu_speed"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["gpu_speed"]
+    return script_support.load_script("gpu_speed")
 
 
 @pytest.fixture(scope="module")
