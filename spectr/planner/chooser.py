@@ -96,10 +96,9 @@ def default_candidates(max_num_drafts: int, max_draft_length: int, greedy: bool 
     if not greedy:
         found += [StepConfig.of("spectr", k, n) for k in (2, 4)
                   if k <= max_num_drafts for n in range(2, min(4, max_draft_length) + 1)]
-        # traversal at the longest draft only: its gain over spectr grows with L (about 0.98x tokens per call at
-        # L = 2, 1.04x at L = 4 on the embedded pair) while its selection costs more per iteration, and each extra
-        # candidate costs exploration (whole default jobs with K x L = {2, 4} x {2, 3, 4}: 0.87x the throughput
-        # of the same jobs without traversal; docs/performance.md#traversal-verification)
+        # traversal at the longest draft only: its gain over spectr grows with L while its selection costs more
+        # per iteration, and each extra candidate costs exploration (measured on whole default jobs:
+        # docs/performance.md#the-default-job-with-traversal-among-autos-candidates)
         longest = min(4, max_draft_length)
         found += [StepConfig.of("traversal", k, longest) for k in (2, 4) if k <= max_num_drafts and longest >= 3]
     return found
