@@ -55,6 +55,18 @@ def distillation_loss(
     return (divergence * weights).sum() / weights.sum().clamp(min=1.0)
 
 
+def law_loss(draft_logits: torch.Tensor, target_log_probs: torch.Tensor, loss: str,
+             temperature: float = 1.0) -> torch.Tensor:
+    """Mean divergence over positions, the target given as its log-probabilities (already at `temperature`,
+    e.g. kept from one pass of the target), a scalar.
+
+    draft_logits: # [N, V]; target_log_probs: # [N, V] (float16 is fine: renormalised here in float32).
+    """
+    draft_log_probs = F.log_softmax(draft_logits.float() / temperature, dim=-1)  # [N, V]
+    target = F.log_softmax(target_log_probs.detach().float(), dim=-1)  # [N, V]
+    return per_position_divergence(draft_log_probs, target, loss).sum() / max(draft_logits.shape[0], 1)
+
+
 @torch.no_grad()
 def acceptance_sum(draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor,
                    temperature: float = 1.0) -> tuple[float, int]:

@@ -3,7 +3,10 @@
 The target completes every prompt with this project's engine (`spectr.generate`, method autoregressive,
 batched, at `train.temperature`, one seeded stream per prompt), so the draft learns the law it will be asked
 to match at generation time. The completions are cached in the output directory (`_train_draft/completions.pt`)
-so that a resumed run does not generate them again. Not here: the loss or the loop.
+so that a resumed run does not generate them again. Then the target's full next-token laws at every
+completion position (`TargetLaws`: one teacher-forced pass, float16 log-probabilities in memory, when they fit
+in `train.law_cache_gib`), so that the training steps run the draft only, however many times they revisit a
+sequence. Not here: the loss or the loop.
 """
 
 from __future__ import annotations
@@ -78,6 +81,48 @@ def cached_completions(folder: Path, target: Any, train_prompts, heldout_prompts
     torch.save({"train": vars(train_set), "heldout": vars(heldout_set)}, tmp)
     tmp.replace(path)
     return train_set, heldout_set
+
+
+@dataclass
+class TargetLaws:
+    """The target's log-probabilities at `train.temperature` over the whole vocabulary, at every completion
+    position of every sequence, in order: row `starts[i] + j` predicts completion token j of sequence i."""
+
+    log_probs: torch.Tensor  # [N, V] float16 (rounding: < 0.4% of each probability; the loss renormalises)
+    starts: list[int]  # per sequence, its first row; the last entry is N
+
+    def rows_of(self, rows: list[int]) -> torch.Tensor:
+        """The laws of the chosen sequences' completion positions, in the order `padded_batch`'s loss mask
+        selects them (row by row, position by position). # [n, V] float16"""
+        return torch.cat([self.log_probs[self.starts[i]: self.starts[i + 1]] for i in rows])
+
+
+def law_cache_bytes(sequences: Sequences, vocab_size: int) -> int:
+    """Memory the float16 laws of all completion positions take."""
+    return sequences.completion_tokens() * vocab_size * 2
+
+
+@torch.no_grad()
+def target_laws(target: Any, sequences: Sequences, temperature: float, pad_id: int, device: str,
+                batch_size: int = 16) -> TargetLaws:
+    """The target's laws at every completion position: one forward pass per batch of sequences (sorted by
+    length so that batches carry little padding), kept on the CPU in float16."""
+    import torch.nn.functional as F
+
+    counts = [len(ids) - p for ids, p in zip(sequences.token_ids, sequences.prompt_lengths)]
+    starts = [0]
+    for count in counts:
+        starts.append(starts[-1] + count)
+    log_probs = torch.empty((starts[-1], int(target.config.vocab_size)), dtype=torch.float16)  # [N, V]
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences.token_ids[i]))
+    for first in range(0, len(order), batch_size):
+        rows = order[first: first + batch_size]
+        inputs, attention, mask = (t.to(device) for t in padded_batch(sequences, rows, pad_id))  # [B, T] each
+        logits = target(input_ids=inputs, attention_mask=attention).logits  # [B, T, V]
+        for b, i in enumerate(rows):
+            picked = logits[b][mask[b]].float()  # [count_i, V]
+            log_probs[starts[i]: starts[i + 1]] = F.log_softmax(picked / temperature, dim=-1).to("cpu", torch.float16)
+    return TargetLaws(log_probs, starts)
 
 
 def padded_batch(sequences: Sequences, rows: list[int], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

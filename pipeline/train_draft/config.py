@@ -62,6 +62,7 @@ class TrainSpec:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     checkpoint_every: int = 200  # steps
+    law_cache_gib: float = 4.0  # the target's float16 laws at the training positions kept in memory up to this
     save_dtype: str = "bfloat16"
     seed: int = 0
     shuffle_targets: bool = False  # negative control: the target distributions permuted across positions
@@ -87,7 +88,7 @@ class DraftJobConfig:
         """What a resumed run must share with the first: target, prompts, draft and loss (not the budget)."""
         keep = {"model": asdict(self.model), "data": asdict(self.data), "draft": asdict(self.draft),
                 "train": {k: v for k, v in asdict(self.train).items()
-                          if k not in ("steps", "max_minutes", "checkpoint_every")}}
+                          if k not in ("steps", "max_minutes", "checkpoint_every", "law_cache_gib")}}
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -150,6 +151,9 @@ def validate(config: DraftJobConfig) -> None:
         value = getattr(draft, key)
         if value is not None and (not isinstance(value, int) or value < 1):
             raise JobInputError(f"draft.{key}: a positive integer or null, got {value!r}")
+    if not isinstance(train.law_cache_gib, (int, float)) or train.law_cache_gib < 0:
+        raise JobInputError(f"train.law_cache_gib: a number >= 0 (0: the target runs at every step), "
+                            f"got {train.law_cache_gib!r}")
     if not isinstance(data.heldout, int) or data.heldout < 1:
         raise JobInputError(f"data.heldout: a positive integer, got {data.heldout!r}")
     if config.device not in ("auto", "cpu", "cuda") and not config.device.startswith("cuda:"):

@@ -3,10 +3,12 @@
 1. check the config, the output directory, the target (architecture, tokenizer) before any work;
 2. the prompts, split into training and held-out; the target's own completions of both (`completions`);
 3. a small Llama draft with the target's vocabulary (`draft_model`);
-4. the loop: a batch of the target's sequences through both models; the loss is the divergence
+4. the target's full next-token laws at every completion position, from one pass of the target, kept in
+   memory when they fit (`train.law_cache_gib`; else the target runs again at every step);
+5. the loop: a batch of the target's sequences through the draft; the loss is the divergence
    (`train.loss`: forward KL or total variation, `pipeline.distillation`) between the target's full
    next-token distribution and the draft's at every completion position; checkpoints in `out`;
-5. the draft saved as a Hugging Face model directory with the target's tokenizer; its acceptance
+6. the draft saved as a Hugging Face model directory with the target's tokenizer; its acceptance
    sum_x min(p, q) on the held-out completions (the saved weights, as the generate job loads them).
 
 Not here: Hydra (the entry point, `jobs/train_draft.py`) or MLflow's calls (`tracking`).
@@ -15,6 +17,7 @@ Not here: Hydra (the entry point, `jobs/train_draft.py`) or MLflow's calls (`tra
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -24,12 +27,21 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from pipeline.distillation import acceptance_sum, distillation_loss
+from pipeline.distillation import acceptance_sum, law_loss
 from pipeline.train_draft import output
-from pipeline.train_draft.completions import Sequences, cached_completions, padded_batch, read_prompt_ids
+from pipeline.train_draft.completions import (
+    Sequences,
+    TargetLaws,
+    cached_completions,
+    law_cache_bytes,
+    padded_batch,
+    read_prompt_ids,
+    target_laws,
+)
 from pipeline.train_draft.config import DraftJobConfig
 from pipeline.train_draft.draft_model import build_draft, count_parameters, draft_shape, load_target
 
+log = logging.getLogger("pipeline")
 
 @dataclass
 class DraftResult:
@@ -76,10 +88,12 @@ def run_train_draft(config: DraftJobConfig, tracker: Any = None) -> DraftResult:
     draft = build_draft(target, tokenizer, shape, config.draft.init_embedding, seed=config.train.seed).to(device)
     if tracker is not None:
         tracker.started(config, count_parameters(draft), count_parameters(target), len(train_set))
-    # 4) the loop
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_ids or [0])[0]
-    loop = _train(config, folder, target, draft, train_set, pad_id, device, tracker)
-    # 5) save, then measure the saved weights
+    # 4) the target's laws, once (not kept on disk: a resumed run computes them again, one pass)
+    laws = _laws_in_memory(config, target, train_set, pad_id, device)
+    # 5) the loop
+    loop = _train(config, folder, target, draft, train_set, laws, pad_id, device, tracker)
+    # 6) save, then measure the saved weights
     root = Path(config.out).expanduser()
     output.save_draft(root, draft, tokenizer, config.train.save_dtype)
     saved = draft.to(getattr(torch, config.train.save_dtype)).float().eval()
@@ -98,6 +112,22 @@ def run_train_draft(config: DraftJobConfig, tracker: Any = None) -> DraftResult:
     output.write_json(folder / "run.json", {"run_key": config.run_key(), "config": config.to_dict(),
                                             "result": {k: v for k, v in vars(result).items() if k != "history"}})
     return result
+
+
+def _laws_in_memory(config: DraftJobConfig, target: Any, train_set: Sequences, pad_id: int,
+                    device: str) -> TargetLaws | None:
+    """The target's laws at the training positions when they fit in `train.law_cache_gib`, else None (the
+    steps run the target)."""
+    need = law_cache_bytes(train_set, int(target.config.vocab_size))
+    if need > config.train.law_cache_gib * 2**30:
+        log.info("the target's laws would take %.1f GiB > train.law_cache_gib=%s: the target runs at every step",
+                 need / 2**30, config.train.law_cache_gib)
+        return None
+    start = time.monotonic()
+    laws = target_laws(target, train_set, config.train.temperature, pad_id, device)
+    log.info("the target's laws at %d positions (%.1f GiB, float16) in %.0f s", laws.log_probs.shape[0],
+             need / 2**30, time.monotonic() - start)
+    return laws
 
 
 def _load_compare_draft(path: str, device: str) -> Any:
@@ -121,7 +151,8 @@ def _make_optimizer(draft: Any, config: DraftJobConfig) -> torch.optim.Optimizer
                               {"params": rest, "weight_decay": 0.0}], lr=config.train.lr, betas=(0.9, 0.95))
 
 
-def _train(config, folder: Path, target, draft, train_set: Sequences, pad_id: int, device: str, tracker) -> dict:
+def _train(config, folder: Path, target, draft, train_set: Sequences, laws: TargetLaws | None, pad_id: int,
+           device: str, tracker) -> dict:
     train = config.train
     optimizer = _make_optimizer(draft, config)
     generator = torch.Generator().manual_seed(train.seed)
@@ -143,7 +174,8 @@ def _train(config, folder: Path, target, draft, train_set: Sequences, pad_id: in
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(config, state["step"], progress)
         rows = torch.randint(0, len(train_set), (train.batch_size,), generator=generator).tolist()
-        loss = _train_step(config, target, draft, optimizer, train_set, rows, pad_id, device, autocast, generator)
+        loss = _train_step(config, target, draft, optimizer, train_set, laws, rows, pad_id, device, autocast,
+                           generator)
         state["step"] += 1
         state["loss"] = loss
         state["history"].append((state["step"], loss))
@@ -161,18 +193,26 @@ def _train(config, folder: Path, target, draft, train_set: Sequences, pad_id: in
     return state
 
 
-def _train_step(config, target, draft, optimizer, train_set, rows, pad_id, device, autocast, generator) -> float:
-    """One batch of the target's sequences: the divergence at every completion position, one optimiser step."""
+def _train_step(config, target, draft, optimizer, train_set, laws, rows, pad_id, device, autocast,
+                generator) -> float:
+    """One batch of the target's sequences: the divergence at every completion position, one optimiser step.
+
+    The draft's head runs at the completion positions only (the loss reads no other)."""
     inputs, attention, loss_mask = (t.to(device) for t in padded_batch(train_set, rows, pad_id))  # [B, T] each
-    with torch.no_grad(), autocast:
-        target_logits = target(input_ids=inputs, attention_mask=attention).logits.float()  # [B, T, V]
+    temperature = config.train.temperature
+    if laws is not None:
+        target_log_probs = laws.rows_of(rows).to(device)  # [N, V]
+    else:
+        with torch.no_grad(), autocast:
+            logits = target(input_ids=inputs, attention_mask=attention).logits[loss_mask]  # [N, V]
+        target_log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)  # [N, V]
     if config.train.shuffle_targets:  # negative control: each position gets another position's target law
-        picked = loss_mask.nonzero(as_tuple=True)
-        order = torch.randperm(picked[0].numel(), generator=generator).to(device)
-        target_logits[picked] = target_logits[picked][order]
+        order = torch.randperm(target_log_probs.shape[0], generator=generator).to(device)
+        target_log_probs = target_log_probs[order]
     with autocast:
-        draft_logits = draft(input_ids=inputs, attention_mask=attention).logits  # [B, T, V]
-    loss = distillation_loss(draft_logits, target_logits, config.train.loss, loss_mask, config.train.temperature)
+        hidden = draft.model(input_ids=inputs, attention_mask=attention).last_hidden_state[loss_mask]  # [N, H]
+        draft_logits = draft.lm_head(hidden)  # [N, V]
+    loss = law_loss(draft_logits, target_log_probs, config.train.loss, temperature)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(draft.parameters(), config.train.grad_clip)
     optimizer.step()

@@ -151,3 +151,31 @@ def test_the_losses_are_the_forward_kl_and_one_minus_acceptance():
     mask = torch.tensor([[True, False, True], [False, False, True]])
     torch.testing.assert_close(distillation_loss(draft_logits, target_logits, "tv", mask), tv[mask].mean())
     torch.testing.assert_close(distillation_loss(draft_logits, target_logits, "forward_kl"), kl.mean())
+
+
+def test_the_kept_laws_are_the_targets_full_laws_in_the_loss_masks_order(sharp_target):
+    """One pass of the target keeps, per completion position, its whole next-token law (float16); a batch's
+    rows come back in the order the loss mask selects the positions, so the steps need no target pass."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.train_draft.completions import Sequences, padded_batch, target_laws
+
+    target = AutoModelForCausalLM.from_pretrained(sharp_target["target"], dtype=torch.float32).eval()
+    sequences = Sequences([[1, 5, 6, 7, 8], [1, 9, 10], [1, 4, 5, 6, 7, 8, 9], [1, 5, 2]], [2, 2, 4, 3])
+    laws = target_laws(target, sequences, temperature=0.7, pad_id=3, device="cpu", batch_size=3)
+    assert laws.log_probs.shape == (sequences.completion_tokens(), target.config.vocab_size)
+    assert laws.log_probs.dtype == torch.float16
+    rows = [2, 0, 2, 3]  # repeated and out of order, as the sampler draws them
+    inputs, attention, mask = padded_batch(sequences, rows, pad_id=3)
+    with torch.no_grad():
+        expected = torch.log_softmax(target(input_ids=inputs, attention_mask=attention).logits[mask] / 0.7, dim=-1)
+    kept = laws.rows_of(rows).float()
+    assert kept.shape == expected.shape
+    torch.testing.assert_close(kept.exp(), expected.exp(), atol=2e-3, rtol=1e-2)
+
+
+def test_steps_without_kept_laws_run_the_target_and_learn_the_same(sharp_target, tmp_path):
+    """train.law_cache_gib=0: the target runs at every step instead; same data, same first loss."""
+    kept = run(compose_config(sharp_target, tmp_path / "kept", "train.steps=3"))
+    rerun = run(compose_config(sharp_target, tmp_path / "rerun", "train.steps=3", "train.law_cache_gib=0"))
+    assert kept.history[0][1] == pytest.approx(rerun.history[0][1], rel=1e-3)
