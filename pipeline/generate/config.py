@@ -237,9 +237,12 @@ def generation_settings(c: GenerateConfig) -> dict[str, Any]:
     spectr.pop("compile")  # speed only: the same models' law (a compiled forward rounds differently, no more)
     data = dataclasses.asdict(c.data)
     for key in ("max_new_tokens_column", "keep_columns", "stop_column", "sampling_params_column", "chat_template",
-                "chat_template_kwargs"):
+                "chat_template_kwargs", "max_samples"):
         if data[key] is None:
             data.pop(key)  # unset, the hash is the one output dirs written before the key existed
+    if c.data.max_samples is not None and c.data.max_samples < c.spectr.num_samples:
+        raise out_of_range("data.max_samples", f">= spectr.num_samples ({c.spectr.num_samples}), the n of a row "
+                           "without its own", c.data.max_samples)
     if data["max_record_bytes"] == MAX_RECORD_BYTES:
         data.pop("max_record_bytes")  # likewise at its default
     if not logprobs_wanted(c.spectr):

@@ -64,7 +64,10 @@ log = logging.getLogger(__name__)
 AUTO_MAX_DRAFTS = 8  # method=auto: the planner's bounds when spectr.max_num_drafts / max_draft_length are null
 AUTO_MAX_LENGTH = 8
 PHASE_FIELDS = ("draft_seconds", "target_seconds", "selection_seconds")
-BATCH_FIELDS = ("iterations", *PHASE_FIELDS, "compile_seconds", "compile_fallbacks")
+# prefilled_rows / shared_prefill_rows: rows whose prompt ran through the models, and rows that copied the cache of
+# the same prompt in the batch instead (the samples of a prompt: one prefill)
+BATCH_FIELDS = ("iterations", *PHASE_FIELDS, "compile_seconds", "compile_fallbacks", "prefilled_rows",
+                "shared_prefill_rows")
 
 
 def engine_logprobs(s: SpectrConfig) -> bool | str:
@@ -476,7 +479,7 @@ class ShardFeed:
     @staticmethod
     def _zero_batch() -> dict[str, float]:
         return {"iterations": 0, **dict.fromkeys(PHASE_FIELDS, 0.0), "compile_seconds": 0.0, "compile_fallbacks": 0, "wall_seconds": 0.0,
-                "predicted_seconds": 0.0}
+                "predicted_seconds": 0.0, "prefilled_rows": 0, "shared_prefill_rows": 0}
 
     # -- method=auto ----------------------------------------------------------------------------------
     def _warm_state(self) -> dict[str, Any] | None:

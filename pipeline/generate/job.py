@@ -38,7 +38,7 @@ from pipeline.generate.output import (
     remove_uncommitted_parts,
     write_success,
 )
-from pipeline.generate.plan import JobPlan, prepare
+from pipeline.generate.plan import JobPlan, plan_samples, prepare, samples_line
 from pipeline.generate.progress import ProgressBar
 from pipeline.generate.scheduler import RunHooks, ShardActorPool, ShardQueue
 from pipeline.generate.stats import empty_stats, merge_stats
@@ -127,13 +127,14 @@ def run_generate(config: GenerateConfig, hooks: RunHooks | None = None, keep: Pa
     check_reachable(config.mlflow)
     plan.checked_s = time.perf_counter() - started
     done = plan.state.rows_done
+    unit = "prompts" if plan_samples(config) == 1 else "rows"  # output rows: prompts x samples
     log.info(
-        "checked config, models and %d prompts in %.1f s; %d of %d shards to generate%s",
-        plan.num_rows,
+        "checked config, models and %s in %.1f s; %d of %d shards to generate%s",
+        samples_line(plan),
         time.perf_counter() - started,
         plan.shards_to_do,
         plan.num_shards,
-        (f" (resuming: {done} prompts already done)" if done else "") + (f"; {plan.limit_note}" if plan.limit_note else ""),
+        (f" (resuming: {done} {unit} already done)" if done else "") + (f"; {plan.limit_note}" if plan.limit_note else ""),
     )
     tracker = make_tracker(config.mlflow, plan)
     # MLflow's start-up (import, database, run) overlaps Ray's start and the actors' model loading.
@@ -295,8 +296,7 @@ def _run_shards(
     """Every shard to do through the pool; each result is committed (appended to the log) as it arrives,
     and fed to the live MLflow metrics."""
     config = plan.config
-    rows = plan.num_rows * config.spectr.num_samples  # output rows: one per prompt and sample
-    bar = ProgressBar(rows, plan.state.rows_done, config.progress, hooks.on_progress if hooks else None)
+    bar = ProgressBar(plan.output_rows, plan.state.rows_done, config.progress, hooks.on_progress if hooks else None)
     run.generation_started = time.perf_counter()
     # appended on a thread of its own (a slow store never holds the scheduling thread), under the lease
     commits = CommitWriter(open_commit_log(plan.output), check=plan.lease.check)
@@ -367,7 +367,7 @@ def _finish(plan: JobPlan, tracker: Any, run: GenerationRun, started: float, sta
     summary = JobSummary.build(
         [total],
         [run.stats],
-        num_prompts=plan.num_rows,
+        num_prompts=plan.output_rows,  # rows: prompts x samples
         wall_time_s=time.perf_counter() - started,
         generation_s=run.generation_s,
         startup_s=startup_s,

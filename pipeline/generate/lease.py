@@ -1,13 +1,20 @@
-"""One writer per output directory: the lease `_lease.json` (holder host, pid, start time, heartbeat).
+"""One writer per output directory: the lease `_lease.json` (holder host, pid, start time, heartbeat counter).
 
     check_free(output, timeout_s)            # in the plan: refuse (JobInputError) a directory a live job holds
     lease = Lease.acquire(output, timeout_s) # the job's first write; a heartbeat thread keeps it fresh
     lease.check()                            # raises LeaseLostError if another job took the directory over
     lease.release()                          # at the end, success or not
 
-A lease is live while its heartbeat is younger than `lease_timeout_s` and, when the holder ran on this
-machine (same host name and boot), its process still exists: a job killed here is taken over at once, one
-killed on another machine once its heartbeat is stale.
+A lease is live while its heartbeat counter moves. The holder advances `beat` every `lease_timeout_s / 6`
+(its `interval_s`, written in the lease); a reader watches the counter on its own monotonic clock and judges
+the lease stale only once it has stood still for `lease_timeout_s` (and for at least `STALE_BEATS` of the
+holder's intervals) since this process first saw that value. Neither the holder's pid nor its wall clock is
+trusted: containers with host networking share the host name and boot id, so a live holder in another
+container would look dead to a PID probe, and a holder whose clock is hours off would look fresh or stale
+for ever by its wall-clock timestamp (`heartbeat`, kept for people reading the file). What a process has
+seen is remembered per directory, so the plan's `check_free` and the job's `acquire` watch one lease once:
+a killed job's lease is taken over `lease_timeout_s` after the next job first looks at it, a live one is
+refused as soon as its counter moves (within one of its intervals).
 
 Taking a lease is exclusive:
 - local disks and NFS: create-exclusive (`O_EXCL`); a stale lease is first renamed away, which only one
@@ -41,7 +48,7 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -50,6 +57,8 @@ from pipeline.errors import JobFailedError, JobInputError
 
 LEASE_NAME = "_lease.json"
 HEARTBEATS_PER_TIMEOUT = 6
+STALE_BEATS = 3  # a reader never judges a lease stale before the holder missed this many of its own heartbeats
+WATCH_POLL_S = 1.0  # at most this long between two reads of a watched lease
 
 log = logging.getLogger("pipeline")
 
@@ -65,12 +74,15 @@ class Holder:
     pid: int
     pid_start: str
     started: float
-    heartbeat: float
+    heartbeat: float  # the holder's wall clock at its last heartbeat: for people, never for liveness
     token: str
+    beat: int = 0  # advanced by every heartbeat: what readers watch
+    interval_s: float = 0.0  # the holder's heartbeat interval (0: not written, an older lease)
 
-    def describe(self, now: float) -> str:
+    def describe(self, now: float | None = None) -> str:
+        """Who holds the lease, in the holder's own words (its start time is its wall clock's)."""
         started = datetime.fromtimestamp(self.started, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-        return f"host {self.host}, pid {self.pid}, started {started}, last heartbeat {now - self.heartbeat:.0f} s ago"
+        return f"host {self.host}, pid {self.pid}, started {started} by its clock, heartbeat {self.beat}"
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), indent=1).encode()
@@ -90,30 +102,70 @@ def process_start(pid: int) -> str:
     return stat.rsplit(")", 1)[-1].split()[19] if stat else ""
 
 
-def this_holder(token: str, started: float) -> Holder:
+def this_holder(token: str, started: float, interval_s: float = 0.0) -> Holder:
     pid = os.getpid()
     boot = _read_text("/proc/sys/kernel/random/boot_id")
-    return Holder(socket.gethostname(), boot, pid, process_start(pid), started, time.time(), token)
+    return Holder(socket.gethostname(), boot, pid, process_start(pid), started, time.time(), token, 0, interval_s)
 
 
-def is_live(holder: Holder, timeout_s: float, now: float | None = None) -> bool:
-    now = time.time() if now is None else now
-    if now - holder.heartbeat > timeout_s:
-        return False
-    me = this_holder("", now)
-    if holder.host == me.host and holder.boot_id == me.boot_id:
-        return _process_exists(holder.pid) and process_start(holder.pid) == holder.pid_start
-    return True
+def stale_after_s(holder: Holder, timeout_s: float) -> float:
+    """How long, by the reader's clock, the lease's counter must stand still before it is stale:
+    `lease_timeout_s`, and never less than `STALE_BEATS` of the holder's own heartbeat intervals."""
+    return max(timeout_s, STALE_BEATS * holder.interval_s)
 
 
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+@dataclass
+class _Sighting:
+    """One value of a lease's counter as this process saw it: since when (monotonic), last read when."""
+
+    token: str
+    beat: int
+    since: float
+    read: float
+
+
+_sightings: dict[str, _Sighting] = {}  # output directory URI -> what this process last saw of its lease
+_sightings_lock = threading.Lock()
+
+
+def judge(output: fs.Location, holder: Holder, timeout_s: float, now: float | None = None) -> bool | None:
+    """One reading of the lease: True (live: its counter moved since this process last read it), False (stale:
+    it stood still for `stale_after_s` by this process's monotonic clock), None (not known yet: keep watching).
+    A reading older than `stale_after_s` is no evidence either way: the watch starts again from this one."""
+    now = time.monotonic() if now is None else now
+    limit = stale_after_s(holder, timeout_s)
+    with _sightings_lock:
+        seen = _sightings.get(output.uri)
+        if seen is None or now - seen.read > limit:
+            _sightings[output.uri] = _Sighting(holder.token, holder.beat, now, now)
+            return None
+        seen.read = now
+        if (seen.token, seen.beat) != (holder.token, holder.beat):
+            _sightings[output.uri] = _Sighting(holder.token, holder.beat, now, now)
+            return True
+        return False if now - seen.since >= limit else None
+
+
+def watch(output: fs.Location, timeout_s: float, poll_s: float | None = None) -> tuple[Holder | None, bool]:
+    """Read the lease until its liveness is known: (None, False) when there is none, (holder, True) when its
+    counter moves (at once if this process saw it move before), (holder, False) once it has stood still for
+    `stale_after_s` (what this process watched of it before counts). Blocks at most that long."""
+    announced = False
+    while True:
+        holder = read_holder(output)
+        if holder is None:
+            with _sightings_lock:
+                _sightings.pop(output.uri, None)
+            return None, False
+        verdict = judge(output, holder, timeout_s)
+        if verdict is not None:
+            return holder, verdict
+        limit = stale_after_s(holder, timeout_s)
+        if not announced:
+            log.info("output_dir %s has a lease (%s); watching its heartbeat for up to %.0f s", output.uri,
+                     holder.describe(), limit)
+            announced = True
+        time.sleep(min(WATCH_POLL_S if poll_s is None else poll_s, max(0.01, holder.interval_s / 2 or limit / 20)))
 
 
 def read_holder(output: fs.Location) -> Holder | None:
@@ -132,16 +184,16 @@ def read_holder(output: fs.Location) -> Holder | None:
 
 def _refusal(output: fs.Location, holder: Holder, timeout_s: float) -> JobInputError:
     return JobInputError(
-        f"output_dir: {output.uri} is being written by another job ({holder.describe(time.time())}); wait for it "
-        f"to end or choose another output_dir (a lease without a heartbeat for lease_timeout_s={timeout_s:g} s "
-        "is taken over)"
+        f"output_dir: {output.uri} is being written by another job ({holder.describe()}; its heartbeat moves); "
+        f"wait for it to end or choose another output_dir (a lease whose heartbeat stands still for "
+        f"lease_timeout_s={timeout_s:g} s is taken over)"
     )
 
 
 def check_free(output: fs.Location, timeout_s: float) -> None:
-    """Raise JobInputError when a live job holds `output`. Reads only."""
-    holder = read_holder(output)
-    if holder is not None and is_live(holder, timeout_s):
+    """Raise JobInputError when a live job holds `output` (watching its lease: up to `stale_after_s`). Reads only."""
+    holder, live = watch(output, timeout_s)
+    if live:
         raise _refusal(output, holder, timeout_s)
 
 
@@ -165,15 +217,18 @@ class Lease:
         except OSError as err:
             raise JobInputError(f"output_dir: cannot create {output.uri}: {err}") from None
         store = None if output.is_local else ObjectLease.open(output)
-        holder = this_holder(uuid.uuid4().hex, time.time())
+        holder = this_holder(uuid.uuid4().hex, time.time(), timeout_s / HEARTBEATS_PER_TIMEOUT)
         for _ in range(5):
-            current = read_holder(output)
-            if current is not None and is_live(current, timeout_s):
+            current, live = watch(output, timeout_s)
+            if live:
                 raise _refusal(output, current, timeout_s)
             if current is not None:
-                log.warning("taking over the stale lease of %s", current.describe(time.time()))
+                log.warning("taking over the stale lease of %s (its heartbeat stood still for %.0f s)",
+                            current.describe(), stale_after_s(current, timeout_s))
             taken = store.take(holder, current) if store is not None else _take(output, holder, current)
             if taken:
+                with _sightings_lock:
+                    _sightings.pop(output.uri, None)
                 lease = cls(output, timeout_s, holder, created, store)
                 lease._start_heartbeat()
                 return lease
@@ -188,12 +243,12 @@ class Lease:
             try:
                 current = read_holder(self.output)
                 if current is None or current.token != self.holder.token:
-                    self.lost_to = current.describe(time.time()) if current else "nobody (the lease was deleted)"
+                    self.lost_to = current.describe() if current else "nobody (the lease was deleted)"
                     return
-                fresh = Holder(**{**asdict(self.holder), "heartbeat": time.time()})
+                fresh = replace(self.holder, heartbeat=time.time(), beat=self.holder.beat + 1)
                 if self.store is not None and not self.store.replace(fresh):
                     current = read_holder(self.output)  # someone wrote the lease since our last write
-                    self.lost_to = current.describe(time.time()) if current else "nobody (the lease was deleted)"
+                    self.lost_to = current.describe() if current else "nobody (the lease was deleted)"
                     return
                 if self.store is None:
                     fs.write_bytes(self.output.child(LEASE_NAME), fresh.encode())
@@ -244,7 +299,7 @@ def _take(output: fs.Location, holder: Holder, stale: Holder | None) -> bool:
         except FileNotFoundError:
             return False
         moved = _holder_in(tombstone)
-        if moved is None or moved.token != stale.token:  # another taker's fresh lease: put it back
+        if moved != stale:  # another taker's fresh lease, or a heartbeat since we judged it: put it back
             try:
                 os.link(tombstone, location.path)
             except FileExistsError:

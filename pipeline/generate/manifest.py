@@ -41,6 +41,7 @@ class Manifest:
     part_digits: int = 6
     id_kind: str = "int"
     shard_size: int | None = None  # rows per shard (None in manifests older than shard_size=null)
+    samples_per_shard: int | None = None  # samples of each prompt per shard (None: all of them; `ShardLayout`)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -52,6 +53,7 @@ class Manifest:
             "part_digits": self.part_digits,
             "id_kind": self.id_kind,
             "shard_size": self.shard_size,
+            **({"samples_per_shard": self.samples_per_shard} if self.samples_per_shard else {}),
         }
 
     @classmethod
@@ -64,6 +66,7 @@ class Manifest:
             part_digits=int(raw.get("part_digits", 6)),
             id_kind=str(raw.get("id_kind", "int")),
             shard_size=raw.get("shard_size"),
+            samples_per_shard=raw.get("samples_per_shard"),
         )
 
     def save(self, output: fs.Location) -> None:

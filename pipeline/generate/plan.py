@@ -30,11 +30,10 @@ from pipeline.generate.lease import check_free
 from pipeline.generate.manifest import Manifest, OutputState, check_output_dir, load_state
 from pipeline.generate.shards import (
     SHARD_GRANULE,
+    ShardLayout,
     ShardTask,
-    auto_shard_size,
-    num_shards,
     part_digits,
-    shard_task,
+    shard_layout,
 )
 from pipeline.hashing import stable_hash
 from pipeline.readers import limit_note, scan_source
@@ -77,11 +76,23 @@ class JobPlan:
 
     @property
     def shard_size(self) -> int:
+        """Prompts (input rows) per block of shards."""
         return self.source.shard_size
+
+    @property
+    def layout(self) -> ShardLayout:
+        """How the output rows (prompts x samples) are cut into shards (`pipeline.generate.shards`)."""
+        samples = plan_samples(self.config)
+        return ShardLayout(self.num_rows, self.shard_size, samples, self.manifest.samples_per_shard or samples)
+
+    @property
+    def output_rows(self) -> int:
+        """Output rows the job writes: prompts x samples (with rows' own n, at most this many)."""
+        return self.layout.output_rows
 
     def shard(self, index: int) -> ShardTask:
         """Shard `index`'s first attempt in this run (fenced when an earlier run listed it)."""
-        task = shard_task(index, self.num_rows, self.shard_size)
+        task = self.layout.task(index)
         return dataclasses.replace(task, run=self.run_tag, fresh=not self.state.listed[index])
 
     def todo(self) -> np.ndarray:
@@ -101,6 +112,21 @@ class JobPlan:
         if fs.exists(self.output.child("_manifest.json")):
             self.manifest_on_disk = True
             self.state = load_state(self.output, self.num_shards, self.config.retry_failed)
+
+
+def plan_samples(config: GenerateConfig) -> int:
+    """Samples per prompt the plan places: `data.max_samples` when rows bring their own n (vLLM's `n` in
+    `data.sampling_params_column`), else `spectr.num_samples`."""
+    return config.data.max_samples or config.spectr.num_samples
+
+
+def samples_line(plan: JobPlan) -> str:
+    """The first line's count: "16 prompts x 4 samples = 64 rows" (with rows' own n: "up to")."""
+    samples = plan_samples(plan.config)
+    if samples == 1 and not plan.config.data.max_samples:
+        return f"{plan.num_rows} prompts"
+    up_to = "up to " if plan.config.data.max_samples else ""
+    return f"{plan.num_rows} prompts x {up_to}{samples} samples = {up_to}{plan.output_rows} rows"
 
 
 def check_pair(model: ModelConfig) -> Any:
@@ -128,18 +154,28 @@ def prepare(config: GenerateConfig) -> JobPlan:
     existing = check_output_dir(output, config_hash, settings)
 
     limit = models.max_new_tokens_limit(config.model) if config.data.max_new_tokens_column else None
-    size = config.shard_size or (existing.shard_size if existing is not None else None)
+    samples = plan_samples(config)
+    if existing is not None:  # resume: the shards the manifest records (older manifests: no sample ranges)
+        size, per_shard = existing.shard_size or config.shard_size, existing.samples_per_shard or samples
+    elif config.shard_size is not None:  # output rows per shard: the block of prompts follows from it
+        size, per_shard = shard_layout(1 << 62, samples, config.shard_size).shard_size, None
+    else:
+        size, per_shard = None, None
     source = scan_source(config.data, listing, size or SHARD_GRANULE, limit)  # the one pass over the metadata
-    if size is None:
-        source = with_shard_size(source, auto_shard_size(source.num_rows))
-    shards = num_shards(source.num_rows, source.shard_size)
+    if per_shard is None:  # a new job: the layout by output rows (prompts x samples)
+        layout = shard_layout(source.num_rows, samples, config.shard_size)
+        source = with_shard_size(source, layout.shard_size)
+    else:
+        layout = ShardLayout(source.num_rows, source.shard_size, samples, per_shard)
+    shards = layout.num_shards
     if existing is not None and (existing.num_rows, existing.num_shards) != (source.num_rows, shards):
         raise JobInputError(
             f"data.path: {listing.path} now gives {source.num_rows} rows, {output.uri} was started with "
             f"{existing.num_rows}; restore the input to resume, or choose another output_dir"
         )
     manifest = existing or Manifest(
-        config_hash, settings, source.num_rows, shards, part_digits(shards), source.id_kind, source.shard_size
+        config_hash, settings, source.num_rows, shards, part_digits(shards), source.id_kind, source.shard_size,
+        samples_per_shard=layout.samples_per_shard if samples > 1 else None,
     )
     if existing is not None:
         state = load_state(output, shards, config.retry_failed)

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pipeline.generate.shards import Shard
+from pipeline.generate.shards import Shard, ShardTask
 
 PROGRESS_POLL_S = 0.5  # how often the driver reads the actors' batch-level progress while it waits
 
@@ -51,13 +51,15 @@ class BatchReporter:
         self.progress.add.remote(shard_index, rows)
 
 
-def rows_in_flight(snapshot: dict[int, int], shards: list[Shard]) -> int:
-    """Rows generated so far in `shards` according to `snapshot`, each capped at its shard's length."""
-    return sum(min(snapshot.get(shard.index, 0), len(shard)) for shard in shards)
+def rows_in_flight(snapshot: dict[int, int], shards: list[ShardTask] | list[Shard]) -> int:
+    """Output rows generated so far in `shards` according to `snapshot`, each capped at its shard's output
+    rows (prompts x samples)."""
+    return sum(min(snapshot.get(shard.index, 0), getattr(shard, "output_rows", len(shard))) for shard in shards)
 
 
 class ProgressBar:
-    """The driver's tqdm bar over prompts: whole shards as they are written, plus the rows in flight.
+    """The driver's tqdm bar over output rows (prompts x samples): whole shards as they are written, plus the
+    rows in flight.
 
     It redraws only when the count changes (a log file gets a line per redraw), never goes back (a retried
     shard's overshoot waits for the count to catch up), and shows the run's tokens/s and block efficiency so
@@ -74,9 +76,9 @@ class ProgressBar:
         from tqdm import tqdm
 
         self.total = total
-        self.written = done  # prompts in written shards
+        self.written = done  # output rows in written shards
         self.on_progress = on_progress
-        self.bar = tqdm(total=total, initial=done, unit="prompt", disable=not enabled, dynamic_ncols=True)
+        self.bar = tqdm(total=total, initial=done, unit="row", disable=not enabled, dynamic_ncols=True)
         self.started = time.perf_counter()
         self.tokens = 0
         self.calls = 0

@@ -1,8 +1,15 @@
-"""Shards: fixed row ranges of the input, their part-file names, the per-row seed, and loading one.
+"""Shards: fixed ranges of the output rows, their part-file names, the per-row seed, and loading one.
 
-Shard i holds rows [i * shard_size, (i + 1) * shard_size) in input order, so the same data and
-`shard_size` always give the same shards (which is what makes resume possible). The driver hands out a
-`ShardTask` (an index and a row range: a few integers); the worker turns it into a `Shard` with
+The job writes one output row per prompt and sample (`spectr.num_samples`, or a row's own `n` up to
+`data.max_samples`), and its shards are sized by those output rows (`shard_layout`): the input is cut into
+blocks of `shard_size` prompts, and each block's samples into ranges of `samples_per_shard`, so shard i holds
+prompts [b * shard_size, (b + 1) * shard_size) x samples [j * samples_per_shard, (j + 1) * samples_per_shard)
+with b, j = divmod(i, sample_splits). One prompt with many samples thus spreads over several shards (and
+actors); with one sample per prompt a shard is a block of rows, as it always was. The same data and layout
+always give the same shards (which is what makes resume possible), and a sample's seed
+(`sample_seed(row seed, sample index)`) does not depend on the layout, so neither do the rows. The driver
+hands out a `ShardTask` (an index, a row range and a sample range: a few integers); the worker turns it
+into a `Shard` with
 `load_shard`: it reads the rows (`pipeline.prompts.read_rows`, with each row's budget when
 `data.max_new_tokens_column` is set), renders chat messages, tokenizes, and computes each row's seed, a hash of `spectr.seed` and the row's id that does not depend on the row's
 position, its shard, its batch or the number of actors.
@@ -31,6 +38,58 @@ MAX_PARTS = 2000  # ... and at most this many part files on large ones (1M promp
 
 
 @dataclass(frozen=True)
+class ShardLayout:
+    """How the job's output rows are cut: blocks of `shard_size` prompts (input rows), each block's
+    `samples` samples per prompt in ranges of `samples_per_shard` (the last range may be shorter)."""
+
+    num_rows: int  # prompts
+    shard_size: int  # prompts per block
+    samples: int = 1  # samples per prompt the plan places (spectr.num_samples, or data.max_samples)
+    samples_per_shard: int = 1  # samples of each prompt in one shard
+
+    @property
+    def sample_splits(self) -> int:
+        """Shards per block of prompts."""
+        return -(-self.samples // self.samples_per_shard)
+
+    @property
+    def num_shards(self) -> int:
+        return num_shards(self.num_rows, self.shard_size) * self.sample_splits
+
+    @property
+    def output_rows(self) -> int:
+        """Output rows when every prompt gives `samples` rows (an upper bound when rows have their own n)."""
+        return self.num_rows * self.samples
+
+    def task(self, index: int) -> ShardTask:
+        block, split = divmod(index, self.sample_splits)
+        start = block * self.shard_size
+        first = split * self.samples_per_shard
+        return ShardTask(index, start, min(self.num_rows, start + self.shard_size), sample_start=first,
+                         sample_stop=min(self.samples, first + self.samples_per_shard))
+
+
+def shard_layout(num_rows: int, samples: int = 1, shard_size: int | None = None) -> ShardLayout:
+    """The shards of `num_rows` prompts x `samples` samples, sized by output rows.
+
+    shard_size: output rows per shard (None: `auto_shard_size` of the output rows). A block holds
+    shard_size // samples prompts (auto: rounded up to a multiple of SHARD_GRANULE, so the scan's offsets
+    fit), at least one; when a block's samples still make more than shard_size rows (few prompts, many
+    samples), its samples are split into ranges, so that every actor gets some of them.
+    A pure function of its arguments: resume re-plans the same shards (the manifest records the result)."""
+    if samples < 1:
+        raise ValueError(f"shard_layout: samples must be >= 1, got {samples}")
+    if shard_size is None:
+        rows = auto_shard_size(num_rows * samples)
+        block = max(SHARD_GRANULE, -(-rows // samples // SHARD_GRANULE) * SHARD_GRANULE) if samples > 1 else rows
+    else:
+        rows = shard_size
+        block = max(1, rows // samples)
+    splits = min(samples, max(1, -(-min(block, num_rows) * samples // rows)))
+    return ShardLayout(num_rows, block, samples, -(-samples // splits))
+
+
+@dataclass(frozen=True)
 class ShardTask:
     """What the driver sends a worker: which shard, which rows, which attempt. No row data.
 
@@ -45,9 +104,16 @@ class ShardTask:
     attempt: int = 0  # dispatches of this shard in this run before this one
     run: str = ""  # this run's tag (`JobPlan.run_tag`)
     fresh: bool = True  # no run has listed this shard in the commit log
+    sample_start: int = 0  # the samples of each prompt this shard holds: [sample_start, sample_stop) ...
+    sample_stop: int | None = None  # ... None: all of them (0 to the row's n)
 
     def __len__(self) -> int:
         return self.stop - self.start
+
+    @property
+    def output_rows(self) -> int:
+        """The output rows it writes: prompts x its samples (rows with a smaller own n write fewer)."""
+        return len(self) * (1 if self.sample_stop is None else self.sample_stop - self.sample_start)
 
     @property
     def fence(self) -> str:
@@ -72,6 +138,8 @@ class Shard:
     problems: list[str | None] | None = None
     max_new_tokens: list[int | None] | None = None
     extras: dict[str, list[Any]] | None = None  # kept / stop / sampling-params columns (pipeline.row_columns)
+    sample_start: int = 0  # the samples of each row to generate: [sample_start, sample_stop) ...
+    sample_stop: int | None = None  # ... None: all of the row's n (`ShardTask`'s sample range)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -158,7 +226,8 @@ def load_shard(
     task: ShardTask, source: Source, tokenizer: Any, data: DataConfig, base_seed: int, cache: ReadCache | None = None
 ) -> Shard:
     """Read, render (chat) and tokenize one shard's rows; a row that cannot be used keeps its problem."""
-    return shard_of_rows(task.index, read_rows(source, task.start, task.stop, cache), tokenizer, data, base_seed)
+    shard = shard_of_rows(task.index, read_rows(source, task.start, task.stop, cache), tokenizer, data, base_seed)
+    return dataclasses.replace(shard, sample_start=task.sample_start, sample_stop=task.sample_stop)
 
 
 def shard_of_rows(index: int, rows: PromptRows, tokenizer: Any, data: DataConfig, base_seed: int) -> Shard:

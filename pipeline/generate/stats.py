@@ -34,6 +34,8 @@ _SUMMED = (
     "wall_seconds",
     "compile_seconds",  # compiled mode (spectr.compile): seconds compiling, inside the phases' seconds
     "compile_fallbacks",  # compiled calls answered eagerly after a failure or a failed self-check (spectr.native)
+    "prefilled_rows",  # admitted rows whose prompt ran through the models ...
+    "shared_prefill_rows",  # ... and rows that copied the cache of the same prompt admitted with them (samples)
 )
 _SUMMED_LISTS = ("accepted_per_position", "tokens_per_call_histogram")
 _SUMMED_DICTS = ("tokens_by_config", "seconds_by_config")  # method=auto: configuration label -> value
@@ -44,6 +46,8 @@ def empty_stats() -> dict[str, Any]:
     stats["tested_positions"] = 0
     stats["iterations"] = 0
     stats["compile_fallbacks"] = 0
+    stats["prefilled_rows"] = 0
+    stats["shared_prefill_rows"] = 0
     stats.update({name: [] for name in _SUMMED_LISTS})
     stats.update(generated_tokens=0, target_calls=0, prompts_completed=0, prompts_failed=0, shard_seconds=0.0)
     return stats

@@ -121,6 +121,8 @@ class JobSummary:
     planner_values: dict[str, float] = field(default_factory=dict)  # method=auto: `planner_metrics`
     compile_s: float = 0.0  # spectr.compile: seconds the actors spent compiling (summed), inside generation
     compile_fallbacks: int = 0  # compiled calls that failed or disagreed with eager, answered eagerly (spectr.native)
+    prefilled_rows: int = 0  # rows whose prompt ran through the models (one prefill each) ...
+    shared_prefill_rows: int = 0  # ... and rows that copied the prefill of the same prompt in the batch (samples)
     startup_phases: dict[str, float] = field(default_factory=dict)  # this run's startup, seconds per phase
 
     @classmethod
@@ -180,6 +182,8 @@ class JobSummary:
             planner_values=planner_metrics(total),
             compile_s=float(total.get("compile_seconds", 0.0)),
             compile_fallbacks=int(total.get("compile_fallbacks", 0)),
+            prefilled_rows=int(total.get("prefilled_rows", 0)),
+            shared_prefill_rows=int(total.get("shared_prefill_rows", 0)),
         )
 
     @property
@@ -207,6 +211,7 @@ class JobSummary:
             "overhead_s",
             "compile_s",
             "compile_fallbacks",
+            "shared_prefill_rows",
         )
         values = {name: float(getattr(self, name)) for name in names}
         for i, rate in enumerate(acceptance_by_position(self.accepted_per_position, self.target_calls)):
@@ -250,6 +255,8 @@ class JobSummary:
               if self.compile_s > 0 else []),
             *([("compile fallbacks", f"{self.compile_fallbacks} compiled calls failed or disagreed with eager and "
                                      "ran eager instead (warnings above)")] if self.compile_fallbacks else []),
+            *([("prefills", f"{self.prefilled_rows} run, {self.shared_prefill_rows} shared (samples of a prompt in "
+                            "the batch together copy its prefill)")] if self.shared_prefill_rows else []),
             ("actors", f"{self.num_actors} on {self.actor_device}"),
             ("output", f"{self.output_dir} ({self.num_shards} shards)"),
         ]

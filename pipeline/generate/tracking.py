@@ -199,7 +199,7 @@ class MlflowTracker(MlflowRun):
             self.log_metrics,
             earlier_stats,
             self.earlier_generation_s,
-            num_prompts=self.plan.num_rows,
+            num_prompts=self.plan.output_rows,  # rows: prompts x samples
             every_s=self.config.log_every_s,
             started=started,
             checkpoint=self.save_record,

@@ -52,6 +52,7 @@ class ShardResult:
     plan: dict[str, Any] | None = None  # method=auto: the configurations that generated the shard (`with_plan`)
     attempt: int = 0  # the task's attempt (`ShardTask.attempt`; its fence names the file)
     planner_state: dict[str, Any] | None = None  # method=auto: {"key": cache entry key, "state": the chooser's}
+    inputs: list[int] | None = None  # only from `__call__`: each output row's row of the shard (n rows per row)
 
 
 @dataclass(frozen=True)
@@ -225,28 +226,32 @@ class ShardGenerator:
 
         started = time.perf_counter()
         meter = ResourceMeter(self.device)
-        samples = self.spectr.num_samples
+        slots: list[tuple[int, int]] = []  # position -> (row, sample index): the output's order
         by_position: dict[int, dict[str, Any]] = {}
         rows: list[Row] = []
         stops: dict[int, list[str]] = {}
         own: dict[int, Any] = {}  # row -> its RowSettings (stop tokens, include_stop_str_in_output)
+        failed_input = 0
         for i in range(len(shard)):
             try:
                 settings = self._settings(shard, i)
-                if settings.n is not None and settings.n != samples:
-                    raise ValueError(f"row {shard.ids[i]!r}: n={settings.n} per row is not supported yet; "
-                                     f"spectr.num_samples={samples} sets n for every row")
+                samples = self._sample_range(shard, i, settings)
             except ValueError as err:
-                by_position.update({i * samples + s: self._error_row(shard, i, str(err), s) for s in range(samples)})
+                failed = self._sample_range(shard, i, None)  # a failed row: its error on the job's samples
+                failed_input += len(failed) if shard.problem(i) else 0
+                for sample in failed:
+                    by_position[len(slots)] = self._error_row(shard, i, str(err), sample)
+                    slots.append((i, sample))
                 continue
             stops[i] = list(self.spectr.stop or ()) + settings.stop
             own[i] = settings
-            rows += self._samples(shard, i, settings)
+            rows += self._samples(shard, i, settings, samples, len(slots))
+            slots += [(i, sample) for sample in samples]
         run = self.feed.run(shard.index, rows)
         seeds = {r.position: r.seed for r in rows}
         with self._text_lock:
             for position, outcome in run.outcomes.items():
-                i, sample = divmod(position, samples)
+                i, sample = slots[position]
                 if isinstance(outcome, FinishedRow):
                     row = self._row(shard, i, outcome, sample, stops[i], own[i])
                 else:
@@ -254,7 +259,7 @@ class ShardGenerator:
                 row["time_taken_s"] = run.seconds.get(position)
                 row["seed"] = seeds.get(position, row["seed"])  # the seed this sample was generated with
                 by_position[position] = row
-        out = [by_position[p] for p in range(len(shard) * samples)]
+        out = [by_position[p] for p in range(len(slots))]
         stats = merge_stats(empty_stats(), run.stats)
         stats["prompts_failed"] = sum(row["finish_reason"] == "error" for row in out)
         stats["prompts_completed"] = len(out) - stats["prompts_failed"]
@@ -267,9 +272,10 @@ class ShardGenerator:
             worker=self.ready(),
             num_rows=len(out),
             failed=stats["prompts_failed"],
-            failed_input=samples * sum(bool(shard.problem(i)) for i in range(len(shard))),
+            failed_input=failed_input,
             plan=run.plan,
             planner_state=self._planner_state(),
+            inputs=[i for i, _ in slots],
         )
 
     def _planner_state(self) -> dict[str, Any] | None:
@@ -303,8 +309,25 @@ class ShardGenerator:
                              f"max_tokens ({budget})")
         return settings
 
-    def _samples(self, shard: Shard, i: int, settings: Any) -> list[Row]:
-        """Row i's `spectr.num_samples` engine rows: seeds from (the row's seed, the sample index)."""
+    def _sample_range(self, shard: Shard, i: int, settings: Any) -> range:
+        """The sample indices of row i this shard generates: the shard's range [a, b) of the row's n samples
+        (its own `n`, else `spectr.num_samples`); `settings` None: a failed row (the job's n). ValueError: a row
+        whose n the job's plan did not place (over `data.max_samples`, or over `spectr.num_samples` without it)."""
+        n = self.spectr.num_samples if settings is None or settings.n is None else settings.n
+        data = self.job.data if self.job is not None else None  # the Ray Data stage places any n (no plan)
+        if data is not None and settings is not None:
+            placed = data.max_samples or self.spectr.num_samples
+            if n > placed:
+                key = "data.max_samples" if data.max_samples else "spectr.num_samples (data.max_samples unset)"
+                raise ValueError(f"row {shard.ids[i]!r}: n={n} is more samples than the job's plan places per "
+                                 f"prompt: {key} = {placed}; set data.max_samples to the largest n of "
+                                 f"{data.sampling_params_column!r} so that the plan can place them")
+        stop = n if shard.sample_stop is None else min(n, shard.sample_stop)
+        return range(shard.sample_start, stop)
+
+    def _samples(self, shard: Shard, i: int, settings: Any, samples: range, first: int) -> list[Row]:
+        """Row i's engine rows for `samples`, at positions from `first`: seeds from (the row's seed, the
+        sample index), whatever shard holds the sample."""
         from pipeline.generate.shards import sample_seed
 
         s = self.spectr
@@ -324,8 +347,8 @@ class ShardGenerator:
         if settings.own_stops:
             eos = [] if settings.ignore_eos else list(self.eos_token_id or [])
             stop_ids = tuple(dict.fromkeys([*eos, *settings.stop_token_ids]))
-        return [Row(i * s.num_samples + sample, shard.prompt_token_ids[i], budget, sample_seed(seed, sample), warp,
-                    stops, stop_ids) for sample in range(s.num_samples)]
+        return [Row(first + k, shard.prompt_token_ids[i], budget, sample_seed(seed, sample), warp, stops, stop_ids)
+                for k, sample in enumerate(samples)]
 
     def _budget(self, shard: Shard, i: int) -> int:
         """Row i's max_new_tokens: its `data.max_new_tokens_column` value, else `spectr.max_new_tokens`."""

@@ -12,7 +12,9 @@ its rows share the batch with the other calls' rows: a freed slot takes a row of
 slots stay full across Ray Data batch boundaries, exactly as they do across the job's shards.
 
 A row: `prompt` (or `messages`, with `apply_chat_template`), optional `sampling_params` (vLLM's names:
-`pipeline.row_columns.SAMPLING_KEYS`), any other columns (returned unchanged).
+`pipeline.row_columns.SAMPLING_KEYS`), any other columns (returned unchanged). A row with `n` in its
+sampling_params gives n output rows (its columns repeated, `sample_index` 0..n-1, seeds as the job's
+samples: `sample_seed(row seed, index)`), spread over the actor's batch like any rows.
 Its seed: `sampling_params.seed`, else the job's rule (`row_seed(engine seed, id)`) with its `id` column as
 the id, else a fresh one (vLLM's `seed=None`: repeated rows are independent samples). So a row with an id or a
 seed gets the tokens of `spectr.generate` on its prompt ids with that seed and the same settings, whatever
@@ -54,6 +56,7 @@ def output_types() -> dict[str, Any]:
         "target_calls": pa.int64(),
         "block_efficiency": pa.float64(),
         "logprobs": pa.list_(pa.float32()),  # raw target log-probabilities; null unless sampling_params.logprobs
+        "sample_index": pa.int64(),  # 0 .. n-1: a row with `n` in its sampling_params gives n rows
     }
 
 
@@ -88,8 +91,8 @@ class SpecTrStage:
         if not rows:
             return batch
         shard, asked = self._shard(next(self._batches), rows)
-        generated = self.generator(shard).rows
-        return self._with_outputs(batch, shard, generated, asked)
+        result = self.generator(shard)
+        return self._with_outputs(batch, shard, result.rows, asked, result.inputs)
 
     def _shard(self, index: int, rows: list[dict[str, Any]]) -> tuple[Any, list[bool]]:
         """The batch as the job's `Shard` (problems, rendered and tokenized prompts, seeds, sampling params),
@@ -118,10 +121,17 @@ class SpecTrStage:
                  for row, seed in zip(rows, shard.seeds)]  # no id (and no sampling_params.seed): vLLM's seed=None
         return dataclasses.replace(shard, seeds=seeds), list(asked)
 
-    def _with_outputs(self, batch: Any, shard: Any, generated: list[dict[str, Any]], asked: list[bool]) -> Any:
-        """The input batch with the generated columns appended (replaced where a name is already there)."""
+    def _with_outputs(self, batch: Any, shard: Any, generated: list[dict[str, Any]], asked: list[bool],
+                      inputs: list[int] | None = None) -> Any:
+        """The input batch with the generated columns appended (replaced where a name is already there). A row
+        with `n` in its sampling_params gives n output rows (its input columns repeated, `sample_index` 0..n-1);
+        inputs: each generated row's row of the batch."""
         import pyarrow as pa
 
+        inputs = list(range(len(generated))) if inputs is None else inputs
+        if inputs != list(range(batch.num_rows)):
+            batch = batch.take(pa.array(inputs, type=pa.int64()))
+            asked = [asked[i] for i in inputs]
         failed = [(row["error"] or "failed") for row in generated if row["finish_reason"] == "error"]
         if failed and not self.config.should_continue_on_error:
             raise RowsFailed(f"{len(failed)} of {len(generated)} rows failed; the first: {failed[0]} "
@@ -131,13 +141,14 @@ class SpecTrStage:
             "generated_tokens": [row["completion_token_ids"] for row in generated],
             "num_generated_tokens": [row["completion_tokens"] for row in generated],
             "num_input_tokens": [row["prompt_tokens"] for row in generated],
-            "prompt_token_ids": shard.prompt_token_ids,
+            "prompt_token_ids": [shard.prompt_token_ids[i] for i in inputs],
             "time_taken_llm": [row.get("time_taken_s") for row in generated],
             "finish_reason": [row["finish_reason"] for row in generated],
             "stop_reason": [row.get("stop_reason") for row in generated],
             "target_calls": [row["target_calls"] for row in generated],
             "block_efficiency": [row["block_efficiency"] for row in generated],
             "logprobs": [row.get("completion_logprobs") if want else None for row, want in zip(generated, asked)],
+            "sample_index": [row["sample_index"] for row in generated],
         }
         types = output_types()
         if self.config.should_continue_on_error:

@@ -237,16 +237,19 @@ def bad_input_files(tiny_pair, tmp_path_factory):
     torch.save(load_file(str(tmp / "pickled" / "model.safetensors")), tmp / "pickled" / "pytorch_model.bin")
     (tmp / "pickled" / "model.safetensors").unlink()
     (tmp / "held").mkdir()
-    from pipeline.generate.lease import this_holder
+    from pipeline import fs
+    from pipeline.generate.lease import Lease
 
-    (tmp / "held" / "_lease.json").write_bytes(this_holder("live-job", time.time()).encode())  # this process
+    # a live job's lease: its heartbeat counter moves (every 0.1 s), which is what a reader watches
+    held = Lease.acquire(fs.resolve(str(tmp / "held"), "output_dir"), timeout_s=0.6)
     (tmp / "taken").mkdir()
     (tmp / "taken" / "_manifest.json").write_text(
         json.dumps(
             {"config_hash": "0" * 64, "settings": {"spectr": {"seed": 99}}, "num_rows": 1, "num_shards": 1}
         )
     )
-    return tmp
+    yield tmp
+    held.release()
 
 
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))

@@ -51,7 +51,7 @@ def run_worker(tiny_pair, tmp_path, **overrides) -> tuple[list[dict], ShardGener
     settings = {"spectr.num_samples": 3, "spectr.logprobs": True, "spectr.logprobs_mode": "processed",
                 "spectr.max_new_tokens": 12,
                 "data.keep_columns": ["topic", "meta"], "data.stop_column": "stops",
-                "data.sampling_params_column": "params", "shard_size": 3, **overrides}
+                "data.sampling_params_column": "params", "shard_size": 9, **overrides}
     plan = prepare(from_dict(job_config(tiny_pair, data, tmp_path / "out", **settings)))
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
@@ -59,9 +59,9 @@ def run_worker(tiny_pair, tmp_path, **overrides) -> tuple[list[dict], ShardGener
     generator = ShardGenerator(plan.config.model, plan.config.spectr, num_threads=1)
     generator.job = WorkerJob(plan.config.data, plan.source, str(out), 6, schema)
     rows = []
-    for index in range(2):
-        generator.generate_shard(plan.shard(index))
-        rows += pq.read_table(out / part_name(index)).to_pylist()
+    for index in range(plan.num_shards):  # shard_size counts output rows: 3 prompts x 3 samples a shard
+        result = generator.generate_shard(plan.shard(index))
+        rows += pq.read_table(out / result.file).to_pylist()
     return rows, generator, plan
 
 
@@ -118,7 +118,8 @@ def test_the_job_runs_every_feature_through_ray(tiny_pair, tmp_path, ray_local):
 
 def test_samples_share_their_prompts_prefill(tiny_pair, tmp_path):
     """num_samples=4: the 4 copies of a prompt are admitted together and prefilled once."""
-    _, generator, _ = run_worker(tiny_pair, tmp_path, **{"spectr.num_samples": 4, "spectr.batch_size": 8})
+    _, generator, _ = run_worker(tiny_pair, tmp_path, **{"spectr.num_samples": 4, "spectr.batch_size": 8,
+                                                       "shard_size": 12})
     stats = generator.feed.batcher.stats
     assert stats.prefilled_rows + stats.shared_prefill_rows == 16  # 4 prompts (one fails up front) x 4
     assert stats.prefilled_rows <= 5  # one prefill per prompt (a copy admitted after its prompt's last

@@ -5,13 +5,17 @@ check of `tests/gcs_support.py`: a stand-in for GCS), all on 127.0.0.1."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +23,9 @@ from pipeline import fs
 from pipeline.errors import JobInputError
 from pipeline.generate import lease as leases
 from pipeline.generate.lease import Lease, LeaseLostError, check_free, read_holder
+
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def location(path):
@@ -33,31 +40,110 @@ def write_holder(path, **fields):
 
 def test_a_live_lease_refuses_a_second_job_and_names_the_holder(tmp_path):
     out = location(tmp_path / "out")
-    with Lease.acquire(out, timeout_s=60) as lease:
+    with Lease.acquire(out, timeout_s=0.6) as lease:  # heartbeat every 0.1 s
         holder = read_holder(out)
         assert holder.token == lease.holder.token and holder.pid and holder.host == socket.gethostname()
         with pytest.raises(JobInputError, match=rf"being written by another job \(host {socket.gethostname()}, pid \d+"):
             check_free(out, 60)
         with pytest.raises(JobInputError, match="being written by another job"):
             Lease.acquire(out, timeout_s=60)
+        assert read_holder(out).beat > holder.beat  # the counter the readers watched
     assert not (tmp_path / "out").exists()  # released; the directory it created was empty again
 
 
-def test_a_dead_local_holder_is_taken_over_at_once(tmp_path):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    write_holder(tmp_path, pid=int(dead.stdout))
-    check_free(location(tmp_path), 60)  # the process is gone: not live
-    with Lease.acquire(location(tmp_path), timeout_s=60) as lease:
-        assert read_holder(location(tmp_path)).token == lease.holder.token
+# A holder in another process (#40 finding 7): a real `Lease` whose process reports a pid and a wall clock of
+# its choosing (patched there, as a holder in another container or on a skewed host would look from here).
+HOLDER = """
+import dataclasses, sys, time, types
+from pipeline import fs
+from pipeline.generate import lease as leases
+out, pid, skew_s, timeout_s = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
+real = time.time
+leases.time = types.SimpleNamespace(time=lambda: real() + skew_s, monotonic=time.monotonic, sleep=time.sleep)
+own = leases.this_holder
+if pid:
+    leases.this_holder = lambda *args: dataclasses.replace(own(*args), pid=pid, pid_start="")
+lease = leases.Lease.acquire(fs.resolve(out, "output_dir"), timeout_s=timeout_s)
+print(lease.holder.token, flush=True)
+time.sleep(600)
+"""
 
 
-def test_another_hosts_lease_lives_until_its_heartbeat_is_stale(tmp_path):
-    write_holder(tmp_path, host="elsewhere", heartbeat=time.time() - 5)
-    with pytest.raises(JobInputError, match="host elsewhere"):
-        check_free(location(tmp_path), 60)
-    write_holder(tmp_path, host="elsewhere", heartbeat=time.time() - 120)
-    with Lease.acquire(location(tmp_path), timeout_s=60):
-        pass
+@contextlib.contextmanager
+def holder_process(out, pid=0, skew_s=0.0, timeout_s=0.6):
+    """A process holding the lease of `out` (heartbeat every timeout_s / 6), reporting `pid` (0: its own) and
+    a wall clock `skew_s` off; yields (process, its lease token)."""
+    process = subprocess.Popen([sys.executable, "-c", HOLDER, str(out), str(pid), str(skew_s), str(timeout_s)],
+                               stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        token = process.stdout.readline().strip()
+        assert token, "the holder process did not take the lease"
+        yield process, token
+    finally:
+        process.kill()
+        process.wait()
+
+
+def dead_pid() -> int:
+    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+
+
+def test_a_live_holder_whose_pid_is_not_visible_here_is_not_taken_over(tmp_path):
+    """A live holder in another container (same host name and boot id, its pid not ours to see): it reports a
+    pid that no process here has. Its counter moves, so it is live; a PID probe took it for dead."""
+    with holder_process(tmp_path, pid=dead_pid()) as (_, token):
+        assert read_holder(location(tmp_path)).host == socket.gethostname()
+        with pytest.raises(JobInputError, match="being written by another job"):
+            check_free(location(tmp_path), 2)
+        with pytest.raises(JobInputError, match="being written by another job"):
+            Lease.acquire(location(tmp_path), timeout_s=2)
+        assert read_holder(location(tmp_path)).token == token
+
+
+def test_a_holder_whose_counter_stops_is_taken_over_and_learns_it_lost(tmp_path):
+    """The holder freezes (SIGSTOP: its process still exists, its counter stops): taken over once the counter
+    stood still for lease_timeout_s on the taker's clock, not before; thawed, the holder stops writing."""
+    with holder_process(tmp_path) as (process, token):
+        with pytest.raises(JobInputError, match="being written by another job"):
+            check_free(location(tmp_path), 1)
+        os.kill(process.pid, signal.SIGSTOP)
+        frozen = read_holder(location(tmp_path))
+        watched = time.monotonic()
+        with Lease.acquire(location(tmp_path), timeout_s=1) as lease:
+            assert time.monotonic() - watched >= 0.5  # it watched the counter (>= the holder's 3 intervals)
+            assert lease.holder.token != token and frozen.token == token
+            os.kill(process.pid, signal.SIGCONT)
+            time.sleep(0.5)  # the thawed holder's heartbeats find another token and stop
+            assert read_holder(location(tmp_path)).token == lease.holder.token
+
+
+@pytest.mark.parametrize("skew_h", [-5, 5])
+def test_a_holder_whose_wall_clock_is_hours_off_is_judged_by_its_counter(tmp_path, skew_h):
+    """A holder whose clock is 5 h behind (its heartbeat time looks hours old) is live while its counter
+    moves; one 5 h ahead (its heartbeat time in the future) is stale once its counter stops."""
+    with holder_process(tmp_path, skew_s=skew_h * 3600.0) as (process, token):
+        assert abs(read_holder(location(tmp_path)).heartbeat - time.time() - skew_h * 3600) < 60
+        with pytest.raises(JobInputError, match="being written by another job"):
+            Lease.acquire(location(tmp_path), timeout_s=1)
+        os.kill(process.pid, signal.SIGSTOP)
+        try:
+            with Lease.acquire(location(tmp_path), timeout_s=1) as lease:
+                assert lease.holder.token != token
+        finally:
+            os.kill(process.pid, signal.SIGCONT)
+
+
+def test_a_lease_left_by_a_killed_job_is_taken_over_after_lease_timeout_s(tmp_path):
+    """A lease whose counter never moves (its job was killed), with a fresh wall-clock time of another host:
+    taken over after lease_timeout_s of watching, by check_free and acquire together (what the plan watched
+    counts for the job)."""
+    write_holder(tmp_path, host="elsewhere", heartbeat=time.time() + 3600, pid=dead_pid())
+    check_free(location(tmp_path), 0.5)  # watched 0.5 s: stale
+    started = time.monotonic()
+    with Lease.acquire(location(tmp_path), timeout_s=0.5):
+        assert time.monotonic() - started < 0.5  # already watched by check_free
+        assert read_holder(location(tmp_path)).host == socket.gethostname()
 
 
 def test_a_job_whose_lease_was_taken_over_stops(tmp_path):

@@ -1,0 +1,158 @@
+"""Many samples per prompt: shards cut by output rows (prompts x samples), sample ranges of a prompt spread over
+shards, rows byte-identical whatever the sharding, per-row n (vLLM's, up to data.max_samples), the first line.
+
+The layout is checked as a pure function (`shard_layout`); the rows by running every shard of a real plan
+through one `ShardGenerator` without Ray (its `generate_shard` writes real part files), once per sharding.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from tiny_pair_support import job_config
+
+from pipeline.generate.config import from_dict
+from pipeline.generate.job import run_generate
+from pipeline.generate.output import output_schema
+from pipeline.generate.plan import prepare
+from pipeline.generate.reader import read_output
+from pipeline.generate.shards import SHARD_GRANULE, auto_shard_size, sample_seed, shard_layout
+from pipeline.generate.worker import ShardGenerator, WorkerJob
+
+PROMPTS = ["the cat sat on", "a dog ran to the", "one two three", "big red house by the", "blue sky over"]
+
+
+@pytest.mark.parametrize("prompts,samples,shards,per_shard", [
+    (16, 4, 4, 1),  # the issue's case: one shard by prompts; four by rows (each: 16 prompts x 1 sample)
+    (4, 16, 4, 4),  # 4 prompts x 16 samples: 4 shards of 4 prompts x 4 samples
+    (4, 64, 16, 4),  # 4 prompts x 64 samples: 16 shards, enough for 8 actors
+    (1000, 4, 63, 4),  # many prompts: blocks of 16 prompts x all 4 samples (one prefill per prompt)
+])
+def test_auto_layout_counts_output_rows(prompts, samples, shards, per_shard):
+    layout = shard_layout(prompts, samples)
+    assert (layout.num_shards, layout.samples_per_shard, layout.output_rows) == (shards, per_shard, prompts * samples)
+    assert layout.shard_size % SHARD_GRANULE == 0  # the scan's JSONL/CSV offsets fit the blocks
+
+
+@pytest.mark.parametrize("prompts", [1, 15, 16, 17, 100, 5000, 200_000])
+def test_one_sample_per_prompt_keeps_the_old_shards(prompts):
+    layout = shard_layout(prompts, 1)
+    assert (layout.shard_size, layout.samples_per_shard) == (auto_shard_size(prompts), 1)
+    assert shard_layout(prompts, 1, 7).shard_size == 7  # an explicit shard_size: rows per shard, as it was
+
+
+@pytest.mark.parametrize("prompts,samples,size", [(3, 8, 4), (5, 3, 9), (2, 8, 5), (17, 4, None), (4, 7, None),
+                                                  (40, 1, 4), (3, 64, None), (2, 5, 1)])
+def test_every_prompt_and_sample_in_exactly_one_shard(prompts, samples, size):
+    layout = shard_layout(prompts, samples, size)
+    seen = []
+    for index in range(layout.num_shards):
+        task = layout.task(index)
+        assert task.output_rows <= (size or layout.output_rows)  # no shard over the rows asked for
+        seen += [(row, s) for row in range(task.start, task.stop) for s in range(task.sample_start, task.sample_stop)]
+    assert sorted(seen) == [(row, s) for row in range(prompts) for s in range(samples)]
+    assert shard_layout(prompts, samples, size) == layout  # a pure function: resume re-plans the same shards
+
+
+def write_prompts(tmp_path, rows):
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def run_every_shard(tiny_pair, tmp_path, generator, name, rows, **settings):
+    """Every shard of the plan through `generator` (no Ray): the output table and the plan."""
+    data = write_prompts(tmp_path, rows)
+    out = tmp_path / name
+    plan = prepare(from_dict(job_config(tiny_pair, data, out, **settings)))
+    out.mkdir()
+    schema = output_schema(plan.id_kind, logprobs=False, kept=plan.source.columns.kept)
+    generator.reconfigure(plan.config.spectr)  # the job's engine settings (num_samples), the pair loaded once
+    generator.job = WorkerJob(plan.config.data, plan.source, str(out), 6, schema)
+    parts = [pq.read_table(out / generator.generate_shard(plan.shard(i)).file) for i in range(plan.num_shards)]
+    return pa.concat_tables(parts), plan
+
+
+def content(table: pa.Table) -> list[dict]:
+    """The rows sorted by (id, sample_index), without the timing column (seconds differ run to run)."""
+    return sorted(table.drop(["time_taken_s"]).to_pylist(), key=lambda r: (r["id"], r["sample_index"]))
+
+
+@pytest.fixture(scope="module")
+def generator(tiny_pair, tmp_path_factory):
+    data = write_prompts(tmp_path_factory.mktemp("base"), [{"prompt": "a"}])
+    base = from_dict(job_config(tiny_pair, data, data.parent / "unused"))
+    return ShardGenerator(base.model, base.spectr, num_threads=1)
+
+
+def test_rows_are_byte_identical_for_1_2_and_4_shards(tiny_pair, tmp_path, generator):
+    rows = [{"id": f"r{i}", "prompt": PROMPTS[i]} for i in range(2)]
+    settings = {"spectr.num_samples": 8, "spectr.max_new_tokens": 6, "spectr.batch_size": 3}
+    tables = {}
+    for size, shards in ((16, 1), (8, 2), (4, 4)):  # 4: two shards per prompt, samples 0-3 and 4-7
+        table, plan = run_every_shard(tiny_pair, tmp_path, generator, f"out{size}", rows, shard_size=size, **settings)
+        assert plan.num_shards == shards and table.num_rows == 16
+        tables[size] = table
+    assert [plan.shard(i).sample_start for i in range(4)] == [0, 4, 0, 4]
+    first = content(tables[16])
+    assert [(r["id"], r["sample_index"]) for r in first] == [(f"r{i}", s) for i in range(2) for s in range(8)]
+    assert len({tuple(r["completion_token_ids"]) for r in first}) > 2  # independent samples
+    assert first[9]["seed"] == sample_seed(first[8]["seed"], 1)  # sample 1 of r1: its seed from r1's
+    for size in (8, 4):
+        assert content(tables[size]) == first, f"shard_size={size} changed the rows"
+
+
+def test_per_row_n_up_to_max_samples(tiny_pair, tmp_path, generator):
+    rows = [{"id": "a", "prompt": PROMPTS[0], "params": {"n": 3}},
+            {"id": "b", "prompt": PROMPTS[1], "params": None},  # spectr.num_samples (2)
+            {"id": "c", "prompt": PROMPTS[2], "params": {"n": 1, "temperature": 0.5}},
+            {"id": "d", "prompt": PROMPTS[3], "params": {"n": 5}}]  # over data.max_samples: its error
+    settings = {"spectr.num_samples": 2, "data.sampling_params_column": "params", "data.max_samples": 4,
+                "spectr.max_new_tokens": 4}
+    table, plan = run_every_shard(tiny_pair, tmp_path, generator, "out", rows, shard_size=4, **settings)
+    assert plan.output_rows == 16 and plan.num_shards == 4  # 4 prompts x up to 4 samples, 1 prompt a shard
+    got = [(r["id"], r["sample_index"], r["finish_reason"] == "error") for r in content(table)]
+    assert got == [("a", 0, False), ("a", 1, False), ("a", 2, False), ("b", 0, False), ("b", 1, False),
+                   ("c", 0, False), ("d", 0, True), ("d", 1, True)]
+    error = table.filter(pa.compute.equal(table["id"], "d"))["error"][0].as_py()
+    assert "n=5" in error and "data.max_samples = 4" in error
+    # without data.max_samples the plan places spectr.num_samples per prompt, and says what to set
+    table, _ = run_every_shard(tiny_pair, tmp_path, generator, "out2", rows[:2], shard_size=4,
+                               **{**settings, "data.max_samples": None})
+    errors = [r["error"] for r in content(table) if r["id"] == "a"]
+    assert len(errors) == 2 and "set data.max_samples" in errors[0] and "spectr.num_samples" in errors[0]
+
+
+def test_max_samples_below_num_samples_is_refused(tiny_pair, tmp_path):
+    from pipeline.errors import JobInputError
+
+    raw = job_config(tiny_pair, write_prompts(tmp_path, [{"prompt": "a"}]), tmp_path / "out",
+                     **{"spectr.num_samples": 4, "data.max_samples": 2})
+    with pytest.raises(JobInputError, match=r"data.max_samples must be >= spectr.num_samples \(4\)"):
+        from_dict(raw)
+
+
+def test_job_spreads_few_prompts_samples_over_both_actors(tiny_pair, tmp_path, ray_local, caplog):
+    """16 prompts x 4 samples: 4 shards of output rows (not 1 of prompts), both actors busy; the first line
+    counts rows; the summary says how many prefills were shared."""
+    data = write_prompts(tmp_path, [{"id": i, "prompt": PROMPTS[i % 5]} for i in range(16)])
+    raw = job_config(tiny_pair, data, tmp_path / "out", shard_size=None,
+                     **{"spectr.num_samples": 4, "spectr.max_new_tokens": 4, "spectr.batch_size": 8})
+    workers = set()
+    with caplog.at_level(logging.INFO, logger="pipeline"):
+        report = run_generate(from_dict(raw))
+    assert report.exit_code == 0
+    assert "16 prompts x 4 samples = 64 rows in" in caplog.text and "4 of 4 shards to generate" in caplog.text
+    table = read_output(tmp_path / "out")
+    assert sorted(zip(table["id"].to_pylist(), table["sample_index"].to_pylist())) == [
+        (i, s) for i in range(16) for s in range(4)]
+    records = [json.loads(line) for line in (tmp_path / "out" / "_commits.jsonl").read_text().splitlines()]
+    workers = {r["worker"]["pid"] for r in records}
+    assert len(records) == 4 and len(workers) == 2  # the samples spread over both actors
+    summary = report.summary
+    assert summary.num_prompts == 64 and summary.prompts_completed == 64
+    assert summary.prefilled_rows + summary.shared_prefill_rows == 64
