@@ -24,7 +24,6 @@ from pipeline.errors import JobInputError
 from pipeline.generate import lease as leases
 from pipeline.generate.lease import Lease, LeaseLostError, check_free, read_holder
 
-
 ROOT = Path(__file__).resolve().parents[3]
 
 
