@@ -222,6 +222,9 @@ def _check_top_level(c: GenerateConfig) -> None:
         raise out_of_range("output_dir", "a directory or null", c.output_dir)
     if not c.lease_timeout_s > 0:
         raise out_of_range("lease_timeout_s", "> 0 seconds", c.lease_timeout_s)
+    if c.data.max_samples is not None and c.data.max_samples < c.spectr.num_samples:
+        raise out_of_range("data.max_samples", f">= spectr.num_samples ({c.spectr.num_samples}), the n of a row "
+                           "without its own", c.data.max_samples)
 
 
 def generation_settings(c: GenerateConfig) -> dict[str, Any]:
@@ -240,9 +243,6 @@ def generation_settings(c: GenerateConfig) -> dict[str, Any]:
                 "chat_template_kwargs", "max_samples"):
         if data[key] is None:
             data.pop(key)  # unset, the hash is the one output dirs written before the key existed
-    if c.data.max_samples is not None and c.data.max_samples < c.spectr.num_samples:
-        raise out_of_range("data.max_samples", f">= spectr.num_samples ({c.spectr.num_samples}), the n of a row "
-                           "without its own", c.data.max_samples)
     if data["max_record_bytes"] == MAX_RECORD_BYTES:
         data.pop("max_record_bytes")  # likewise at its default
     if not logprobs_wanted(c.spectr):
