@@ -104,5 +104,48 @@ def test_driver_sigkill_then_rerun(tiny_pair, prompts_jsonl, tmp_path, ray_local
     assert not list(out.glob(".*tmp*"))
 
 
+# slow: a real SIGKILLed driver; the default suite resumes a samples job in process
+# (tests/pipeline/generate/test_samples_shards.py::test_job_spreads_few_prompts_samples_over_both_actors)
+@pytest.mark.slow
+def test_driver_sigkill_mid_samples_then_rerun(tiny_pair, prompts_jsonl, tmp_path, ray_local):
+    """8 prompts x 4 samples, 2 output rows a shard: each prompt's samples in two shards (0-1, 2-3). Killed
+    after two shards, the rerun leaves every (id, sample_index) exactly once, the listed parts untouched."""
+    out = tmp_path / "out"
+    address = ray_local.get_runtime_context().gcs_address
+    args = command(tiny_pair, prompts_jsonl, out, address) + ["spectr.num_samples=4", "data.limit=8",
+                                                               "spectr.max_new_tokens=24"]
+    args[args.index("shard_size=4")] = "shard_size=2"
+    env = job_env()
+    driver = subprocess.Popen(args, cwd=tmp_path, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while len(listed_shards(out)) < 2:
+            assert driver.poll() is None, f"the job ended before it could be killed:\n{driver.stderr.read()}"
+            assert time.monotonic() < deadline, "no shard finished in time"
+            time.sleep(0.05)
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(timeout=30)
+    finally:
+        kill_session(driver)
+    before = listed_shards(out)
+    assert 2 <= len(before) < 16, "the kill should land mid-run"
+    assert all(entry["rows"] == 2 for entry in before.values())
+    digests = {e["file"]: hashlib.sha256((out / e["file"]).read_bytes()).hexdigest() for e in before.values()}
+
+    rerun = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+                           start_new_session=True)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    said = rerun.stdout + rerun.stderr
+    assert "8 prompts x 4 samples = 32 rows" in said and f"resuming: {2 * len(before)} rows already done" in said
+    table = read_output(out)
+    ids = [json.loads(line)["id"] for line in prompts_jsonl.read_text().splitlines()][:8]
+    pairs = list(zip(table.column("id").to_pylist(), table.column("sample_index").to_pylist()))
+    assert sorted(pairs) == sorted((i, s) for i in ids for s in range(4))  # every (id, sample) exactly once
+    assert (out / "_SUCCESS").exists() and len(listed_shards(out)) == 16
+    for name, digest in digests.items():
+        assert hashlib.sha256((out / name).read_bytes()).hexdigest() == digest, f"{name} changed"
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))

@@ -101,6 +101,24 @@ def test_rows_without_id_or_seed_are_independent_samples_like_vllms_seed_none(st
     assert len({tuple(r["generated_tokens"]) for r in seeded.to_pylist()}) == 1
 
 
+def test_a_row_with_n_gives_n_rows_seeded_as_the_jobs_samples(stage):
+    """vLLM's `n` in sampling_params: n output rows of that row (its columns repeated, sample_index 0..n-1), each
+    the tokens of spectr.generate with the job's sample seed; the other rows keep their one row, in order."""
+    from pipeline.generate.shards import sample_seed
+
+    rows = [{"id": 20, "prompt": "the cat sat on", "sampling_params": {"n": 3, "max_tokens": 5}, "tag": "a"},
+            {"id": 21, "prompt": "a dog ran to the", "sampling_params": {"max_tokens": 5}, "tag": "b"},
+            {"id": 22, "prompt": "one two three", "sampling_params": {"n": 2, "max_tokens": 5, "seed": 7}, "tag": "c"}]
+    out = stage.generate(pa.Table.from_pylist(rows)).to_pylist()
+    assert [(r["id"], r["sample_index"], r["tag"]) for r in out] == [
+        (20, 0, "a"), (20, 1, "a"), (20, 2, "a"), (21, 0, "b"), (22, 0, "c"), (22, 1, "c")]
+    seeds = [sample_seed(row_seed(0, 20), k) for k in range(3)] + [row_seed(0, 21)] + [sample_seed(7, k) for k in (0, 1)]
+    for row, seed in zip(out, seeds):
+        assert row[ERROR_COLUMN] == "" and row["prompt_token_ids"] == stage.generator.tokenizer(row["prompt"])["input_ids"]
+        assert row["generated_tokens"] == reference(stage, row["prompt_token_ids"], seed, 5)
+    assert len({tuple(r["generated_tokens"]) for r in out[:3]}) > 1  # independent samples
+
+
 def test_the_stage_reads_like_ray_data_llm(tiny_pair, tmp_path):
     """ray.data.llm's surface: builder_kwargs, log_input_column_names, stop_reason; a missing local model path is
     refused on the driver naming it (a hub id or an s3:// URI is passed on to loading); the engine's rows in flight

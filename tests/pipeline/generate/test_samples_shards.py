@@ -16,7 +16,7 @@ import pytest
 from tiny_pair_support import job_config
 
 from pipeline.generate.config import from_dict
-from pipeline.generate.job import run_generate
+from pipeline.generate.job import RunHooks, run_generate
 from pipeline.generate.output import output_schema
 from pipeline.generate.plan import prepare
 from pipeline.generate.reader import read_output
@@ -156,3 +156,17 @@ def test_job_spreads_few_prompts_samples_over_both_actors(tiny_pair, tmp_path, r
     summary = report.summary
     assert summary.num_prompts == 64 and summary.prompts_completed == 64
     assert summary.prefilled_rows + summary.shared_prefill_rows == 64
+    # resume: as if the driver died once two shards were listed; the other two (and only they) run again
+    out = tmp_path / "out"
+    (out / "_commits.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:2]))
+    (out / "_SUCCESS").unlink()
+    for record in records[2:]:
+        (out / record["file"]).unlink()
+    dispatched = []
+    again = run_generate(from_dict(raw), RunHooks(on_dispatch=lambda actor, shard: dispatched.append(shard)))
+    assert again.exit_code == 0 and sorted(s.index for s in dispatched) == sorted(r["shard"] for r in records[2:])
+    assert {(s.sample_start, s.sample_stop) for s in dispatched} <= {(k, k + 1) for k in range(4)}
+    again_table = read_output(out)
+    assert content(again_table) != [] and sorted(zip(again_table["id"].to_pylist(),
+                                                      again_table["sample_index"].to_pylist())) == [
+        (i, s) for i in range(16) for s in range(4)]
