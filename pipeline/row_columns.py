@@ -15,6 +15,10 @@
 - `data.sampling_params_column`: a struct or a JSON object with any of vLLM's `SamplingParams` names in
   `SAMPLING_KEYS`, with vLLM's meanings; names that cannot be exact (`REFUSED_KEYS`) are refused with the
   reason unless neutral; a value out of range fails that row alone, with its error.
+- The job-level equivalents (`spectr.min_p`, `spectr.logit_bias`, the penalties, `spectr.min_tokens`,
+  `spectr.stop_token_ids`, `spectr.ignore_eos`, `spectr.include_stop_str_in_output`: `JOB_KEYS`) apply to every
+  row; a row's own value of the same name replaces the job's (`RowSettings.over`). A row's stop strings are
+  added to `spectr.stop` instead.
 
 Config shapes are checked here (`check_row_columns_config`, `check_stop_list`: exit 2 before anything is
 written); the input's column names and the kept columns' types by the scan (`KeptTypes`, `resolve_columns`);
@@ -23,6 +27,7 @@ a row's values on the worker (`carried`, `row_settings`). Not here: reading file
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -46,6 +51,20 @@ REFUSED_KEYS = {
     "logits_processors": "arbitrary logits processors cannot be applied identically to the draft tree's nodes",
 }
 NEUTRAL = {"best_of": (None, 1), "use_beam_search": (False,), "logits_processors": (None, [])}
+# vLLM names the job also sets for every row, as `spectr.<name>` (a row's own value replaces the job's), with the
+# value that means "off"; temperature / top_k / top_p / max_tokens / seed / stop / n / logprobs have their own keys
+JOB_KEYS = {"min_p": 0.0, "logit_bias": (), "presence_penalty": 0.0, "frequency_penalty": 0.0,
+            "repetition_penalty": 1.0, "min_tokens": 0, "stop_token_ids": (), "ignore_eos": False,
+            "include_stop_str_in_output": False}
+# vLLM's ranges: (test, the rule as the message says it); the same for a row's value and the job's
+RANGES = {
+    "temperature": (lambda v: v >= 0, ">= 0 (0 = greedy)"), "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "top_k": (lambda v: v >= 0, ">= 0, or -1 (0 and -1 = off)"), "min_p": (lambda v: 0 <= v <= 1, "in [0, 1] (0 = off)"),
+    "max_tokens": (lambda v: v >= 1, ">= 1"), "seed": (lambda v: v >= 0, ">= 0"), "n": (lambda v: v >= 1, ">= 1"),
+    "logprobs": (lambda v: v >= 0, ">= 0"), "presence_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2] (0 = off)"),
+    "frequency_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2] (0 = off)"),
+    "repetition_penalty": (lambda v: v > 0, "> 0 (1 = off)"), "min_tokens": (lambda v: v >= 0, ">= 0 (0 = off)"),
+}
 
 
 def check_stop_list(value: Any, key: str) -> tuple[str, ...]:
@@ -220,7 +239,7 @@ def _is_text(arrow_type: Any) -> bool:
 
 @dataclass
 class RowSettings:
-    """One row's own settings (None: the job's)."""
+    """One row's own settings (None: the job's; `over` fills in the job's `JOB_KEYS`)."""
 
     temperature: float | None = None
     top_p: float | None = None
@@ -228,22 +247,72 @@ class RowSettings:
     min_p: float | None = None
     max_tokens: int | None = None
     seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    logit_bias: tuple[tuple[int, float], ...] = ()
+    stop: list[str] = field(default_factory=list)  # added to spectr.stop
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    logit_bias: tuple[tuple[int, float], ...] | None = None
     n: int | None = None
     logprobs: int | None = None  # vLLM's: None, or how many top log-probabilities (0: the sampled token's only)
-    presence_penalty: float = 0.0  # vLLM's penalties and min_tokens (spectr.penalties): 0, 0, 1, 0 are off
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
+    presence_penalty: float | None = None  # vLLM's penalties and min_tokens (spectr.penalties): 0, 0, 1, 0 are off
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+
+    def over(self, job: Any) -> RowSettings:
+        """These settings with the job's value (`job_settings` of the job's `spectr.*`) wherever the row has
+        none, for every `JOB_KEYS` name; the others stay None (the engine's own defaults are the job's)."""
+        values = job_settings(job)
+        return dataclasses.replace(self, **{k: v for k, v in values.items() if getattr(self, k) is None})
 
     @property
     def own_stops(self) -> bool:
         """Whether the row ends on other tokens than the run's EOS ids (stop_token_ids, ignore_eos)."""
-        return bool(self.stop_token_ids) or self.ignore_eos
+        return bool(self.stop_token_ids) or bool(self.ignore_eos)
+
+    def engine_warp(self, job: Any) -> tuple | None:
+        """The engine row's `Row.warp` (`spectr.SamplingWarp`'s fields, in its order) after `over`: None when the
+        row samples by the job's temperature / top_k / top_p and nothing else (the batcher's own warp)."""
+        penalties = (self.presence_penalty or 0.0, self.frequency_penalty or 0.0,
+                     1.0 if self.repetition_penalty is None else self.repetition_penalty, self.min_tokens or 0)
+        if (self.temperature, self.top_k, self.top_p) == (None, None, None) and not self.min_p \
+                and not self.logit_bias and penalties == (0.0, 0.0, 1.0, 0):
+            return None
+        return (job.temperature if self.temperature is None else self.temperature,
+                job.top_k if self.top_k is None else self.top_k, job.top_p if self.top_p is None else self.top_p,
+                self.min_p or 0.0, tuple(self.logit_bias or ()), *penalties)
+
+    def stop_ids(self, eos_token_ids: Any) -> tuple[int, ...] | None:
+        """The tokens that end the row (vLLM's: the model's EOS unless ignore_eos, and stop_token_ids); None:
+        the model's EOS ids, as for a row without its own."""
+        if not self.own_stops:
+            return None
+        eos = [] if self.ignore_eos else list(eos_token_ids or [])
+        return tuple(dict.fromkeys([*eos, *(self.stop_token_ids or [])]))
+
+
+def job_settings(job: Any) -> dict[str, Any]:
+    """The job's `JOB_KEYS` values (`spectr.*`, a `SpectrConfig`) in a row's shapes: logit_bias as sorted
+    (token id, bias) pairs, stop_token_ids a list. ValueError naming `spectr.<key>` and vLLM's rule."""
+    values = {}
+    for key, off in JOB_KEYS.items():
+        value = getattr(job, key, off)
+        try:
+            if key == "logit_bias":
+                value = _bias(value) if value is not None else ()
+            elif key == "stop_token_ids":
+                value = _token_ids(value, key) if value is not None else []
+            elif isinstance(off, bool):
+                value = _flag(value, key)
+            else:
+                value = _number(value, key, integer=isinstance(off, int))
+                ok, rule = RANGES[key]
+                if not ok(value):
+                    raise ValueError(f"{key} must be {rule}, got {value!r}")
+        except ValueError as err:
+            raise ValueError(f"spectr.{err}") from None
+        values[key] = value
+    return values
 
 
 def _number(value: Any, key: str, integer: bool) -> Any:
@@ -336,17 +405,11 @@ def row_settings(params: Any, stop: Any, params_key: str, stop_key: str) -> RowS
             settings.logprobs = (0 if value else None) if isinstance(value, bool) else _number(value, "logprobs", True)
     except ValueError as err:
         raise ValueError(f"{params_key}: {err}") from None
-    checks = (("temperature", lambda v: v >= 0, ">= 0 (0 = greedy)"), ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
-              ("top_k", lambda v: v >= 0, ">= 0, or -1 (0 and -1 = off)"), ("min_p", lambda v: 0 <= v <= 1, "in [0, 1]"),
-              ("max_tokens", lambda v: v >= 1, ">= 1"), ("seed", lambda v: v >= 0, ">= 0"), ("n", lambda v: v >= 1, ">= 1"),
-              ("logprobs", lambda v: v >= 0, ">= 0"), ("presence_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]"),
-              ("frequency_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]"),
-              ("repetition_penalty", lambda v: v > 0, "> 0 (1 = off)"), ("min_tokens", lambda v: v >= 0, ">= 0"))
-    for key, ok, rule in checks:
+    for key, (ok, rule) in RANGES.items():
         value = getattr(settings, key)
         if value is not None and not ok(value):
             raise ValueError(f"{params_key}: {key} must be {rule}, got {value!r}")
-    if settings.max_tokens is not None and settings.min_tokens > settings.max_tokens:
+    if settings.max_tokens is not None and (settings.min_tokens or 0) > settings.max_tokens:
         raise ValueError(f"{params_key}: min_tokens ({settings.min_tokens}) must be <= max_tokens "
                          f"({settings.max_tokens})")
     return settings

@@ -10,6 +10,10 @@ A stop string that spans tokens is found in the decoded text; one that begins in
 token "ab\\n" with the stop "\\n") drops that whole token, whose text before the stop would otherwise have
 no token ids of its own.
 
+As vLLM's detokenizer, a stop string is not looked for in the text of a row's first `min_tokens` tokens: a
+match counts only when it ends in the text of a later token (it may begin earlier); `stop_at` is that rule,
+for the cut here and the feed's early end alike.
+
 Not here: ending a row early (`pipeline.generate.feed`: a row whose newest tokens complete a stop string
 is finished at once, and its output is then cut here).
 """
@@ -27,17 +31,29 @@ class StopCut:
     stop: str  # the stop string found
 
 
+def stop_at(text: str, stops: Sequence[str], after: int = 0) -> tuple[int, str] | None:
+    """The earliest stop string in `text` that ends past its first `after` characters: (where it begins, the
+    string), or None. `after`: the length of the text of the tokens before min_tokens (vLLM's rule)."""
+    found = []
+    for stop in stops:
+        place = text.find(stop, max(0, after - len(stop) + 1))  # the first match that ends past `after`
+        if place >= 0:
+            found.append((place, stop))
+    return min(found) if found else None
+
+
 def cut_at_stop(decode: Callable[[list[int]], str], token_ids: list[int], stops: Sequence[str],
-                include: bool = False) -> StopCut | None:
+                include: bool = False, min_tokens: int = 0) -> StopCut | None:
     """The completion cut before its first stop string (after it with `include`: vLLM's
-    include_stop_str_in_output), or None when it holds none."""
-    if not stops or not token_ids:
+    include_stop_str_in_output), or None when it holds none; a stop string counts only once it ends in the text
+    of a token after the first `min_tokens` (vLLM's min_tokens)."""
+    if not stops or len(token_ids) <= min_tokens:
         return None
     text = decode(token_ids)
-    found = [(text.find(stop), stop) for stop in stops if stop in text]
-    if not found:
+    match = stop_at(text, stops, len(decode(token_ids[:min_tokens])) if min_tokens else 0)
+    if match is None:
         return None
-    place, stop = min(found)
+    place, stop = match
     if include:
         place += len(stop)
     before = text[:place]

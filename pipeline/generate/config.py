@@ -30,7 +30,8 @@ from pipeline.config import (
     require_sections,
     resolved_container,
 )
-from pipeline.row_columns import check_stop_list
+from pipeline.errors import JobInputError
+from pipeline.row_columns import JOB_KEYS, check_stop_list, job_settings
 
 METHODS = ("auto", "autoregressive", "speculative", "block", "spectr", "specinfer", "traversal")
 
@@ -55,6 +56,16 @@ class SpectrConfig:
     # `completion_top_logprobs`, each token's N most likely tokens (0: the column alone)
     logprobs_mode: str = "raw"  # raw: the target's log-softmax (vLLM's default); processed: the warped law's
     compile: Any = "auto"  # true | false | auto: Llama/Qwen2 forwards under torch.compile (spectr.native)
+    # vLLM's SamplingParams names for every row (a row's sampling_params value replaces each): pipeline.row_columns
+    min_p: float = 0.0  # 0 = off
+    logit_bias: Any = None  # {token id: bias}, added to both models' logits first
+    presence_penalty: float = 0.0  # in [-2, 2], 0 = off
+    frequency_penalty: float = 0.0  # in [-2, 2], 0 = off
+    repetition_penalty: float = 1.0  # > 0, 1 = off
+    min_tokens: int = 0  # no EOS, stop token or stop string ends a row before this many tokens
+    stop_token_ids: Any = None  # a list of token ids that end a row (finish_reason stop, stop_reason the id)
+    ignore_eos: bool = False  # end-of-sequence does not end a row (stop_token_ids still do)
+    include_stop_str_in_output: bool = False  # the completion keeps the stop string that ended it
 
 
 @dataclass(frozen=True)
@@ -179,6 +190,13 @@ def check_spectr(s: SpectrConfig) -> None:
     if s.num_samples < 1:
         raise out_of_range("spectr.num_samples", ">= 1", s.num_samples)
     check_stop_list(s.stop, "spectr.stop")
+    try:
+        values = job_settings(s)  # vLLM's names and ranges, as a row's sampling_params
+    except ValueError as err:
+        raise JobInputError(f"config: {err}") from None
+    if values["min_tokens"] > s.max_new_tokens:
+        raise out_of_range("spectr.min_tokens", f"<= spectr.max_new_tokens ({s.max_new_tokens}), as vLLM's "
+                           f"min_tokens <= max_tokens", s.min_tokens)
     if not any(s.compile is choice for choice in (True, False)) and s.compile != "auto":
         raise out_of_range("spectr.compile", "true, false or auto", s.compile)
 
@@ -250,6 +268,12 @@ def generation_settings(c: GenerateConfig) -> dict[str, Any]:
     for key, default in (("num_samples", 1), ("stop", None), ("logprobs", False)):
         if spectr[key] == default:
             spectr.pop(key)
+    for key, value in job_settings(c.spectr).items():
+        off = JOB_KEYS[key]
+        if value == off or (not value and not off):  # off: the hash of output dirs written before the key
+            spectr.pop(key)
+        else:
+            spectr[key] = value  # as the rows read it: logit_bias as (id, bias) pairs, whatever the keys' type
     return {
         "model": {"target": c.model.target, "draft": c.model.draft, "dtype": c.model.dtype},
         "data": data,

@@ -99,6 +99,11 @@ class Row:
     stops: tuple[str, ...] = ()  # its stop strings: the row ends once its newest tokens complete one
     stop_ids: tuple[int, ...] | None = None  # the tokens that end it (None: the model's EOS ids); see the worker
 
+    @property
+    def min_tokens(self) -> int:
+        """vLLM's min_tokens (the last of `warp`): no stop token, EOS or stop string ends the row before."""
+        return self.warp[8] if self.warp is not None and len(self.warp) > 8 else 0
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -161,6 +166,7 @@ class ShardFeed:
         self._wasted_charged = 0.0
         self.decode: Callable[[list[int]], str] | None = None  # token ids -> text (set by the worker, for stops)
         self._tails: dict[int, list[int]] = {}  # request id -> its newest tokens (rows with stop strings)
+        self._lengths: dict[int, int] = {}  # request id -> its tokens so far (rows with stop strings)
 
     # -- the shards' threads ----------------------------------------------------------------------
     def run(self, index: int, rows: list[Row]) -> ShardRun:
@@ -300,6 +306,7 @@ class ShardFeed:
             finished += self._stopped()
             for row in finished:
                 self._tails.pop(row.request, None)
+                self._lengths.pop(row.request, None)
             return [(*self._in_batcher.pop(row.request), row) for row in finished]
         return self._recover(failure)  # outside the except block: the traceback no longer holds the pool
 
@@ -307,7 +314,11 @@ class ShardFeed:
         """Rows whose newest tokens complete one of their stop strings end now, not at their budget: the
         tokens came back with the iteration's one host copy (`ContinuousBatcher.recent_tokens`), so this
         adds no device read. A stop spanning tokens is found in the text of the row's last tokens (its
-        longest stop's length in tokens, plus this iteration's); the worker then cuts the completion."""
+        longest stop's length in tokens, plus this iteration's); the worker then cuts the completion. As vLLM's,
+        a stop string counts once it ends in the text of a token after the row's first min_tokens
+        (`pipeline.stops.stop_at`)."""
+        from pipeline.stops import stop_at
+
         engine = getattr(self.batcher, "batcher", self.batcher)  # method=auto: the AutoBatcher's own batcher
         if self.decode is None or not getattr(engine, "watch_tokens", False):
             return []
@@ -319,8 +330,13 @@ class ShardFeed:
             tail = self._tails.setdefault(request, [])
             tail.extend(tokens)
             del tail[: max(0, len(tail) - len(tokens) - max(map(len, entry[1].stops)) - 1)]
-            text = self.decode(tail)
-            if any(stop in text for stop in entry[1].stops):
+            length = self._lengths[request] = self._lengths.get(request, 0) + len(tokens)
+            min_tokens = entry[1].min_tokens
+            if length <= min_tokens:
+                continue  # no stop string counts yet
+            early = max(0, min_tokens - (length - len(tail)))  # the tail's tokens among the first min_tokens
+            after = len(self.decode(tail[:early])) if early else 0
+            if stop_at(self.decode(tail), entry[1].stops, after) is not None:
                 found.append(request)
         return engine.finish_rows(found) if found else []
 

@@ -295,7 +295,7 @@ class ShardGenerator:
         data = self.job.data if self.job is not None else self.data
         extras = shard.extras or {}
         if data is None or not (data.sampling_params_column or data.stop_column):
-            return RowSettings()
+            return RowSettings().over(self.spectr)  # the job's spectr.min_p, penalties, stop_token_ids, ...
         params = extras.get(data.sampling_params_column, [None] * len(shard))[i] if data.sampling_params_column else None
         stop = extras.get(data.stop_column, [None] * len(shard))[i] if data.stop_column else None
         try:
@@ -303,10 +303,12 @@ class ShardGenerator:
                                     f"data.stop_column '{data.stop_column}'")
         except ValueError as err:
             raise ValueError(f"row {shard.ids[i]!r}: {err}") from None
+        own, settings = settings, settings.over(self.spectr)  # a row's own value replaces the job's
         budget = settings.max_tokens or self._budget(shard, i)
         if settings.min_tokens > budget:  # vLLM's rule: min_tokens <= max_tokens
-            raise ValueError(f"row {shard.ids[i]!r}: min_tokens ({settings.min_tokens}) must be <= the row's "
-                             f"max_tokens ({budget})")
+            source = "" if own.min_tokens is not None else " of spectr.min_tokens"
+            raise ValueError(f"row {shard.ids[i]!r}: min_tokens ({settings.min_tokens}{source}) must be <= the "
+                             f"row's max_tokens ({budget})")
         return settings
 
     def _sample_range(self, shard: Shard, i: int, settings: Any) -> range:
@@ -331,22 +333,11 @@ class ShardGenerator:
         from pipeline.generate.shards import sample_seed
 
         s = self.spectr
-        warp = None
-        penalties = (settings.presence_penalty, settings.frequency_penalty, settings.repetition_penalty,
-                     settings.min_tokens)  # vLLM's penalties and min_tokens: (0, 0, 1, 0) is off
-        if (settings.temperature, settings.top_k, settings.top_p, settings.min_p) != (None, None, None, None) \
-                or settings.logit_bias or penalties != (0.0, 0.0, 1.0, 0):
-            warp = (s.temperature if settings.temperature is None else settings.temperature,
-                    s.top_k if settings.top_k is None else settings.top_k,
-                    s.top_p if settings.top_p is None else settings.top_p,
-                    settings.min_p or 0.0, settings.logit_bias, *penalties)
+        warp = settings.engine_warp(s)  # None: the job's temperature / top_k / top_p and nothing else
         budget = settings.max_tokens or self._budget(shard, i)
         seed = shard.seeds[i] if settings.seed is None else settings.seed
         stops = tuple(s.stop or ()) + tuple(settings.stop)
-        stop_ids = None  # the model's EOS ids end the row, as vLLM's: EOS unless ignore_eos, and stop_token_ids
-        if settings.own_stops:
-            eos = [] if settings.ignore_eos else list(self.eos_token_id or [])
-            stop_ids = tuple(dict.fromkeys([*eos, *settings.stop_token_ids]))
+        stop_ids = settings.stop_ids(self.eos_token_id)  # None: the model's EOS ids end the row
         return [Row(first + k, shard.prompt_token_ids[i], budget, sample_seed(seed, sample), warp, stops, stop_ids)
                 for k, sample in enumerate(samples)]
 
@@ -387,7 +378,9 @@ class ShardGenerator:
             return self.tokenizer.decode(ids, skip_special_tokens=True)
 
         include = bool(settings is not None and settings.include_stop_str_in_output)
-        cut = cut_at_stop(decode, tokens, stops or [], include=include) if reason != "error" else None
+        min_tokens = (settings.min_tokens or 0) if settings is not None else 0  # stop strings count after them
+        cut = cut_at_stop(decode, tokens, stops or [], include=include, min_tokens=min_tokens) \
+            if reason != "error" else None
         if cut is not None:
             tokens, reason, stop_reason = tokens[: cut.num_tokens], "stop", cut.stop
             logprobs = None if logprobs is None else logprobs[: cut.num_tokens]
@@ -396,7 +389,7 @@ class ShardGenerator:
             reason = "stop"
             last = tokens[-1] if tokens else None
             eos = set(self.eos_token_id or []) if settings is None or not settings.ignore_eos else set()
-            if settings is not None and last in settings.stop_token_ids and last not in eos:
+            if settings is not None and last in (settings.stop_token_ids or ()) and last not in eos:
                 stop_reason = str(last)
         row = {
             "id": shard.ids[i],

@@ -13,7 +13,7 @@ import json
 import pyarrow.parquet as pq
 from tiny_pair_support import job_config
 
-from pipeline.generate.config import from_dict
+from pipeline.generate.config import SpectrConfig, from_dict
 from pipeline.generate.feed import Row
 from pipeline.generate.output import output_schema
 from pipeline.generate.plan import prepare
@@ -74,4 +74,6 @@ def test_row_settings_read_the_penalties():
                              "min_tokens": 3}, None, "params", "stops")
     assert (settings.presence_penalty, settings.frequency_penalty, settings.repetition_penalty,
             settings.min_tokens) == (-1.0, 0.5, 1.2, 3)
-    assert row_settings({"min_tokens": None, "repetition_penalty": None}, None, "p", "s").min_tokens == 0
+    unset = row_settings({"min_tokens": None, "repetition_penalty": None}, None, "p", "s")
+    assert unset.min_tokens is None and unset.repetition_penalty is None  # unset: the job's (spectr.*)
+    assert unset.over(SpectrConfig()).min_tokens == 0 and unset.over(SpectrConfig()).repetition_penalty == 1.0
