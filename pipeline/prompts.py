@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from pipeline import fs
+from pipeline import busy, fs
 from pipeline.config import DataConfig
 from pipeline.errors import JobInputError
 from pipeline.formats import (
@@ -47,6 +47,7 @@ __all__ = [
 
 CACHE_BYTES = 256 << 20
 MAX_STREAMS = 4  # open decompressing streams a worker keeps (one per compressed file it reads)
+SKIP_BYTES = 1 << 22  # a compressed stream is skipped ahead in reads of this many bytes, each one progress
 
 
 class InputChangedError(RuntimeError):
@@ -221,10 +222,11 @@ class ReadCache:
                 stream.close()
             stream, place = open_text_stream(location), 0
         while place < start:
-            skipped = len(stream.read(min(start - place, 1 << 22)))
+            skipped = len(stream.read(min(start - place, SKIP_BYTES)))
             if not skipped:
                 break
             place += skipped
+            busy.advance()  # a long skip is work, not a hang (the stall watchdog: pipeline.busy)
         data = stream.read(stop - start)
         self._streams[uri] = (stream, place + len(data))
         while len(self._streams) > MAX_STREAMS:

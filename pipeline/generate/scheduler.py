@@ -26,9 +26,11 @@ queue, as its next attempt (a new part name: `ShardTask.fence`), when:
   asked is restarted (answers that came while the driver was busy are read first, and the time the driver
   did not ask never counts: a slow driver never looks like a silent actor);
 - its actor makes no progress: a ping proves the process is alive, its answer's `progress` (engine
-  iterations, shards read and written) that it works; a busy actor whose progress stays put for
+  iterations, shards read and written, blocks of a long read such as skipping ahead in a compressed stream,
+  compiles ended: `pipeline.busy`) that it works; a busy actor whose progress stays put for
   `ray.stall_timeout_s` (a hung kernel, a deadlock) is restarted, as is one whose head shard runs past
-  `ray.shard_timeout_s`.
+  `ray.shard_timeout_s`. A compile running now (the ping's `compiling_s`: the first `torch.compile` of a
+  model on a GPU can take minutes) is work, not a stall, up to `COMPILE_LIMIT_S`.
 
 Restarting is Ray's (`ray.kill` without `no_restart`: a new process reloads the pair), up to
 `ray.max_restarts` per actor in any `ray.restart_window_s` (older restarts no longer count, so a long job on
@@ -69,6 +71,7 @@ log = logging.getLogger("pipeline")
 
 HEALTH_GROUP = "health"
 ACTOR_GRACE_S = 10.0  # at least this long for the other actors to load once one has
+COMPILE_LIMIT_S = 3600.0  # a compile (the ping's compiling_s) is progress until it has run this long: then a hang
 
 
 @dataclass
@@ -175,6 +178,7 @@ class _Slot:
     asked_since: float | None = None  # when the first ping not answered since its last answer was sent
     progress: int = -1  # the actor's progress counter at its last ping answer
     progress_at: float = 0.0  # when it last moved (or a result came, or the idle actor got work)
+    compiling_s: float | None = None  # a compile running in the actor at its last ping answer: for how long
     failed: set[int] = field(default_factory=set)  # shards that failed on this actor's process
     lives: int = 0  # restarts the driver asked for + replacements
     restarts: deque = field(default_factory=deque)  # when each of them was (the budget counts a window's)
@@ -497,8 +501,11 @@ class ShardActorPool:
         now = time.monotonic()
         slot.last_answer, slot.asked_since = now, None
         slot.pid, slot.killed_pid, slot.paid = answer.get("pid", slot.pid), None, False
+        slot.compiling_s = answer.get("compiling_s")
         if answer["progress"] != slot.progress:
             slot.progress, slot.progress_at = answer["progress"], now
+        elif slot.compiling_s is not None and slot.compiling_s < COMPILE_LIMIT_S:
+            slot.progress_at = now  # compiling is working (torch.compile, CUDA graph recording)
         if slot.state == "suspect":
             log.warning("an unavailable actor answers again; it gets shards again")
             slot.state, slot.progress_at = "ok", now
@@ -541,7 +548,9 @@ class ShardActorPool:
             elif self._silent_s(slot, now) > r.heartbeat_timeout_s:
                 self._restart(slot, queue, f"no answer for {self._silent_s(slot, now):.0f} s")
             elif now - slot.progress_at > r.stall_timeout_s:
-                self._restart(slot, queue, f"no progress for {now - slot.progress_at:.0f} s (ray.stall_timeout_s)")
+                compiling = "" if slot.compiling_s is None else f", in a compile for {slot.compiling_s:.0f} s"
+                self._restart(slot, queue,
+                              f"no progress for {now - slot.progress_at:.0f} s (ray.stall_timeout_s{compiling})")
             elif r.shard_timeout_s is not None and slot.in_flight and now - slot.head_since > r.shard_timeout_s:
                 self._restart(slot, queue, f"shard {slot.in_flight[0][1].index} ran past ray.shard_timeout_s")
 

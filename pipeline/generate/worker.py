@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline import busy
 from pipeline.config import DataConfig, ModelConfig
 from pipeline.generate.config import SpectrConfig, logprobs_wanted, top_logprobs
 from pipeline.generate.feed import Row, ShardFeed
@@ -105,6 +106,7 @@ class ShardGenerator:
         from pipeline import models
         from pipeline.prompts import ReadCache
 
+        busy.watch_compiles()  # a compile reports itself to the ping: the stall watchdog does not take it for a hang
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if device == "cpu" and num_threads:
@@ -172,9 +174,12 @@ class ShardGenerator:
 
     def ping(self) -> dict[str, Any]:
         """The heartbeat the driver polls (in its own concurrency group, so it answers mid-shard). The answer
-        proves the process is alive; `progress` (engine iterations + shards read + shards written) proves
-        that it works: the driver replaces a busy actor whose progress stays put for `ray.stall_timeout_s`."""
-        return {"time": time.time(), "progress": self.feed.steps + self._shard_steps, "pid": os.getpid()}
+        proves the process is alive; `progress` (engine iterations + shards read + shards written + long reads
+        and compiles, `pipeline.busy`) proves that it works: the driver replaces a busy actor whose progress
+        stays put for `ray.stall_timeout_s`, not counting the time of a compile (`compiling_s`)."""
+        work = busy.report()
+        return {"time": time.time(), "progress": self.feed.steps + self._shard_steps + work["busy_ticks"],
+                "compiling_s": work["compiling_s"], "pid": os.getpid()}
 
     def generate_shard(self, task: ShardTask, job_ref: list[Any] | None = None) -> ShardResult:
         """Read, generate and write one shard; return its statistics and the part file's name and size.

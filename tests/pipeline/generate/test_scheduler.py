@@ -222,3 +222,22 @@ def test_a_restart_ray_refuses_is_delivered_by_a_replacement_without_a_second_li
     ray.answers[a.ping] = ActorDiedError()
     pool._ping_answered(a, a.ping)
     assert a.state == "starting" and a.actor.name == "new" and a.lives == 1  # replaced, one life spent
+
+
+def test_a_compiling_actor_is_not_stalled_until_the_compile_limit(monkeypatch):
+    """The actor's progress stays put for 60 s (`ray.stall_timeout_s` 5 s) while its pings say a compile runs
+    (`compiling_s`, #40 finding 8): not restarted. The same silence of its progress without a compile is, and
+    so is a compile past `COMPILE_LIMIT_S` (the control: a hung compile is still a hang)."""
+    for compiling, restarted in ((lambda t: t, False), (lambda t: None, True),
+                                 (lambda t: scheduler.COMPILE_LIMIT_S + t, True)):
+        pool, ray, clock, queue = make_pool(monkeypatch, ["a"], heartbeat_s=1.0, heartbeat_timeout_s=30.0,
+                                            stall_timeout_s=5.0)
+        slot = pool._slots[0]
+        pool._dispatch(queue, None)
+        for second in range(60):
+            pool._heartbeat(queue)
+            if slot.ping is not None and slot.state == "ok":
+                ray.answers[slot.ping] = {"progress": 7, "pid": 1, "compiling_s": compiling(float(second))}
+            clock.sleep(1.0)
+        pool._heartbeat(queue)
+        assert bool(ray.killed) is restarted, (compiling(1.0), ray.killed)
