@@ -76,8 +76,8 @@ class JobPlan:
 
     @property
     def shard_size(self) -> int:
-        """Prompts (input rows) per block of shards."""
-        return self.source.shard_size
+        """Prompts (input rows) per shard (the source's scan offsets may be coarser: `ShardLayout`)."""
+        return self.manifest.shard_size or self.source.shard_size
 
     @property
     def layout(self) -> ShardLayout:
@@ -164,9 +164,10 @@ def prepare(config: GenerateConfig) -> JobPlan:
     source = scan_source(config.data, listing, size or SHARD_GRANULE, limit)  # the one pass over the metadata
     if per_shard is None:  # a new job: the layout by output rows (prompts x samples)
         layout = shard_layout(source.num_rows, samples, config.shard_size)
-        source = with_shard_size(source, layout.shard_size)
+        if layout.shard_size % source.shard_size == 0:  # else: a small input's shards read their granule
+            source = with_shard_size(source, layout.shard_size)
     else:
-        layout = ShardLayout(source.num_rows, source.shard_size, samples, per_shard)
+        layout = ShardLayout(source.num_rows, size or source.shard_size, samples, per_shard)
     shards = layout.num_shards
     if existing is not None and (existing.num_rows, existing.num_shards) != (source.num_rows, shards):
         raise JobInputError(
@@ -174,7 +175,7 @@ def prepare(config: GenerateConfig) -> JobPlan:
             f"{existing.num_rows}; restore the input to resume, or choose another output_dir"
         )
     manifest = existing or Manifest(
-        config_hash, settings, source.num_rows, shards, part_digits(shards), source.id_kind, source.shard_size,
+        config_hash, settings, source.num_rows, shards, part_digits(shards), source.id_kind, layout.shard_size,
         samples_per_shard=layout.samples_per_shard if samples > 1 else None,
     )
     if existing is not None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,12 +36,16 @@ SHARD_GRANULE = 16  # a multiple of this, so that the plan's scan can record off
 SHARD_TARGET_ROWS = 256  # enough rows per part for a GPU's continuous batch ...
 MIN_SHARDS = 64  # ... but at least this many shards (several per actor) on small jobs ...
 MAX_PARTS = 2000  # ... and at most this many part files on large ones (1M prompts: 1,954 parts of 512)
+# many samples per prompt: shards of fewer than SHARD_GRANULE prompts only on inputs this small (such a shard reads
+# its whole granule: the rows around it are read again, a compressed file's stream restarted)
+SMALL_INPUT = MIN_SHARDS * SHARD_GRANULE
 
 
 @dataclass(frozen=True)
 class ShardLayout:
     """How the job's output rows are cut: blocks of `shard_size` prompts (input rows), each block's
-    `samples` samples per prompt in ranges of `samples_per_shard` (the last range may be shorter)."""
+    `samples` samples per prompt in ranges of `samples_per_shard` (the last range may be shorter). The
+    source's own `shard_size` (its scan's offsets) may be larger: `load_shard` reads the granule around."""
 
     num_rows: int  # prompts
     shard_size: int  # prompts per block
@@ -73,19 +78,22 @@ def shard_layout(num_rows: int, samples: int = 1, shard_size: int | None = None)
     """The shards of `num_rows` prompts x `samples` samples, sized by output rows.
 
     shard_size: output rows per shard (None: `auto_shard_size` of the output rows). A block holds
-    shard_size // samples prompts (auto: rounded up to a multiple of SHARD_GRANULE, so the scan's offsets
-    fit), at least one; when a block's samples still make more than shard_size rows (few prompts, many
-    samples), its samples are split into ranges, so that every actor gets some of them.
+    shard_size // samples prompts, at least one, with all their samples, so that the samples of a prompt
+    share its prefill in one actor's batch; when one prompt's samples are more than shard_size rows, its
+    samples are split into ranges, so that every actor gets some of them. Auto: a block of SHARD_GRANULE
+    prompts or more is a multiple of it (the scan's JSONL/CSV offsets are every SHARD_GRANULE rows); fewer
+    only on inputs of at most SMALL_INPUT prompts (a block inside a granule is read with its granule).
     A pure function of its arguments: resume re-plans the same shards (the manifest records the result)."""
     if samples < 1:
         raise ValueError(f"shard_layout: samples must be >= 1, got {samples}")
-    if shard_size is None:
-        rows = auto_shard_size(num_rows * samples)
-        block = max(SHARD_GRANULE, -(-rows // samples // SHARD_GRANULE) * SHARD_GRANULE) if samples > 1 else rows
-    else:
-        rows = shard_size
-        block = max(1, rows // samples)
-    splits = min(samples, max(1, -(-min(block, num_rows) * samples // rows)))
+    rows = auto_shard_size(num_rows * samples) if shard_size is None else shard_size
+    block = max(1, rows // samples)
+    if shard_size is None and samples > 1:
+        block = block // SHARD_GRANULE * SHARD_GRANULE if block >= SHARD_GRANULE or num_rows > SMALL_INPUT \
+            else block
+        block = max(block, 1 if num_rows <= SMALL_INPUT else SHARD_GRANULE)
+    wanted = min(block, num_rows) * samples / rows  # shards for one block's rows: at most (explicit), about (auto)
+    splits = min(samples, max(1, math.ceil(wanted) if shard_size is not None else int(wanted)))
     return ShardLayout(num_rows, block, samples, -(-samples // splits))
 
 
@@ -226,8 +234,27 @@ def load_shard(
     task: ShardTask, source: Source, tokenizer: Any, data: DataConfig, base_seed: int, cache: ReadCache | None = None
 ) -> Shard:
     """Read, render (chat) and tokenize one shard's rows; a row that cannot be used keeps its problem."""
-    shard = shard_of_rows(task.index, read_rows(source, task.start, task.stop, cache), tokenizer, data, base_seed)
+    rows = read_rows(source, *_aligned(source, task.start, task.stop), cache)
+    skip = task.start % source.shard_size  # a block inside the source's granule: its rows of the granule
+    if skip or len(rows) != len(task):
+        rows = _rows_slice(rows, skip, skip + len(task))
+    shard = shard_of_rows(task.index, rows, tokenizer, data, base_seed)
     return dataclasses.replace(shard, sample_start=task.sample_start, sample_stop=task.sample_stop)
+
+
+def _aligned(source: Source, start: int, stop: int) -> tuple[int, int]:
+    """[start, stop) widened to the source's granule (its JSONL/CSV offsets are at multiples of it)."""
+    size = source.shard_size
+    return start - start % size, min(source.num_rows, stop + (-stop) % size)
+
+
+def _rows_slice(rows: PromptRows, start: int, stop: int) -> PromptRows:
+    def cut(values):
+        return None if values is None else values[start:stop]
+
+    return dataclasses.replace(rows, ids=rows.ids[start:stop], texts=cut(rows.texts), messages=cut(rows.messages),
+                               problems=rows.problems[start:stop], budgets=cut(rows.budgets),
+                               extras=None if rows.extras is None else {k: v[start:stop] for k, v in rows.extras.items()})
 
 
 def shard_of_rows(index: int, rows: PromptRows, tokenizer: Any, data: DataConfig, base_seed: int) -> Shard:

@@ -20,22 +20,25 @@ from pipeline.generate.job import RunHooks, run_generate
 from pipeline.generate.output import output_schema
 from pipeline.generate.plan import prepare
 from pipeline.generate.reader import read_output
-from pipeline.generate.shards import SHARD_GRANULE, auto_shard_size, sample_seed, shard_layout
+from pipeline.generate.shards import SHARD_GRANULE, SMALL_INPUT, auto_shard_size, sample_seed, shard_layout
 from pipeline.generate.worker import ShardGenerator, WorkerJob
 
 PROMPTS = ["the cat sat on", "a dog ran to the", "one two three", "big red house by the", "blue sky over"]
 
 
-@pytest.mark.parametrize("prompts,samples,shards,per_shard", [
-    (16, 4, 4, 1),  # the issue's case: one shard by prompts; four by rows (each: 16 prompts x 1 sample)
-    (4, 16, 4, 4),  # 4 prompts x 16 samples: 4 shards of 4 prompts x 4 samples
-    (4, 64, 16, 4),  # 4 prompts x 64 samples: 16 shards, enough for 8 actors
-    (1000, 4, 63, 4),  # many prompts: blocks of 16 prompts x all 4 samples (one prefill per prompt)
+@pytest.mark.parametrize("prompts,samples,shards,block,per_shard", [
+    (16, 4, 4, 4, 4),  # the issue's case: one shard by prompts; four by rows (4 prompts x 4 samples each)
+    (4, 16, 4, 1, 16),  # 4 prompts x 16 samples: a shard per prompt
+    (4, 64, 16, 1, 16),  # 4 prompts x 64 samples: 16 shards of 16 samples, enough for 8 actors
+    (1000, 4, 63, 16, 4),  # many prompts: 16 prompts x all 4 samples a shard
+    (30_000, 32, 1875, 16, 32),  # large inputs: blocks of whole granules (no rows read twice)
 ])
-def test_auto_layout_counts_output_rows(prompts, samples, shards, per_shard):
+def test_auto_layout_counts_output_rows(prompts, samples, shards, block, per_shard):
     layout = shard_layout(prompts, samples)
-    assert (layout.num_shards, layout.samples_per_shard, layout.output_rows) == (shards, per_shard, prompts * samples)
-    assert layout.shard_size % SHARD_GRANULE == 0  # the scan's JSONL/CSV offsets fit the blocks
+    assert (layout.num_shards, layout.shard_size, layout.samples_per_shard) == (shards, block, per_shard)
+    assert layout.output_rows == prompts * samples
+    if prompts > SMALL_INPUT:
+        assert layout.shard_size % SHARD_GRANULE == 0  # the scan's JSONL/CSV offsets fit the blocks
 
 
 @pytest.mark.parametrize("prompts", [1, 15, 16, 17, 100, 5000, 200_000])
@@ -97,7 +100,7 @@ def test_rows_are_byte_identical_for_1_2_and_4_shards(tiny_pair, tmp_path, gener
         table, plan = run_every_shard(tiny_pair, tmp_path, generator, f"out{size}", rows, shard_size=size, **settings)
         assert plan.num_shards == shards and table.num_rows == 16
         tables[size] = table
-    assert [plan.shard(i).sample_start for i in range(4)] == [0, 4, 0, 4]
+    assert [(plan.shard(i).start, plan.shard(i).sample_start) for i in range(4)] == [(0, 0), (0, 4), (1, 0), (1, 4)]
     first = content(tables[16])
     assert [(r["id"], r["sample_index"]) for r in first] == [(f"r{i}", s) for i in range(2) for s in range(8)]
     assert len({tuple(r["completion_token_ids"]) for r in first}) > 2  # independent samples
@@ -127,6 +130,30 @@ def test_per_row_n_up_to_max_samples(tiny_pair, tmp_path, generator):
     assert len(errors) == 2 and "set data.max_samples" in errors[0] and "spectr.num_samples" in errors[0]
 
 
+@pytest.mark.parametrize("suffix", ["jsonl", "jsonl.gz", "csv"])
+def test_blocks_inside_a_granule_read_their_own_rows(tiny_pair, tmp_path, suffix):
+    """20 prompts x 4 samples, auto: blocks of 4 prompts while the JSONL/CSV scan keeps an offset every 16 rows;
+    each shard reads its granule and keeps its own rows (ids in order, each once)."""
+    import gzip
+
+    from pipeline.generate.shards import load_shard
+    from pipeline.models import load_tokenizer
+
+    ids = [f"q{i}" for i in range(20)]
+    path = tmp_path / f"p.{suffix}"
+    if suffix == "csv":
+        text = "id,prompt\n" + "".join(f"{i},{PROMPTS[k % 5]}\n" for k, i in enumerate(ids))
+    else:
+        text = "".join(json.dumps({"id": i, "prompt": PROMPTS[k % 5]}) + "\n" for k, i in enumerate(ids))
+    path.write_bytes(gzip.compress(text.encode()) if suffix.endswith("gz") else text.encode())
+    plan = prepare(from_dict(job_config(tiny_pair, path, tmp_path / "out", shard_size=None,
+                                        **{"spectr.num_samples": 4})))
+    assert (plan.shard_size, plan.source.shard_size, plan.num_shards) == (4, SHARD_GRANULE, 5)
+    tokenizer = load_tokenizer(tiny_pair["target"], "model.target", False)
+    read = [load_shard(plan.shard(i), plan.source, tokenizer, plan.config.data, 0).ids for i in range(5)]
+    assert read == [ids[4 * i: 4 * i + 4] for i in range(5)]
+
+
 def test_max_samples_below_num_samples_is_refused(tiny_pair, tmp_path):
     from pipeline.errors import JobInputError
 
@@ -137,8 +164,10 @@ def test_max_samples_below_num_samples_is_refused(tiny_pair, tmp_path):
 
 
 def test_job_spreads_few_prompts_samples_over_both_actors(tiny_pair, tmp_path, ray_local, caplog):
-    """16 prompts x 4 samples: 4 shards of output rows (not 1 of prompts), both actors busy; the first line
-    counts rows; the summary says how many prefills were shared."""
+    """16 prompts x 4 samples: 4 shards of output rows (4 prompts x 4 samples; not 1 shard of prompts), both
+    actors busy; the first line counts rows; the summary says how many prefills were shared (the samples of a
+    prompt are in one shard: at most one prefill per prompt unless a copy joins after its prompt's last live
+    row finished); resume by shard leaves every (id, sample_index) once."""
     data = write_prompts(tmp_path, [{"id": i, "prompt": PROMPTS[i % 5]} for i in range(16)])
     raw = job_config(tiny_pair, data, tmp_path / "out", shard_size=None,
                      **{"spectr.num_samples": 4, "spectr.max_new_tokens": 4, "spectr.batch_size": 8})
@@ -155,7 +184,7 @@ def test_job_spreads_few_prompts_samples_over_both_actors(tiny_pair, tmp_path, r
     assert len(records) == 4 and len(workers) == 2  # the samples spread over both actors
     summary = report.summary
     assert summary.num_prompts == 64 and summary.prompts_completed == 64
-    assert summary.prefilled_rows + summary.shared_prefill_rows == 64
+    assert summary.prefilled_rows + summary.shared_prefill_rows == 64 and summary.shared_prefill_rows > 0
     # resume: as if the driver died once two shards were listed; the other two (and only they) run again
     out = tmp_path / "out"
     (out / "_commits.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:2]))
@@ -165,7 +194,7 @@ def test_job_spreads_few_prompts_samples_over_both_actors(tiny_pair, tmp_path, r
     dispatched = []
     again = run_generate(from_dict(raw), RunHooks(on_dispatch=lambda actor, shard: dispatched.append(shard)))
     assert again.exit_code == 0 and sorted(s.index for s in dispatched) == sorted(r["shard"] for r in records[2:])
-    assert {(s.sample_start, s.sample_stop) for s in dispatched} <= {(k, k + 1) for k in range(4)}
+    assert {(s.stop - s.start, s.sample_start, s.sample_stop) for s in dispatched} == {(4, 0, 4)}
     again_table = read_output(out)
     assert content(again_table) != [] and sorted(zip(again_table["id"].to_pylist(),
                                                       again_table["sample_index"].to_pylist())) == [
