@@ -6,7 +6,7 @@
 - Exactness: rows of a batch with a min_p warp, and rows with a logit bias, each follow their own warped target law
   (chi-square of the first 3 tokens against enumeration, as test_exactness_e2e) under speculative, block and spectr.
   Negative control: the same runs with the warp applied to the draft only (the verify reads the unwarped target) are
-  rejected by the same test.
+  rejected by the same test, under each of the three methods.
 """
 
 from __future__ import annotations
@@ -96,8 +96,9 @@ def test_rows_with_min_p_or_a_logit_bias_follow_their_warped_target_law(pair, la
 
 
 @pytest.mark.parametrize("name", list(WARPS))
-def test_negative_control_a_warp_on_the_draft_only_is_rejected(pair, laws, name):
-    tokens = sample(pair, "spectr", 3, 2, WARPS[name], target_ignores_warp=True)
+@pytest.mark.parametrize("method,num_drafts,draft_length", CASES)
+def test_negative_control_a_warp_on_the_draft_only_is_rejected(pair, laws, name, method, num_drafts, draft_length):
+    tokens = sample(pair, method, num_drafts, draft_length, WARPS[name], target_ignores_warp=True)
     assert chi_square_pvalue(tokens, laws[name]) < REJECT_P
 
 
