@@ -367,23 +367,36 @@ def test_actors_do_not_import_the_ray_data_llm_registry(ray_local):
     assert pipeline.ray_data.RAY_DATA_LLM_REGISTERED
 
 
-@pytest.mark.slow
-def test_the_first_example_of_docs_ray_data_runs_as_written(ray_local, tiny_pair, tmp_path):
+def run_the_first_example_of_docs_ray_data(tiny_pair, tmp_path, num_rows: int, concurrency: str) -> list[dict]:
     """docs/ray-data.md's first example, executed as written but for its paths (the tiny pair, local Parquet for
-    S3), a short budget and half a CPU per actor (the local Ray has 2): a pipeline written as for ray.data.llm."""
+    S3), a short budget, and `concurrency` in place of its `concurrency=2,` (half a CPU per actor: the local Ray
+    has 2): a pipeline written as for ray.data.llm, with SpecTr's config class. Its output rows, by id."""
     from pipeline.config import PROJECT_ROOT
 
     text = (PROJECT_ROOT / "docs" / "ray-data.md").read_text()
     code = text.split("```python\n", 1)[1].split("```", 1)[0]
     rng = random.Random(5)
-    pq.write_table(pa.Table.from_pylist([{"id": i, "text": words(rng)} for i in range(12)]), tmp_path / "in.parquet")
+    pq.write_table(pa.Table.from_pylist([{"id": i, "text": words(rng)} for i in range(num_rows)]),
+                   tmp_path / "in.parquet")
     for old, new in (("assets/models/target", str(tiny_pair["target"])), ("assets/models/draft", str(tiny_pair["draft"])),
-                     ("concurrency=2,", "concurrency=2, num_cpus=0.5,"), ('"max_tokens": 128', '"max_tokens": 4'),
+                     ("concurrency=2,", f"{concurrency} num_cpus=0.5,"), ('"max_tokens": 128', '"max_tokens": 4'),
                      ('"s3://bucket/prompts/"', repr(str(tmp_path / "in.parquet"))),
                      ('"s3://bucket/completions/"', repr(str(tmp_path / "out")))):
         assert old in code, old
         code = code.replace(old, new)
     exec(compile(code, "docs/ray-data.md", "exec"), {})
     out = sorted(pq.read_table(tmp_path / "out").to_pylist(), key=lambda r: r["id"])
-    assert [r["id"] for r in out] == list(range(12)) and set(out[0]) == {"id", "completion", "tokens", "reason"}
+    assert [r["id"] for r in out] == list(range(num_rows)) and set(out[0]) == {"id", "completion", "tokens", "reason"}
     assert all(r["reason"] in ("stop", "length") and 1 <= r["tokens"] <= 4 for r in out)
+    return out
+
+
+def test_the_first_example_of_docs_ray_data_runs_on_one_actor(ray_local, tiny_pair, tmp_path):
+    """The light sibling of the next test (the default suite's): the example's own code on 4 rows, one actor."""
+    run_the_first_example_of_docs_ray_data(tiny_pair, tmp_path, 4, "concurrency=1,")
+
+
+@pytest.mark.slow  # its light sibling: test_the_first_example_of_docs_ray_data_runs_on_one_actor
+def test_the_first_example_of_docs_ray_data_runs_as_written(ray_local, tiny_pair, tmp_path):
+    """docs/ray-data.md's first example on 12 rows, with its two actors."""
+    run_the_first_example_of_docs_ray_data(tiny_pair, tmp_path, 12, "concurrency=2,")
