@@ -219,3 +219,31 @@ def test_the_output_hash_changes_only_with_a_setting_that_is_on(tiny_pair, tmp_p
     by_text = job_config(tiny_pair, tmp_path / "in.jsonl", tmp_path / "out", **{"spectr.logit_bias": {"5": 1}})
     by_int = job_config(tiny_pair, tmp_path / "in.jsonl", tmp_path / "out", **{"spectr.logit_bias": {5: 1.0}})
     assert generation_settings(from_dict(by_text)) == generation_settings(from_dict(by_int)) != plain
+
+
+def test_the_ray_data_stage_takes_them_as_engine_kwargs(tiny_pair):
+    """engine_kwargs take the same keys (the stage's job-level settings): every row gets them, a row's
+    sampling_params replaces them; a bad value is refused on the driver, naming the key."""
+    import pyarrow as pa
+
+    from pipeline.ray_data import SpecTrProcessorConfig, SpecTrStage
+
+    engine = {"method": "speculative", "draft_length": 2, "temperature": 0.0, "ignore_eos": True,
+              "max_new_tokens": 6, **PENALTIES}
+    config = SpecTrProcessorConfig(model_source=str(tiny_pair["target"]), draft_model_source=str(tiny_pair["draft"]),
+                                   batch_size=4, engine_kwargs=engine)
+    stage = SpecTrStage(config)
+    prompt = "the cat sat on the"
+    out = stage.generate(pa.Table.from_pylist([
+        {"prompt": prompt, "sampling_params": {"seed": 1}},
+        {"prompt": prompt, "sampling_params": {"seed": 1, "repetition_penalty": 1.0, "frequency_penalty": 0.0,
+                                               "presence_penalty": 0.0}}])).to_pylist()
+    g = stage.generator
+    ids = g.tokenizer(prompt)["input_ids"]
+    penalised = generate(g.target, g.draft, [ids], method="speculative", draft_length=2, max_new_tokens=6,
+                         temperature=0.0, eos_token_id=None, **PENALTIES).tokens[0]
+    assert out[0]["generated_tokens"] == penalised and out[0]["finish_reason"] == "length"
+    assert out[1]["generated_tokens"] == hf_greedy(g.target, ids, 6) != penalised
+    with pytest.raises(ValueError, match=r"spectr.repetition_penalty must be > 0"):
+        SpecTrProcessorConfig(model_source=str(tiny_pair["target"]), draft_model_source=str(tiny_pair["draft"]),
+                              engine_kwargs={"repetition_penalty": -1.0})
