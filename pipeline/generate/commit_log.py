@@ -1,7 +1,7 @@
 """The commit log: one record per finished shard, appended and never rewritten.
 
     log = open_commit_log(output)          # under the job's lease
-    log.append({"shard": 3, "file": "part-000003.parquet", "rows": 16, "bytes": 5012, ...})
+    log.append({"shard": 3, "file": "part-000003-<run>-0.parquet", "rows": 16, "bytes": 5012, ...})
     for record in read_commit_records(output): ...
 
 On a local disk or NFS the log is `_commits.jsonl`: each record is one line, written, flushed and fsynced

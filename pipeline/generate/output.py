@@ -2,7 +2,8 @@
 
 Layout (docs/architecture.md, "Output directory"):
 
-    part-000000.parquet ...  one per shard, one row per prompt, written by the worker that generated it
+    part-000000-<run>-<attempt>.parquet ...  one per shard, one row per prompt, written by the worker that
+                             generated it, named for its run and attempt (`ShardTask.fence`)
     _manifest.json           config hash + settings, written once when the directory is started
     _commits.jsonl           one line per finished shard (`_commits/` segments on object stores)
     _lease.json              the job writing the directory now (removed when it ends)

@@ -101,10 +101,10 @@ def shard_layout(num_rows: int, samples: int = 1, shard_size: int | None = None)
 class ShardTask:
     """What the driver sends a worker: which shard, which rows, which attempt. No row data.
 
-    The attempt fences the writer: the first attempt at a shard no run has listed writes
-    `part-NNNNNN.parquet`; every other attempt (a re-dispatch in this run, or a shard an earlier run
-    listed) writes `part-NNNNNN-<run>-<attempt>.parquet`, so a late writer the driver gave up on never
-    replaces the part the commit log names."""
+    The attempt fences the writer: every attempt writes `part-NNNNNN-<run>-<attempt>.parquet`, its run's tag
+    included, so a late writer (one the driver gave up on, or one of an earlier, killed run: its first attempt
+    at a shard is attempt 0 too) never replaces the part the commit log names; the run's cleanup removes the
+    parts the log does not name."""
 
     index: int
     start: int
@@ -125,8 +125,8 @@ class ShardTask:
 
     @property
     def fence(self) -> str:
-        """The part name's attempt suffix ('' for the first attempt at a fresh shard)."""
-        return "" if self.fresh and self.attempt == 0 else f"{self.run}-{self.attempt}"
+        """The part name's attempt suffix: `<run>-<attempt>` ('' only for a task of no run: tests and tools)."""
+        return f"{self.run}-{self.attempt}" if self.run else (str(self.attempt) if self.attempt else "")
 
     def again(self) -> ShardTask:
         """The same shard's next attempt (a new part name: the last attempt may still write late)."""
@@ -193,7 +193,7 @@ def part_digits(total_shards: int) -> int:
 
 
 def part_name(index: int, digits: int = MIN_PART_DIGITS, fence: str = "") -> str:
-    """`part-NNNNNN.parquet`, or `part-NNNNNN-<fence>.parquet` for a fenced attempt (`ShardTask.fence`)."""
+    """`part-NNNNNN-<fence>.parquet` (`ShardTask.fence`), or `part-NNNNNN.parquet` with no fence."""
     return f"part-{index:0{digits}d}{'-' + fence if fence else ''}.parquet"
 
 

@@ -82,15 +82,16 @@ def test_one_row_per_prompt_with_contract_types(finished_run, prompts_jsonl):
     ]  # fmt: skip (completion_logprobs with spectr.logprobs, then the data.keep_columns)
     assert set(table.column("finish_reason").to_pylist()) <= {"stop", "length"}
     assert table.column("error").null_count == 40
-    assert sorted(p.name for p in out.iterdir()) == ["_SUCCESS", "_commits.jsonl", "_manifest.json", "_mlflow_run.json"] + [
-        f"part-{i:06d}.parquet" for i in range(5)
-    ]
+    parts = sorted(p.name for p in out.glob("part-*"))
+    assert sorted(p.name for p in out.iterdir()) == ["_SUCCESS", "_commits.jsonl", "_manifest.json", "_mlflow_run.json"] + parts
+    tag = parts[0].split("-")[2]  # the run's tag is in every part's name (a late writer of another run: #40)
+    assert parts == [f"part-{i:06d}-{tag}-0.parquet" for i in range(5)]
     manifest = json.loads((out / "_manifest.json").read_text())
     commits = commit_records(out)
     assert manifest["num_rows"] == 40 and [c["rows"] for c in commits] == [8] * 5
     assert sorted(c["shard"] for c in commits) == list(range(5))
     assert all(c["bytes"] == (out / c["file"]).stat().st_size for c in commits)
-    settings = read_settings(out / "part-000000.parquet")
+    settings = read_settings(out / parts[0])
     assert settings["spectr"]["num_drafts"] == 2 and settings["spectr"]["draft_length"] == 3
     assert settings["model"]["target"] == finished_run["raw"]["model"]["target"]
     assert settings["config_hash"] == manifest["config_hash"]
@@ -128,6 +129,12 @@ def test_mlflow_sqlite_run_has_contract_metrics_params_and_artifacts(finished_ru
     assert "mlflow ui --backend-store-uri sqlite:///" in runner.format_report(report)
 
 
+def part(out: Path, index: int) -> Path:
+    """Shard `index`'s one part file (named for its run and attempt)."""
+    (found,) = out.glob(f"part-{index:06d}-*.parquet")
+    return found
+
+
 def test_resume_does_only_missing_shards(finished_run, tmp_path, ray_local):
     out = tmp_path / "out"
     shutil.copytree(finished_run["out"], out)
@@ -135,10 +142,10 @@ def test_resume_does_only_missing_shards(finished_run, tmp_path, ray_local):
     # middle of appending its line), with shard 4 never finished and a temporary file left behind
     kept = [line for line in (out / "_commits.jsonl").read_text().splitlines() if json.loads(line)["shard"] < 3]
     (out / "_commits.jsonl").write_text("\n".join(kept) + '\n{"shard": 3, "fi')
-    (out / "part-000004.parquet").unlink()
+    part(out, 4).unlink()
     (out / "_SUCCESS").unlink()
     (out / ".part-000004.parquet.tmp-99-ab12cd34").write_bytes(b"half a file")
-    before = {i: digest(out / f"part-{i:06d}.parquet") for i in range(3)}
+    before = {i: digest(part(out, i)) for i in range(3)}
 
     dispatched = []
     raw = dict(finished_run["raw"], output_dir=str(out), mlflow={"enabled": False}, ray={"num_actors": 1})
@@ -146,7 +153,7 @@ def test_resume_does_only_missing_shards(finished_run, tmp_path, ray_local):
         from_dict(raw), RunHooks(on_dispatch=lambda actor, shard: dispatched.append(shard.index))
     )
     assert sorted(dispatched) == [3, 4] and report.summary.prompts_this_run == 16
-    assert {i: digest(out / f"part-{i:06d}.parquet") for i in range(3)} == before
+    assert {i: digest(part(out, i)) for i in range(3)} == before
     assert (out / "_SUCCESS").exists() and not list(out.glob(".*tmp*")) and not (out / "_lease.json").exists()
     assert sorted(c["shard"] for c in commit_records(out)) == list(range(5))  # the torn line was cut off
     assert (
@@ -502,7 +509,7 @@ def test_parquet_rows_read_back_with_pyarrow_dataset(finished_run):
 
     dataset = ds.dataset(str(finished_run["out"]), format="parquet", exclude_invalid_files=True)
     assert dataset.count_rows() == 40
-    assert pq.read_metadata(finished_run["out"] / "part-000000.parquet").num_rows == 8
+    assert pq.read_metadata(part(finished_run["out"], 0)).num_rows == 8
 
 
 def test_the_ray_data_stage_gives_the_jobs_tokens_for_the_same_rows(finished_run, prompts_jsonl):

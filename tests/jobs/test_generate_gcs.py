@@ -34,7 +34,8 @@ def test_a_job_writes_its_output_to_gs(tiny_pair, prompts_jsonl, tmp_path, ray_l
         out = fs.resolve("gs://results/run1", "output_dir")
         names = [f.path.rsplit("/", 1)[-1] for f in fs.list_files(out, "output_dir")]
         assert "_SUCCESS" in names and "_lease.json" not in names, names  # complete; the lease released
-        assert sorted(n for n in names if n.startswith("part-")) == [f"part-{i:06d}.parquet" for i in range(5)]
+        parts = sorted(n for n in names if n.startswith("part-"))
+        assert [n.split("-")[1] for n in parts] == [f"{i:06d}" for i in range(5)], parts  # one part per shard
     requests = (tmp_path / "gcs-preconditions.log").read_text()
     assert "ifGenerationMatch=0" in requests  # the lease was created with a generation precondition
     assert re.search(r"DELETE \S*_lease.json\?ifGenerationMatch=[1-9]", requests)  # and released with one

@@ -167,7 +167,8 @@ def test_a_run_left_running_is_marked_killed_and_continued_on_resume(
     client.update_run(first.run_id, status="RUNNING")  # as SIGKILL leaves it: nothing could end it
     kept = [line for line in (out / "_commits.jsonl").read_text().splitlines() if json.loads(line)["shard"] == 0]
     (out / "_commits.jsonl").write_text("\n".join(kept) + "\n")
-    (out / "part-000001.parquet").unlink()
+    (part,) = out.glob("part-000001-*.parquet")  # named for its run and attempt
+    part.unlink()
     (out / "_SUCCESS").unlink()
 
     with caplog.at_level("WARNING"):
@@ -192,7 +193,7 @@ def driver_command(tiny_pair, data: Path, out: Path, address: str, tracking_uri:
         f"ray.address={address}",
         "spectr.method=spectr", "spectr.num_drafts=2", "spectr.draft_length=3", "spectr.max_new_tokens=40", "spectr.batch_size=1",
         f"mlflow.tracking_uri={tracking_uri}", "mlflow.experiment=killed-test", "mlflow.log_every_s=0.2",
-        "progress=false",
+        "progress=false", "lease_timeout_s=6",  # the killed driver's lease: taken over after 6 s of watching
     ]  # fmt: skip
 
 

@@ -28,7 +28,7 @@ def command(tiny_pair, data: Path, out: Path, address: str) -> list[str]:
         f"model.target={tiny_pair['target']}", f"model.draft={tiny_pair['draft']}",
         f"data.path={data}", f"output_dir={out}", "shard_size=4", "ray.num_actors=1", f"ray.address={address}",
         "spectr.method=spectr", "spectr.num_drafts=2", "spectr.draft_length=3", "spectr.max_new_tokens=40", "spectr.batch_size=1",
-        "mlflow.enabled=false", "progress=false",
+        "mlflow.enabled=false", "progress=false", "lease_timeout_s=6",  # the killed driver's lease: 6 s of watching
     ]  # fmt: skip
 
 

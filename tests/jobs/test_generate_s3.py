@@ -67,9 +67,9 @@ def test_input_and_output_on_s3(s3, s3_run):
     table = read_output("s3://results/run1")
     assert table.column("id").to_pylist() == [r["id"] for r in rows]  # exactly once, in order
     names = [name for name in keys(s3["client"], "results", "run1/") if name]  # '': pyarrow's folder marker
-    assert names == ["_SUCCESS", "_commits/seg-000001-000000.jsonl", "_manifest.json"] + [
-        f"part-{i:06d}.parquet" for i in range(5)
-    ]  # no lease left, no temporary objects
+    assert names == ["_SUCCESS", "_commits/seg-000001-000000.jsonl", "_manifest.json"] + sorted(
+        record["file"] for record in committed(s3["client"], "run1").values()
+    )  # no lease left, no temporary objects: the committed parts only
     manifest = json.loads(s3["client"].get_object(Bucket="results", Key="run1/_manifest.json")["Body"].read())
     assert [f["path"] for f in manifest["settings"]["inputs"]] == [
         f"s3://prompts/pq/part-{i}.parquet" for i in range(2)
@@ -82,7 +82,7 @@ def test_s3_resume_redoes_only_the_missing_shard(s3, s3_run):
     the rerun generates shard 4 only, leaves the other parts untouched, and every row comes out once."""
     client = s3["client"]
     for name in keys(client, "results", "run1/"):
-        if name and name not in ("_SUCCESS", "part-000004.parquet"):
+        if name and name not in ("_SUCCESS", committed(client, "run1")[4]["file"]):
             client.copy_object(
                 Bucket="results", Key=f"resumed/{name}", CopySource={"Bucket": "results", "Key": f"run1/{name}"}
             )
@@ -90,7 +90,8 @@ def test_s3_resume_redoes_only_the_missing_shard(s3, s3_run):
     lines = client.get_object(Bucket="results", Key=segment)["Body"].read().decode().splitlines()
     kept = [line for line in lines if json.loads(line)["shard"] != 4]
     client.put_object(Bucket="results", Key=segment, Body=("\n".join(kept) + "\n").encode())
-    etags = {i: client.head_object(Bucket="results", Key=f"resumed/part-{i:06d}.parquet")["ETag"] for i in range(4)}
+    parts = {i: record["file"] for i, record in committed(client, "run1").items()}
+    etags = {i: client.head_object(Bucket="results", Key=f"resumed/{parts[i]}")["ETag"] for i in range(4)}
 
     dispatched = []
     raw = dict(s3_run["raw"], output_dir="s3://results/resumed", ray={"num_actors": 1})
@@ -99,7 +100,7 @@ def test_s3_resume_redoes_only_the_missing_shard(s3, s3_run):
     assert read_output("s3://results/resumed").column("id").to_pylist() == [r["id"] for r in s3_run["rows"]]
     assert "_SUCCESS" in keys(client, "results", "resumed/") and len(committed(client, "resumed")) == 5
     for i, etag in etags.items():
-        assert client.head_object(Bucket="results", Key=f"resumed/part-{i:06d}.parquet")["ETag"] == etag, i
+        assert client.head_object(Bucket="results", Key=f"resumed/{parts[i]}")["ETag"] == etag, i
 
 
 def command(tiny_pair, out: str, address: str) -> list[str]:
@@ -109,6 +110,7 @@ def command(tiny_pair, out: str, address: str) -> list[str]:
         "data.path=s3://prompts/p.jsonl", f"output_dir={out}", "shard_size=4", "ray.num_actors=1",
         f"ray.address={address}", "spectr.method=spectr", "spectr.num_drafts=2", "spectr.draft_length=3", "spectr.max_new_tokens=24",
         "spectr.batch_size=1", "mlflow.enabled=false", "progress=false",
+        "lease_timeout_s=6",  # the killed driver's lease stands still: the rerun watches it 6 s, then takes it
     ]  # fmt: skip
 
 

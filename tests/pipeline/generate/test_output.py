@@ -163,15 +163,38 @@ def test_a_late_writer_never_replaces_the_committed_part_and_reader_checks_sizes
     Manifest("h", {}, num_rows=2, num_shards=1, id_kind="str").save(out)
     first = ShardTask(0, 0, 2, run="r1")
     second = first.again()
-    assert (first.fence, second.fence, ShardTask(0, 0, 2, run="r1", fresh=False).fence) == ("", "r1-1", "r1-0")
+    assert (first.fence, second.fence, ShardTask(0, 0, 2, run="r1", fresh=False).fence) == ("r1-0", "r1-1", "r1-0")
     log = AppendLog(out)
     name, size = write_shard(tmp_path, 0, [row(0), row(1)], output_schema("str"), fence=second.fence)
     commit(log, 0, name, size)
     log.close()
     late, _ = write_shard(tmp_path, 0, [row(7), row(8)], output_schema("str"), fence=first.fence)  # late writer
-    assert (name, late) == ("part-000000-r1-1.parquet", "part-000000.parquet")
+    assert (name, late) == ("part-000000-r1-1.parquet", "part-000000-r1-0.parquet")
     assert read_output(tmp_path).column("id").to_pylist() == ["p0", "p1"]
     assert remove_uncommitted_parts(out, {name}) == [late] and not (tmp_path / late).exists()
     (tmp_path / name).write_bytes((tmp_path / name).read_bytes() + b"x")  # not what the commit lists
     with pytest.raises(ValueError, match="commit lists"):
         read_output(tmp_path)
+
+
+def test_a_late_writer_of_an_earlier_run_is_removed_and_globbing_readers_read_each_id_once(tmp_path):
+    """#40 finding 5, without Ray (the job is tests/jobs/test_generate_late_run.py): run A was killed while its
+    first attempt at shard 0 (a shard no run had listed) was writing; run B's first attempt at it is committed;
+    then A's part lands. Every attempt's name carries its run's tag, so A's part sits beside B's instead of
+    replacing it; the cleanup of B's end removes it, and pyarrow.dataset then reads each id once."""
+    import pyarrow.dataset as ds
+
+    from pipeline.generate.output import remove_uncommitted_parts
+    from pipeline.generate.shards import ShardTask
+
+    out = fs.resolve(str(tmp_path), "output_dir")
+    Manifest("h", {}, num_rows=2, num_shards=1, id_kind="str").save(out)
+    run_a, run_b = ShardTask(0, 0, 2, run="aaaa0000"), ShardTask(0, 0, 2, run="bbbb1111")
+    log = AppendLog(out)
+    name, size = write_shard(tmp_path, 0, [row(0), row(1)], output_schema("str"), fence=run_b.fence)
+    commit(log, 0, name, size)
+    log.close()
+    late, _ = write_shard(tmp_path, 0, [row(0), row(1)], output_schema("str"), fence=run_a.fence)
+    assert late != name and (tmp_path / name).stat().st_size == size  # the committed part is untouched
+    assert remove_uncommitted_parts(out, {name}) == [late]
+    assert ds.dataset(str(tmp_path), format="parquet").to_table().column("id").to_pylist() == ["p0", "p1"]
