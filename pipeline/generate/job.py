@@ -11,6 +11,7 @@ no rows: it receives each shard's statistics, file name and size, and appends th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -19,6 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline import fs
 from pipeline.errors import JobFailedError, JobInputError
 from pipeline.generate import plan_cache
 from pipeline.generate.cluster import actor_resources, ray_session
@@ -32,6 +34,7 @@ from pipeline.generate.config import GenerateConfig
 from pipeline.generate.keep import PairKeeper, pair_key
 from pipeline.generate.lease import Lease
 from pipeline.generate.output import (
+    SUCCESS_NAME,
     output_schema,
     remove_stale_temporaries,
     remove_success,
@@ -45,7 +48,9 @@ from pipeline.generate.stats import empty_stats, merge_stats
 from pipeline.generate.summary import JobSummary, format_report
 from pipeline.generate.tracking import NullTracker, make_tracker
 from pipeline.generate.worker import ShardResult, WorkerJob
+from pipeline.models import check_model_dir
 from pipeline.redact import install_log_filter
+from pipeline.source import list_source
 from pipeline.tracking import check_reachable
 
 __all__ = ["JobPlan", "JobReport", "RunHooks", "format_report", "prepare", "raise_if_failed", "run_generate"]
@@ -83,25 +88,38 @@ class GenerationRun:
 
 
 def startup_phases(checked_s: float, ray_s: float, actors_s: float, workers: list[dict[str, Any]],
-                   waiting_mlflow_s: float, mlflow_s: float | None) -> dict[str, float]:
-    """Seconds per startup phase: the config and input check; Ray's start (from the check's end); the actors,
-    split into their own import-and-load seconds (the slowest actor's) and the rest (spawning them, Ray's
-    scheduling); MLflow's run creation (it overlaps Ray's start and the actors') and how long the driver then
-    still waited for it."""
+                   waiting_mlflow_s: float, mlflow_s: float | None, ray_during_check: bool = False) -> dict[str, float]:
+    """Seconds per startup phase, from the job's start: the config and input check (`checked_s`, its end);
+    Ray's start (`ray_s`, Ray up); the actors (`actors_s`, from the later of the two to all loaded), split into
+    their own import-and-load seconds (the slowest actor's) and the rest (spawning them, Ray's scheduling);
+    MLflow's run creation (it overlaps the actors' loading) and how long the driver then still waited for it.
+
+    ray_during_check: Ray started while the driver checked the input (`run_generate`): the phases that add up
+    are Ray's start and the wait for the check's end after it ("check_wait"); the check's own seconds are
+    shown as overlapped."""
     load = max((float(w.get("startup", {}).get("load_s", 0.0)) for w in workers), default=0.0)
-    phases = {"check": checked_s, "ray_start": max(0.0, ray_s - checked_s), "actor_spawn": max(0.0, actors_s - load),
-              "actor_load": min(load, actors_s), "mlflow_wait": waiting_mlflow_s}
+    if ray_during_check:
+        phases = {"ray_start": ray_s, "check_wait": max(0.0, checked_s - ray_s), "check": checked_s}
+    else:
+        phases = {"check": checked_s, "ray_start": max(0.0, ray_s - checked_s)}
+    phases.update({"actor_spawn": max(0.0, actors_s - load), "actor_load": min(load, actors_s),
+                   "mlflow_wait": waiting_mlflow_s})
     if mlflow_s is not None:
         phases["mlflow_start"] = mlflow_s
     return phases
 
 
 def startup_line(phases: dict[str, float]) -> str:
-    """One line: where the startup went (the phases that add up, then MLflow's overlapped start)."""
-    own = [k for k in ("check", "ray_start", "actor_spawn", "actor_load", "mlflow_wait") if k in phases]
+    """One line: where the startup went (the phases that add up, then what overlapped them: the check when Ray
+    started during it, MLflow's start)."""
+    overlapping = "check_wait" in phases  # the check ran while Ray started
+    order = ("ray_start", "check_wait") if overlapping else ("check", "ray_start")
+    own = [k for k in (*order, "actor_spawn", "actor_load", "mlflow_wait") if k in phases]
     total = sum(phases[k] for k in own)
     parts = " + ".join(f"{k.replace('_', ' ')} {phases[k]:.1f}" for k in own)
-    overlapped = f" (mlflow start {phases['mlflow_start']:.1f} s, overlapped)" if "mlflow_start" in phases else ""
+    aside = [f"check {phases['check']:.1f} s"] if overlapping else []
+    aside += [f"mlflow start {phases['mlflow_start']:.1f} s"] if "mlflow_start" in phases else []
+    overlapped = f" ({', '.join(aside)}, overlapped)" if aside else ""
     return f"startup {total:.1f} s = {parts}{overlapped}"
 
 
@@ -123,9 +141,23 @@ def run_generate(config: GenerateConfig, hooks: RunHooks | None = None, keep: Pa
     started = time.perf_counter()
     install_log_filter()  # no URI's password in the log
     quiet_libraries(config.verbose)
-    plan = prepare(config)
-    check_reachable(config.mlflow)
-    plan.checked_s = time.perf_counter() - started
+    with contextlib.ExitStack() as ray_early:  # Ray, when it started during the check (`_check`)
+        return _run(config, hooks, keep, _Startup(started, ray_early))
+
+
+@dataclass
+class _Startup:
+    """When the job started, and the Ray it started while checking the input (shut down by `_generate`, or at
+    the job's end)."""
+
+    started: float
+    ray_early: contextlib.ExitStack
+    ray_ready_s: float | None = None  # Ray up, seconds from `started`, when it started during the check
+
+
+def _run(config: GenerateConfig, hooks: RunHooks | None, keep: PairKeeper | None, startup: _Startup) -> JobReport:
+    started = startup.started
+    plan = _check(config, keep, startup)
     done = plan.state.rows_done
     unit = "prompts" if plan_samples(config) == 1 else "rows"  # output rows: prompts x samples
     log.info(
@@ -136,19 +168,96 @@ def run_generate(config: GenerateConfig, hooks: RunHooks | None = None, keep: Pa
         plan.num_shards,
         (f" (resuming: {done} {unit} already done)" if done else "") + (f"; {plan.limit_note}" if plan.limit_note else ""),
     )
-    tracker = make_tracker(config.mlflow, plan)
-    # MLflow's start-up (import, database, run) overlaps Ray's start and the actors' model loading.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlflow") as background:
-        tracker_started = background.submit(
-            _start_tracking, tracker, _params(plan), {"output_dir": str(plan.output_dir), "config_hash": plan.config_hash}
-        )
+        tracking = _TrackingStart(background, plan)
         try:
-            report = _execute(plan, tracker_started, hooks, started, keep)
+            report = _execute(plan, tracking, hooks, startup, keep)
         except BaseException:
-            if tracker_started.done() and tracker_started.exception() is None:
-                tracker_started.result().fail()
+            if tracking.started_ok():
+                tracking.result().fail()
             raise
     return report
+
+
+def _check(config: GenerateConfig, keep: PairKeeper | None, startup: _Startup) -> JobPlan:
+    """The config and input check (`prepare`, MLflow's server reachable). When the job will start Ray itself,
+    it starts it meanwhile: the cheap checks first (the input listed, both model directories), so that a typo
+    is refused before Ray starts; then the rest of the check (tokenizers, the input's scan) on a thread while
+    this thread starts Ray. ray.init stays on this thread: Ray's processes end when the thread that started
+    them ends. A refused job waits for Ray's start and shuts it down."""
+    if not _starts_ray(config, keep):
+        plan = _prepare_checked(config)
+        plan.checked_s = time.perf_counter() - startup.started
+        return plan
+    list_source(config.data)
+    for key, path in (("model.target", config.model.target), ("model.draft", config.model.draft)):
+        check_model_dir(path, key, config.model.allow_pickle)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="check") as checking:
+        checked = checking.submit(_prepare_checked, config, startup.started)
+        startup.ray_early.enter_context(_ray_session(config, keep))
+        startup.ray_ready_s = time.perf_counter() - startup.started
+        return checked.result()
+
+
+def _prepare_checked(config: GenerateConfig, started: float | None = None) -> JobPlan:
+    plan = prepare(config)
+    check_reachable(config.mlflow)
+    if started is not None:
+        plan.checked_s = time.perf_counter() - started
+    return plan
+
+
+def _starts_ray(config: GenerateConfig, keep: PairKeeper | None) -> bool:
+    """Whether this job starts (or joins) Ray itself, so that Ray's start can overlap the check: not when this
+    process is connected already (a notebook, a test session, the sweep's next cell), nor when the output
+    directory holds a finished job (a re-run that most likely has nothing to generate starts no Ray)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if config.output_dir:
+        try:
+            return not fs.exists(fs.resolve(config.output_dir, "output_dir").child(SUCCESS_NAME))
+        except JobInputError:
+            return False  # the check names what is wrong with output_dir
+    return True
+
+
+def _ray_session(config: GenerateConfig, keep: PairKeeper | None) -> contextlib.AbstractContextManager:
+    """The job's Ray: the sweep keeper's (kept for the next cell), or a session of its own."""
+    return keep.ray_session(config.ray, config.verbose) if keep else ray_session(config.ray, config.verbose)
+
+
+class _TrackingStart:
+    """The job's MLflow run, started on the background thread once the actors are spawned (`begin`): MLflow's
+    import, store creation (a new SQLite database takes seconds) and run then overlap the actors' loading,
+    not Ray's start or the check on the driver's critical path. `result()` begins it when nothing did."""
+
+    def __init__(self, background: ThreadPoolExecutor, plan: JobPlan):
+        self._background = background
+        self._plan = plan
+        self._future: Future | None = None
+
+    def begin(self) -> None:
+        if self._future is None:
+            plan = self._plan
+            tags = {"output_dir": str(plan.output_dir), "config_hash": plan.config_hash}
+            self._future = self._background.submit(_make_and_start_tracking, plan, _params(plan), tags)
+
+    def result(self) -> Any:
+        self.begin()
+        return self._future.result()
+
+    def started_ok(self) -> bool:
+        return self._future is not None and self._future.done() and self._future.exception() is None
+
+
+def _make_and_start_tracking(plan: JobPlan, params: dict[str, Any], tags: dict[str, str]) -> Any:
+    began = time.perf_counter()
+    tracker = _start_tracking(make_tracker(plan.config.mlflow, plan), params, tags)
+    if getattr(tracker, "start_s", None) is not None:
+        tracker.start_s = time.perf_counter() - began  # the startup line's "mlflow start": the store's creation too
+    return tracker
 
 
 def _start_tracking(tracker: Any, params: dict[str, Any], tags: dict[str, str]) -> Any:
@@ -202,19 +311,21 @@ def _open_output(plan: JobPlan) -> None:
         remove_success(plan.output)  # shards are regenerated: not a success until this run says so
 
 
-def _execute(plan: JobPlan, tracker_started: Future, hooks: RunHooks | None, started: float,
+def _execute(plan: JobPlan, tracking: _TrackingStart, hooks: RunHooks | None, startup: _Startup,
              keep: PairKeeper | None = None) -> JobReport:
+    started = startup.started
     schema = output_schema(plan.id_kind, _schema_settings(plan), logprobs=plan.config.spectr.logprobs,
                            kept=plan.source.columns.kept)
     with Lease.acquire(plan.output, plan.config.lease_timeout_s) as lease:
         plan.lease = lease
         plan.refresh()  # the directory as it is now that this job holds it
         if plan.shards_to_do:
-            run = _generate(plan, schema, tracker_started, hooks, started, keep)
+            run = _generate(plan, schema, tracking, hooks, startup, keep)
         else:
+            startup.ray_early.close()  # nothing to generate: a Ray started during the check is not needed
             _open_output(plan)
             run = GenerationRun()
-        tracker = tracker_started.result()
+        tracker = tracking.result()
         startup_s = run.generation_started - started if run.generation_started else 0.0
         return _finish(plan, tracker, run, started, startup_s)
 
@@ -233,24 +344,27 @@ def _worker_job(plan: JobPlan, schema: Any) -> WorkerJob:
 
 
 def _generate(
-    plan: JobPlan, schema: Any, tracker_started: Future, hooks: RunHooks | None, started: float,
+    plan: JobPlan, schema: Any, tracking: _TrackingStart, hooks: RunHooks | None, startup: _Startup,
     keep: PairKeeper | None = None,
 ) -> GenerationRun:
     """Start the actors (or, in a sweep, take the last cell's), then generate every shard still to do."""
     import ray
 
     config = plan.config
-    with keep.ray_session(config.ray, config.verbose) if keep else ray_session(config.ray, config.verbose):
+    started = startup.started
+    with startup.ray_early if startup.ray_ready_s is not None else _ray_session(config, keep):
         resources = actor_resources(config.ray, ray.cluster_resources(), plan.shards_to_do)
         count, cpus_each, gpus_each = resources
         kept = keep.take(pair_key(config, resources)) if keep else None
-        ray_ready = time.perf_counter()
+        ray_ready = started + startup.ray_ready_s if startup.ray_ready_s is not None else time.perf_counter()
         log.info("ray ready (%.1f s); %s %d actor(s)", ray_ready - started,
                  "the last sweep cell's pair stays loaded on its" if kept else "starting", count)
+        spawning = time.perf_counter()
         pool = ShardActorPool(config, count, cpus_each, gpus_each, _worker_job(plan, schema), kept=kept)
+        tracking.begin()  # MLflow's start overlaps the actors' loading
         ended = False
         try:
-            run = _generate_on(pool, plan, schema, tracker_started, hooks, started, resources, ray_ready)
+            run = _generate_on(pool, plan, schema, tracking, hooks, startup, resources, ray_ready, spawning)
             ended = True
             return run
         finally:
@@ -261,20 +375,25 @@ def _generate(
 
 
 def _generate_on(
-    pool: ShardActorPool, plan: JobPlan, schema: Any, tracker_started: Future, hooks: RunHooks | None,
-    started: float, resources: tuple[int, float, float], ray_ready: float = 0.0,
+    pool: ShardActorPool, plan: JobPlan, schema: Any, tracking: _TrackingStart, hooks: RunHooks | None,
+    startup: _Startup, resources: tuple[int, float, float], ray_ready: float, spawning: float,
 ) -> GenerationRun:
-    """Wait for the pool's actors (`resources`: their count, CPUs and GPUs each), then generate every shard
-    still to do on them."""
+    """Wait for the pool's actors (`resources`: their count, CPUs and GPUs each; spawned at `spawning`), then
+    generate every shard still to do on them."""
     count, cpus_each, gpus_each = resources
+    started = startup.started
     workers = pool.wait_ready()
     loaded = time.perf_counter()
     log.info("actors loaded the pair (%.1f s)", loaded - started)
-    tracker = tracker_started.result()  # MLflow's start overlapped Ray's and the actors'
+    tracker = tracking.result()  # MLflow's start overlapped the actors' loading
     if tracker.run_id:
         log.info("mlflow run %s (%.1f s)", tracker.run_id, time.perf_counter() - started)
-    phases = startup_phases(plan.checked_s, ray_ready - started, loaded - ray_ready, workers,
-                            time.perf_counter() - loaded, getattr(tracker, "start_s", None))
+    # the actors' phases run from the later of Ray's start and the check's end (the lease, the job's schema
+    # and the actors' spawning after it count as spawning)
+    actors_from = max(ray_ready, started + plan.checked_s)
+    phases = startup_phases(plan.checked_s, ray_ready - started, loaded - actors_from, workers,
+                            time.perf_counter() - loaded, getattr(tracker, "start_s", None),
+                            ray_during_check=startup.ray_ready_s is not None)
     log.info("%s", startup_line(phases))
     _open_output(plan)
     _within(plan.config.mlflow.shutdown_timeout_s, "mlflow: job start", _best_effort, "mlflow: job start",

@@ -261,8 +261,8 @@ def bad_input_files(tiny_pair, tmp_path_factory):
 
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
 def test_bad_input_is_refused_before_any_actor_starts(
-    case, tiny_pair, prompts_jsonl, bad_input_files, tmp_path, monkeypatch
-):
+    case, tiny_pair, prompts_jsonl, bad_input_files, tmp_path, monkeypatch, ray_local
+):  # on the session's Ray: a job that starts its own starts it during the check (test_startup.py)
     overrides, message = BAD_INPUTS[case]
     overrides = {k: v.format(tmp=bad_input_files) if isinstance(v, str) else v for k, v in overrides.items()}
     out = tmp_path / "out"
