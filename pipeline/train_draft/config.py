@@ -53,6 +53,7 @@ class TrainSpec:
     max_new_tokens: int = 128  # the target's completions of each prompt
     temperature: float = 1.0  # the target samples its completions, and both laws are read, at this temperature
     generate_batch_size: int = 32
+    sequences: int | None = None  # training prompts completed at most (the first ones); None: as many as drawn
     batch_size: int = 8  # sequences per step
     steps: int = 1000
     max_minutes: float | None = None  # wall-clock budget of the training loop (None: steps only)
@@ -151,6 +152,8 @@ def validate(config: DraftJobConfig) -> None:
         value = getattr(draft, key)
         if value is not None and (not isinstance(value, int) or value < 1):
             raise JobInputError(f"draft.{key}: a positive integer or null, got {value!r}")
+    if train.sequences is not None and (not isinstance(train.sequences, int) or train.sequences < 1):
+        raise JobInputError(f"train.sequences: a positive integer or null, got {train.sequences!r}")
     if not isinstance(train.law_cache_gib, (int, float)) or train.law_cache_gib < 0:
         raise JobInputError(f"train.law_cache_gib: a number >= 0 (0: the target runs at every step), "
                             f"got {train.law_cache_gib!r}")

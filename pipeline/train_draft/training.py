@@ -78,6 +78,9 @@ def run_train_draft(config: DraftJobConfig, tracker: Any = None) -> DraftResult:
     shape = draft_shape(target.config, config.draft)
     max_prompt = max(1, int(target.config.max_position_embeddings) - config.train.max_new_tokens - 1)
     train_prompts, heldout_prompts = read_prompt_ids(config.data, tokenizer, max_prompt)
+    # the loop draws train.steps x train.batch_size sequences in shuffled passes: no more need completing
+    wanted = config.train.steps * config.train.batch_size
+    train_prompts = train_prompts[: min(wanted, config.train.sequences or wanted)]
     folder = output.claim_output(config.out, config.run_key())
     # 2) the target's completions (cached for a resume)
     from pipeline.models import eos_token_ids_of
@@ -173,7 +176,7 @@ def _train(config, folder: Path, target, draft, train_set: Sequences, laws: Targ
         progress = max(state["step"] / train.steps, elapsed / budget_s if budget_s else 0.0)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(config, state["step"], progress)
-        rows = torch.randint(0, len(train_set), (train.batch_size,), generator=generator).tolist()
+        rows = batch_rows(len(train_set), train.batch_size, state["step"], train.seed)
         loss = _train_step(config, target, draft, optimizer, train_set, laws, rows, pad_id, device, autocast,
                            generator)
         state["step"] += 1
@@ -191,6 +194,28 @@ def _train(config, folder: Path, target, draft, train_set: Sequences, laws: Targ
     output.save_checkpoint(folder, draft, optimizer, state["step"], generator, state["seconds"])
     draft.eval()
     return state
+
+
+def batch_rows(count: int, batch_size: int, step: int, seed: int) -> list[int]:
+    """The sequences of step `step`: draws step * batch_size onwards of successive passes over the `count`
+    sequences, each pass a permutation seeded by (seed, pass), so every sequence is used once per pass and a
+    resumed run draws what the first would have."""
+    rows = []
+    for draw in range(step * batch_size, (step + 1) * batch_size):
+        rows.append(_permutation(count, seed, draw // count)[draw % count])
+    return rows
+
+
+_PERMUTATIONS: dict[tuple[int, int, int], list[int]] = {}
+
+
+def _permutation(count: int, seed: int, index: int) -> list[int]:
+    key = (count, seed, index)
+    if key not in _PERMUTATIONS:
+        _PERMUTATIONS.clear()  # the draws only move forward: the current pass is all that is kept
+        generator = torch.Generator().manual_seed(seed * 7919 + index)
+        _PERMUTATIONS[key] = torch.randperm(count, generator=generator).tolist()
+    return _PERMUTATIONS[key]
 
 
 def _train_step(config, target, draft, optimizer, train_set, laws, rows, pad_id, device, autocast,

@@ -101,7 +101,10 @@ def test_an_output_directory_holding_something_else_is_refused(sharp_target, tmp
 
 def test_another_run_in_the_output_directory_is_refused(sharp_target, tmp_path):
     out = tmp_path / "draft"
-    run(compose_config(sharp_target, out, "train.steps=2"))
+    first = run(compose_config(sharp_target, out, "train.steps=2"))
+    assert first.train_sequences == 2 * 4, "only the prompts 2 steps of 4 sequences draw are completed"
+    capped = run(compose_config(sharp_target, tmp_path / "capped", "train.steps=2", "train.sequences=5"))
+    assert capped.train_sequences == 5
     with pytest.raises(JobInputError, match="another target, data, draft or loss"):
         run(compose_config(sharp_target, out, "train.loss=tv"))
 
@@ -179,3 +182,14 @@ def test_steps_without_kept_laws_run_the_target_and_learn_the_same(sharp_target,
     kept = run(compose_config(sharp_target, tmp_path / "kept", "train.steps=3"))
     rerun = run(compose_config(sharp_target, tmp_path / "rerun", "train.steps=3", "train.law_cache_gib=0"))
     assert kept.history[0][1] == pytest.approx(rerun.history[0][1], rel=1e-3)
+
+
+def test_the_steps_draw_every_sequence_once_per_pass_and_resume_where_they_stopped():
+    from pipeline.train_draft.training import batch_rows
+
+    draws = [row for step in range(10) for row in batch_rows(7, 3, step, seed=5)]  # 30 draws over 7 sequences
+    for first in range(0, 28, 7):
+        assert sorted(draws[first: first + 7]) == list(range(7)), draws
+    assert draws[:7] != draws[7:14], "each pass in another order"
+    assert batch_rows(7, 3, 4, seed=5) == draws[12:15], "a step's rows depend on the step only (resume)"
+    assert batch_rows(7, 3, 0, seed=6) != draws[:3]
