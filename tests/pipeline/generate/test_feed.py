@@ -16,7 +16,7 @@ from pipeline.config import ModelConfig
 from pipeline.generate.config import SpectrConfig, from_dict
 from pipeline.generate.output import output_schema
 from pipeline.generate.plan import prepare
-from pipeline.generate.shards import Shard, cut_shards, part_name
+from pipeline.generate.shards import Shard, cut_shards
 from pipeline.generate.worker import ShardGenerator, WorkerJob
 from pipeline.models import load_tokenizer, tokenize
 
@@ -143,8 +143,8 @@ def test_a_shard_is_written_while_the_next_is_still_in_flight(tiny_pair, tmp_pat
     generator.feed._admit = logged_admit
 
     def run(index: int) -> None:
-        generator.generate_shard(plan.shard(index))
-        events.append(("written" if (out / part_name(index)).exists() else "missing", index))
+        result = generator.generate_shard(plan.shard(index))  # its part: named for the run and attempt
+        events.append(("written" if (out / result.file).exists() else "missing", index))
 
     threads = [threading.Thread(target=run, args=(k,)) for k in (0, 1)]
     for thread in threads:

@@ -17,7 +17,6 @@ from pipeline.generate.config import SpectrConfig, from_dict
 from pipeline.generate.feed import Row
 from pipeline.generate.output import output_schema
 from pipeline.generate.plan import prepare
-from pipeline.generate.shards import part_name
 from pipeline.generate.worker import ShardGenerator, WorkerJob
 from pipeline.row_columns import REFUSED_KEYS, row_settings
 from spectr.api import generate
@@ -47,8 +46,8 @@ def test_rows_with_penalties_run_exactly_and_bad_values_fail_alone(tiny_pair, tm
     generator = ShardGenerator(plan.config.model, plan.config.spectr, num_threads=1)
     generator.job = WorkerJob(plan.config.data, plan.source, str(tmp_path / "out"), 6,
                               output_schema(plan.id_kind, kept=plan.source.columns.kept))
-    generator.generate_shard(plan.shard(0))
-    rows = {r["id"]: r for r in pq.read_table(tmp_path / "out" / part_name(0)).to_pylist()}
+    part = generator.generate_shard(plan.shard(0)).file  # named for the run and attempt
+    rows = {r["id"]: r for r in pq.read_table(tmp_path / "out" / part).to_pylist()}
 
     for name in ("greedy", "penalised", "min_tokens"):
         assert rows[name]["error"] is None, rows[name]["error"]

@@ -22,7 +22,7 @@ from pipeline.generate.job import run_generate
 from pipeline.generate.output import output_schema
 from pipeline.generate.plan import prepare
 from pipeline.generate.reader import read_output
-from pipeline.generate.shards import part_name, row_seed
+from pipeline.generate.shards import row_seed
 from pipeline.generate.worker import ShardGenerator, WorkerJob
 from pipeline.models import load_tokenizer, render_prompts
 from pipeline.stops import cut_at_stop
@@ -287,8 +287,7 @@ def test_per_row_params_and_kept_columns_in_every_format(tiny_pair, tmp_path, fi
     schema = output_schema(plan.id_kind, kept=plan.source.columns.kept)
     generator = ShardGenerator(plan.config.model, plan.config.spectr, num_threads=1)
     generator.job = WorkerJob(plan.config.data, plan.source, str(tmp_path / "out"), 6, schema)
-    generator.generate_shard(plan.shard(0))
-    table = pq.read_table(tmp_path / "out" / part_name(0))
+    table = pq.read_table(tmp_path / "out" / generator.generate_shard(plan.shard(0)).file)
     rows = table.to_pylist()
     assert table.schema.field("topic").type == pa.int64()
     assert [r["topic"] for r in rows] == [10 + i for i in range(3) for _ in range(3)]
@@ -339,8 +338,7 @@ def test_kept_columns_keep_pyarrows_types_in_every_part_file(tiny_pair, tmp_path
     generator.job = WorkerJob(plan.config.data, plan.source, str(tmp_path / "out"), 6, schema)
     parts = []
     for index in range(3):
-        generator.generate_shard(plan.shard(index))
-        parts.append(pq.read_table(tmp_path / "out" / part_name(index)))
+        parts.append(pq.read_table(tmp_path / "out" / generator.generate_shard(plan.shard(index)).file))
     assert len({part.schema for part in parts}) == 1
     table = pa.concat_tables(parts)
     expected = {"n": pa.int64(), "x": pa.float64(), "flag": pa.bool_(), "late": pa.int64(), "mixed": pa.string()}
