@@ -12,6 +12,7 @@ sequence. Not here: the loss or the loop.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,8 +76,11 @@ def cached_completions(folder: Path, target: Any, train_prompts, heldout_prompts
         return Sequences(**saved["train"]), Sequences(**saved["heldout"])
     log.info("the target completes %d training and %d held-out prompts (%d new tokens each at most)",
              len(train_prompts), len(heldout_prompts), train.max_new_tokens)
+    start = time.monotonic()
     train_set = target_completions(target, train_prompts, train, eos_ids, seed=train.seed)
     heldout_set = target_completions(target, heldout_prompts, train, eos_ids, seed=train.seed + 1_000_003)
+    log.info("the target's completions: %d tokens in %.0f s", train_set.completion_tokens()
+             + heldout_set.completion_tokens(), time.monotonic() - start)
     tmp = path.with_name(path.name + ".tmp")
     torch.save({"train": vars(train_set), "heldout": vars(heldout_set)}, tmp)
     tmp.replace(path)
