@@ -25,6 +25,9 @@ def command(tiny_pair, data, out, address) -> list[str]:
         f"data.path={data}", f"output_dir={out}", "shard_size=8", "ray.num_actors=1", f"ray.address={address}",
         "spectr.method=spectr", "spectr.num_drafts=2", "spectr.draft_length=3", "spectr.max_new_tokens=24", "spectr.batch_size=2",
         "mlflow.enabled=false", "progress=false",
+        # the holder's counter moves every lease_timeout_s / 6 = 0.5 s: the second job sees it move, and is
+        # refused, long before the first ends (with the default 10 s, it may still be watching then, and run after it)
+        "lease_timeout_s=3",
     ]  # fmt: skip
 
 
