@@ -36,6 +36,9 @@ Taking a lease is exclusive:
 Not exclusive: a local heartbeat reads, then rewrites the file; a taker can only act on a lease stale for
 `lease_timeout_s`, so only a holder frozen that long (then `LeaseLostError` at its next check) can race it.
 
+Workers check the lease too (`check_holder`, right before each part is written): a worker of a job that lost
+the directory writes no part.
+
 Not here: what the job writes under the lease (`pipeline.generate.output`, `pipeline.generate.commit_log`).
 """
 
@@ -195,6 +198,18 @@ def check_free(output: fs.Location, timeout_s: float) -> None:
     holder, live = watch(output, timeout_s)
     if live:
         raise _refusal(output, holder, timeout_s)
+
+
+def check_holder(output: fs.Location, token: str) -> None:
+    """Raise LeaseLostError unless the lease of `output` is still `token`'s. A worker checks it right before it
+    writes a part: a late writer of a job that no longer holds the directory (killed, or taken over) writes
+    nothing; what it had started writing before is removed by the cleanup of the job that holds it."""
+    current = read_holder(output)
+    if current is None or current.token != token:
+        raise LeaseLostError(
+            f"output_dir: {output.uri} is no longer held by the job that sent this shard (now: "
+            f"{current.describe() if current else 'no lease'}); its part is not written"
+        )
 
 
 class Lease:

@@ -68,6 +68,7 @@ class WorkerJob:
     plan_pair: str = ""  # method=auto: the plan cache's pair key (`pipeline.generate.plan_cache`)
     plan_states: dict[str, Any] = field(default_factory=dict)  # method=auto: cached chooser states by entry key
     spectr: SpectrConfig | None = None  # the job's engine settings: an actor built for another (kept) takes them
+    lease_token: str = ""  # the job's lease: a part is written only while the job holds the directory ('' no check)
 
 
 PLAN_METADATA_KEY = b"spectr.plan"
@@ -187,6 +188,7 @@ class ShardGenerator:
         job_ref: [ObjectRef of the WorkerJob] (nested, so that Ray passes the reference, not the object):
         fetched from the object store once per actor process, a restarted one included."""
         from pipeline import fs
+        from pipeline.generate.lease import check_holder
         from pipeline.generate.output import write_shard
 
         if job_ref is not None and job_ref[0] != self._job_ref:
@@ -203,6 +205,8 @@ class ShardGenerator:
         self.feed.pair_key, self.feed.warm_states = job.plan_pair, job.plan_states  # method=auto: warm start
         result = self(shard)
         output = fs.resolve(job.output_uri, "output_dir")
+        if job.lease_token:  # a late writer of a job that no longer holds the directory writes nothing
+            check_holder(output, job.lease_token)
         schema = with_plan(job.schema, result.plan)  # method=auto: the plan that generated this shard
         result.file, result.bytes = write_shard(
             output, task.index, result.rows, schema, job.part_digits, task.fence

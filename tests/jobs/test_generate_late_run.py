@@ -10,6 +10,9 @@ was `part-000001.parquet` in every run, and A's part replaced the committed one.
 
 On the session's real local Ray with the tiny pair; the late write is made by the driver's hook right after
 shard 1's commit (Ray kills a killed driver's actors, so the late writer here is simulated where it lands).
+
+The window left is narrower still: a worker checks, right before it writes a part, that its job still holds
+the directory's lease, so a late writer whose job lost it writes nothing (the second test, on a worker).
 """
 
 from __future__ import annotations
@@ -59,3 +62,29 @@ def test_a_late_writer_of_a_killed_earlier_run_never_replaces_a_committed_part(
     for table in (read_output(out), ds.dataset(str(out), format="parquet").to_table()):
         assert sorted(table.column("id").to_pylist()) == sorted(ids)  # every id once
         assert not any(c.startswith("LATE") for c in table.column("completion").to_pylist() if c)
+
+
+def test_a_worker_of_a_job_that_lost_the_directory_writes_no_part(tiny_pair, prompts_jsonl, tmp_path):
+    """The narrower window: a worker checks the lease right before it writes (`check_holder`), so a late writer
+    whose job no longer holds the directory (here: another job's lease is on it) writes nothing at all, even
+    after that job's `_SUCCESS`. The control: the same shard with the holder's own token is written."""
+    import pytest
+
+    from pipeline.generate.lease import Lease, LeaseLostError
+    from pipeline.generate.output import output_schema
+    from pipeline.generate.plan import prepare
+    from pipeline.generate.worker import ShardGenerator, WorkerJob
+
+    out = tmp_path / "out"
+    plan = prepare(from_dict(job_config(tiny_pair, prompts_jsonl, out, shard_size=20,
+                                        **{"spectr.max_new_tokens": 2})))  # fmt: skip
+    out.mkdir()
+    generator = ShardGenerator(plan.config.model, plan.config.spectr, num_threads=1)
+    with Lease.acquire(fs.resolve(str(out), "output_dir"), timeout_s=60) as holder:  # another job's lease
+        job = WorkerJob(plan.config.data, plan.source, str(out), 6, output_schema(plan.id_kind))
+        generator.job = WorkerJob(**{**job.__dict__, "lease_token": "a-killed-run"})
+        with pytest.raises(LeaseLostError, match="no longer held by the job that sent this shard"):
+            generator.generate_shard(plan.shard(1))
+        assert not list(out.glob("part-*"))
+        generator.job = WorkerJob(**{**job.__dict__, "lease_token": holder.holder.token})
+        assert (out / generator.generate_shard(plan.shard(1)).file).exists()
