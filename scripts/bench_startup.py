@@ -3,6 +3,7 @@
     python scripts/bench_startup.py                          # 3 pairs: floor, job, floor, job, ...
     python scripts/bench_startup.py --pairs 4 --out benchmarks/results/startup/after.json
     python scripts/bench_startup.py -- data.limit=16         # extra Hydra overrides for the job
+    python scripts/bench_startup.py --before /tmp/old-tree   # also the job of another tree (a `git archive`)
 
 The floor is what no job can go under: a fresh Python process that starts a bare local Ray, and one actor
 (`ShardGenerator`, the job's own actor class, so it imports what the job's actors import) that loads the
@@ -11,7 +12,9 @@ default job as `make run` starts it (`python -m jobs.generate`, no overrides but
 output directory per run); its time runs from spawning the process to its "actors loaded the pair" line,
 read as the line arrives. Both also give their own figures: the job its startup phase line and wall time,
 the floor its `ray.init` and actor seconds. Runs alternate floor, job, floor, job, ... so that a drifting
-machine load hits both alike; the load average is recorded with each sample. Time it alone:
+machine load hits both alike; the load average is recorded with each sample. With `--before DIR`, each round
+also runs the job from that tree (same interpreter, `PYTHONPATH=DIR`), the two jobs' order swapped every
+other round: floor, job, before, floor, before, job, ... Time it alone:
 `flock /tmp/timing.lock python scripts/bench_startup.py ...` on a shared machine.
 """
 
@@ -63,14 +66,14 @@ def run_floor(python: str) -> dict:
     return {"kind": "floor", "startup_s": seconds, "process_s": total_s, **own}
 
 
-def run_job(python: str, work: Path, index: int, overrides: list[str]) -> dict:
+def run_job(python: str, work: Path, name: str, overrides: list[str], tree: Path = ROOT) -> dict:
     """The default job in a fresh process; its time to the "actors loaded" line, read as the line arrives."""
-    run_dir = work / f"job{index}"
+    run_dir = work / name
     run_dir.mkdir(parents=True)
     command = [python, "-m", "jobs.generate", f"output_dir={run_dir / 'out'}",
                f"mlflow.tracking_uri=sqlite:///{run_dir / 'mlflow.db'}", *overrides]
-    seconds, total_s, lines = _timed_process(command, LOADED_LINE)
-    sample = {"kind": "job", "startup_s": seconds, "process_s": total_s}
+    seconds, total_s, lines = _timed_process(command, LOADED_LINE, tree)
+    sample = {"kind": "job" if tree == ROOT else "before", "startup_s": seconds, "process_s": total_s}
     for line in lines:
         match = STARTUP_LINE.match(line)
         if match:
@@ -84,10 +87,11 @@ def run_job(python: str, work: Path, index: int, overrides: list[str]) -> dict:
     return sample
 
 
-def _timed_process(command: list[str], marker: str) -> tuple[float, float, list[str]]:
+def _timed_process(command: list[str], marker: str, tree: Path = ROOT) -> tuple[float, float, list[str]]:
     """(seconds from the spawn to the first line holding `marker`, seconds to the process's end, its lines)."""
+    env = _env() if tree == ROOT else dict(_env(), PYTHONPATH=str(tree))
     spawned = time.perf_counter()
-    process = subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    process = subprocess.Popen(command, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, bufsize=1)
     seen, lines = None, []
     for line in process.stdout:
@@ -121,6 +125,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=3, help="(floor, job) pairs, run alternately")
     parser.add_argument("--out", type=Path, default=Path("bench_out/startup.json"))
+    parser.add_argument("--before", type=Path, help="another tree whose job also runs in each round")
     parser.add_argument("--as-floor", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for the job (the default job: none)")
     args = parser.parse_args()
@@ -131,15 +136,20 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench_startup_"))
     samples = []
     for pair in range(args.pairs):
-        for kind in ("floor", "job"):
+        jobs = ["job", "before"] if args.before else ["job"]
+        for kind in ["floor", *(jobs if pair % 2 == 0 else jobs[::-1])]:
             load = os.getloadavg()[0]
-            sample = run_floor(python) if kind == "floor" else run_job(python, work, pair, args.overrides)
+            if kind == "floor":
+                sample = run_floor(python)
+            else:
+                sample = run_job(python, work, f"{kind}{pair}", args.overrides, args.before if kind == "before" else ROOT)
             sample.update(pair=pair, load_before=load, load_after=os.getloadavg()[0])
             samples.append(sample)
-            print(f"{kind:5s} {sample['startup_s']:6.1f} s  load {load:.2f}"
-                  + (f"  {sample.get('startup_line', '')}" if kind == "job" else ""), flush=True)
+            print(f"{kind:6s} {sample['startup_s']:6.1f} s  load {load:.2f}"
+                  + (f"  {sample.get('startup_line', '')}" if kind != "floor" else ""), flush=True)
     floors = [s["startup_s"] for s in samples if s["kind"] == "floor"]
     jobs = [s["startup_s"] for s in samples if s["kind"] == "job"]
+    before = [s["startup_s"] for s in samples if s["kind"] == "before"]
     result = {
         "command": " ".join([Path(python).name, "scripts/bench_startup.py", *sys.argv[1:]]),
         "machine": _machine(),
@@ -147,12 +157,15 @@ def main() -> None:
         "job_median_s": statistics.median(jobs),
         "ratio": statistics.median(jobs) / statistics.median(floors),
         "pair_ratios": [j / f for f, j in zip(floors, jobs)],
+        **({"before": str(args.before), "before_median_s": statistics.median(before),
+            "before_ratio": statistics.median(before) / statistics.median(floors)} if before else {}),
         "samples": samples,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"floor {result['floor_median_s']:.1f} s, job {result['job_median_s']:.1f} s (medians): "
-          f"{result['ratio']:.2f}x the floor; {args.out}")
+          f"{result['ratio']:.2f}x the floor" + (f"; before {result['before_median_s']:.1f} s: "
+                                                 f"{result['before_ratio']:.2f}x" if before else "") + f"; {args.out}")
 
 
 if __name__ == "__main__":
