@@ -177,10 +177,27 @@ def test_the_kept_laws_are_the_targets_full_laws_in_the_loss_masks_order(sharp_t
     torch.testing.assert_close(kept.exp(), expected.exp(), atol=2e-3, rtol=1e-2)
 
 
-def test_steps_without_kept_laws_run_the_target_and_learn_the_same(sharp_target, tmp_path):
-    """train.law_cache_gib=0: the target runs at every step instead; same data, same first loss."""
+def test_steps_without_kept_laws_run_the_target_and_learn_the_same(sharp_target, tmp_path, monkeypatch):
+    """With the laws kept the steps never run the target; train.law_cache_gib=0: the target runs at every
+    step instead; same data, same first loss."""
+    from pipeline.train_draft import training
+
+    target_passes = []  # per run: the target's forward calls during the training loop
+    loop = training._train
+
+    def counted_loop(config, folder, target, *args):
+        count = [0]
+        handle = target.register_forward_pre_hook(lambda *_: count.__setitem__(0, count[0] + 1))
+        try:
+            return loop(config, folder, target, *args)
+        finally:
+            handle.remove()
+            target_passes.append(count[0])
+
+    monkeypatch.setattr(training, "_train", counted_loop)
     kept = run(compose_config(sharp_target, tmp_path / "kept", "train.steps=3"))
     rerun = run(compose_config(sharp_target, tmp_path / "rerun", "train.steps=3", "train.law_cache_gib=0"))
+    assert target_passes == [0, 3]
     assert kept.history[0][1] == pytest.approx(rerun.history[0][1], rel=1e-3)
 
 
