@@ -163,7 +163,7 @@ def _run(config: GenerateConfig, hooks: RunHooks | None, keep: PairKeeper | None
     log.info(
         "checked config, models and %s in %.1f s; %d of %d shards to generate%s",
         samples_line(plan),
-        time.perf_counter() - started,
+        plan.checked_s,  # the check's own seconds (Ray may have started meanwhile)
         plan.shards_to_do,
         plan.num_shards,
         (f" (resuming: {done} {unit} already done)" if done else "") + (f"; {plan.limit_note}" if plan.limit_note else ""),
