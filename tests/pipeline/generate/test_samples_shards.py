@@ -76,8 +76,9 @@ def run_every_shard(tiny_pair, tmp_path, generator, name, rows, **settings):
     schema = output_schema(plan.id_kind, logprobs=False, kept=plan.source.columns.kept)
     generator.reconfigure(plan.config.spectr)  # the job's engine settings (num_samples), the pair loaded once
     generator.job = WorkerJob(plan.config.data, plan.source, str(out), 6, schema)
-    parts = [pq.read_table(out / generator.generate_shard(plan.shard(i)).file) for i in range(plan.num_shards)]
-    return pa.concat_tables(parts), plan
+    results = [generator.generate_shard(plan.shard(i)) for i in range(plan.num_shards)]
+    plan.results = results  # their statistics (the shared prefills)
+    return pa.concat_tables([pq.read_table(out / result.file) for result in results]), plan
 
 
 def content(table: pa.Table) -> list[dict]:
@@ -100,6 +101,8 @@ def test_rows_are_byte_identical_for_1_2_and_4_shards(tiny_pair, tmp_path, gener
         table, plan = run_every_shard(tiny_pair, tmp_path, generator, f"out{size}", rows, shard_size=size, **settings)
         assert plan.num_shards == shards and table.num_rows == 16
         tables[size] = table
+        prefills = [(r.stats["prefilled_rows"], r.stats["shared_prefill_rows"]) for r in plan.results]
+        assert sum(p + s for p, s in prefills) == 16 and all(s > 0 for _, s in prefills)  # shards report sharing
     assert [(plan.shard(i).start, plan.shard(i).sample_start) for i in range(4)] == [(0, 0), (0, 4), (1, 0), (1, 4)]
     first = content(tables[16])
     assert [(r["id"], r["sample_index"]) for r in first] == [(f"r{i}", s) for i in range(2) for s in range(8)]
