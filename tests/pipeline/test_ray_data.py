@@ -216,14 +216,14 @@ def test_failed_rows_carry_their_error_or_fail_the_batch(stage):
     rows = [
         {"prompt": None, "sampling_params": None},
         {"prompt": "def x", "sampling_params": {"temperature": -1.0}},
-        {"prompt": "def x", "sampling_params": {"n": 2}},
+        {"prompt": "def x", "sampling_params": {"best_of": 2}},  # cannot be exact: refused with the reason
         {"prompt": " ".join(["x"] * 70), "sampling_params": None},  # longer than the model's 64 positions
         {"prompt": "return value", "sampling_params": {"max_tokens": 3}},
     ]
     out = stage.generate(pa.Table.from_pylist(rows)).to_pylist()
     errors = [r[ERROR_COLUMN] for r in out]
     assert "prompt is null" in errors[0] and "temperature must be >= 0" in errors[1]
-    assert "n=2 per row is not supported yet" in errors[2] and errors[3] and errors[4] == ""
+    assert "best_of" in errors[2] and errors[3] and errors[4] == ""
     assert [r["finish_reason"] for r in out[:4]] == ["error"] * 4 and out[4]["num_generated_tokens"] == 3
     lenient = stage.config
     stage.config = dataclasses.replace(lenient, should_continue_on_error=False)
