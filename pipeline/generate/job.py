@@ -156,7 +156,6 @@ class _Startup:
 
 
 def _run(config: GenerateConfig, hooks: RunHooks | None, keep: PairKeeper | None, startup: _Startup) -> JobReport:
-    started = startup.started
     plan = _check(config, keep, startup)
     done = plan.state.rows_done
     unit = "prompts" if plan_samples(config) == 1 else "rows"  # output rows: prompts x samples
