@@ -162,7 +162,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument("--out", default="benchmarks/results/samples_jobs")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a Hydra override for every arm (e.g. spectr.ignore_eos=true: every row runs its budget)")
     args = parser.parse_args()
+    COMMON.extend(args.set)
     out = PROJECT_ROOT / args.out
     out.mkdir(parents=True, exist_ok=True)
     before = machine()
