@@ -49,7 +49,7 @@ class DataConfig:
     keep_columns: Any = None  # input columns carried to the output unchanged: a list of names, or "all"
     stop_column: str | None = None  # each row's stop strings (a list of strings, or one string)
     sampling_params_column: str | None = None  # per-row settings: a struct or JSON object (see pipeline.row_columns)
-    max_samples: int | None = None  # the largest per-row n (vLLM's `n` in sampling_params_column) the plan places
+    max_samples: int | None = None  # a cap on per-row n (vLLM's `n` in sampling_params_column); None: the scan's largest
     chat_template: str | None = None  # chat mode: a Jinja template (a file path or the template itself)
     chat_template_kwargs: Any = None  # chat mode: extra variables for the template, e.g. {enable_thinking: false}
     max_record_bytes: int = MAX_RECORD_BYTES  # JSONL/CSV: a longer record is an error row, never read whole
@@ -175,7 +175,7 @@ def check_data(d: DataConfig) -> None:
     if d.max_record_bytes < 1:
         raise out_of_range("data.max_record_bytes", ">= 1", d.max_record_bytes)
     if d.max_samples is not None and d.max_samples < 1:
-        raise out_of_range("data.max_samples", ">= 1 or null (every row gives spectr.num_samples)", d.max_samples)
+        raise out_of_range("data.max_samples", ">= 1 or null (the largest n the scan finds)", d.max_samples)
     if d.max_new_tokens_column is not None:
         others = {d.id_column, d.messages_column if d.chat else d.prompt_column}
         if not d.max_new_tokens_column.strip() or d.max_new_tokens_column in others:

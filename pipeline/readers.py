@@ -43,8 +43,8 @@ from pipeline.formats import (
     usable_id,
 )
 from pipeline.linescan import split_records_with_lines
-from pipeline.row_columns import RowColumns, resolve_columns
-from pipeline.rowcheck import BudgetCheck
+from pipeline.row_columns import RowColumns, SampleCounts, resolve_columns
+from pipeline.rowcheck import BudgetCheck, ColumnCheck
 from pipeline.scanners import (
     _arrow_table,
     _first_record,
@@ -65,14 +65,15 @@ PieceValues = tuple[list[Any] | None, list[Any], list[Any] | None, dict[str, lis
 class FormatReader:
     """What the plan and the workers do with one input format.
 
-    scan(data, listing, shard_size, budgets) -> ScanResult: the driver's pass over every file.
+    scan(data, listing, shard_size, checks) -> ScanResult: the driver's pass over every file (`checks`: the
+    column checks that read one more column on the way: `pipeline.rowcheck.ColumnCheck`).
     columns(uri, result) -> (names, schema or None): a file's column names, for the kept/stop/params columns.
     read(source, piece, cache) -> PieceValues: a worker's read of one piece (`cache`: a
     `pipeline.prompts.ReadCache`, which keeps footers, row groups and decompressing streams between shards).
     """
 
     format: InputFormat
-    scan: Callable[[DataConfig, SourceListing, int, BudgetCheck | None], ScanResult]
+    scan: Callable[[DataConfig, SourceListing, int, tuple[ColumnCheck, ...]], ScanResult]
     columns: Callable[[str, ScanResult], tuple[list[str], pa.Schema | None]]
     read: Callable[[Source, Piece, Any], PieceValues]
 
@@ -251,15 +252,18 @@ def reader_of(name: str) -> FormatReader:
 
 
 def scan_source(
-    data: DataConfig, listing: SourceListing, shard_size: int, max_new_tokens_limit: int | None = None
+    data: DataConfig, listing: SourceListing, shard_size: int, max_new_tokens_limit: int | None = None,
+    samples: SampleCounts | None = None,
 ) -> Source:
     """Row counts, shard offsets and every up-front check (`pipeline.scanners`' docstring says which).
 
-    max_new_tokens_limit: the most new tokens the models take (with `data.max_new_tokens_column`)."""
+    max_new_tokens_limit: the most new tokens the models take (with `data.max_new_tokens_column`).
+    samples: counts each row's n from `data.sampling_params_column` on the same pass (the plan's)."""
     reader = reader_of(listing.format)
     column = data.max_new_tokens_column
     budgets = None if column is None else BudgetCheck(column, max_new_tokens_limit)
-    result = reader.scan(data, listing, shard_size, budgets)
+    checks = tuple(c for c in (budgets, samples) if c is not None)
+    result = reader.scan(data, listing, shard_size, checks)
     if result.num_rows == 0:
         raise JobInputError(f"data.path: {listing.path} holds no rows")
     column, _ = text_column(data)

@@ -352,6 +352,78 @@ def _params(value: Any) -> dict[str, Any]:
     return {k: v for k, v in value.items() if v is not None and k not in REFUSED_KEYS}
 
 
+def params_n(value: Any) -> int | None:
+    """A row's sampling-params value -> its own `n` when it has a usable one (an int >= 1), else None: no `n`,
+    or a value the worker refuses (`row_settings`' checks of the value's shape and names). The scan counts
+    output rows with it (`SampleCounts`) and the worker writes that many error rows for a row it cannot run."""
+    try:
+        n = _params(value).get("n")
+        n = None if n is None else _number(n, "n", integer=True)
+    except ValueError:
+        return None
+    return n if n is not None and n >= 1 else None
+
+
+@dataclass
+class SampleCounts:
+    """The plan's count of each row's n, from `data.sampling_params_column` in the scan's one pass (the scan
+    calls `values` per batch, `value` per row on its line-by-line path; a row the scan cannot read counts the
+    job's n, as its error rows do). `default`: spectr.num_samples (a row without its own n, or with an unusable
+    value: `params_n`); `cap`: data.max_samples (None: every usable n is placed; a row over the cap fails with
+    the job's n error rows). O(1) state: nothing here grows with the rows."""
+
+    column: str
+    default: int
+    cap: int | None = None
+    largest: int = 0  # the largest n placed (0: no row has its own)
+    smallest: int = 0  # the smallest n of a row with its own
+    extra: int = 0  # sum over the seen rows of (their rows - default)
+    own: int = 0  # rows with their own n placed
+    json_type: Any = None  # pyarrow's JSON reader infers it (a struct of any names, or a string)
+
+    def _add(self, value: Any, count: int) -> None:
+        n = params_n(value)
+        if n is None or (self.cap is not None and n > self.cap):
+            return
+        self.extra += (n - self.default) * count
+        self.own += count
+        self.largest = max(self.largest, n)
+        self.smallest = n if not self.smallest else min(self.smallest, n)
+
+    def values(self, values: Any, ids: Any, first_row: int, where: str, text: bool = False) -> None:
+        """A batch of the column's values (a struct, or JSON text: each distinct text parsed once)."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        if isinstance(values, pa.ChunkedArray):
+            values = values.combine_chunks()
+        if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
+            counts = pc.value_counts(values)
+            for value, count in zip(counts.field("values").to_pylist(), counts.field("counts").to_pylist()):
+                self._add(value, count)
+        else:
+            for value in values.to_pylist():
+                self._add(value, 1)
+
+    def value(self, value: Any, row: int, row_id: Any, where: str) -> None:
+        self._add(value, 1)
+
+    @property
+    def placed(self) -> int:
+        """Samples per prompt the plan places: the cap, else the largest n (at least the job's)."""
+        return self.cap if self.cap is not None else max(self.default, self.largest)
+
+    def sample_range(self, num_rows: int) -> tuple[int, int]:
+        """The fewest and most samples of one prompt over the job's `num_rows` rows."""
+        low = min(self.smallest or self.default, self.default) if self.own < num_rows else self.smallest
+        high = max(self.largest, self.default) if self.own < num_rows else self.largest
+        return low, high
+
+    def output_rows(self, num_rows: int) -> int:
+        """The rows the job writes for `num_rows` input rows (the scan's)."""
+        return num_rows * self.default + self.extra
+
+
 def _token_ids(value: Any, key: str) -> list[int]:
     if not isinstance(value, (list, tuple)) or not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):

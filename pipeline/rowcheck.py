@@ -19,7 +19,7 @@ import json
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -234,6 +234,20 @@ def first_budget_problem(values: pa.Array | pa.ChunkedArray, limit: int | None, 
     return offset, budget_problem(values[offset].as_py(), limit)[1]
 
 
+class ColumnCheck(Protocol):
+    """What the scan hands one more column's values to (`BudgetCheck`, `pipeline.row_columns.SampleCounts`): per
+    batch (`values`: pyarrow's read; `text`: a CSV column read as text) or per row (`value`: the line-by-line
+    path of a JSON-lines block pyarrow rejects). `json_type`: the column's type in the JSON reader's explicit
+    schema, None to let it infer."""
+
+    column: str
+    json_type: Any
+
+    def values(self, values: Any, ids: pa.Array | None, first_row: int, where: str, text: bool = False) -> None: ...
+
+    def value(self, value: Any, row: int, row_id: Any, where: str) -> None: ...
+
+
 @dataclass
 class BudgetCheck:
     """The up-front check of `data.max_new_tokens_column`: `JobInputError` naming the column, the row (and
@@ -243,6 +257,7 @@ class BudgetCheck:
     column: str
     limit: int | None
     largest: int = 0
+    json_type: Any = pa.int64()  # its type for pyarrow's JSON reader (the scan's explicit schema)
 
     def values(self, values: pa.Array | pa.ChunkedArray, ids: pa.Array | None, first_row: int, where: str,
                text: bool = False) -> None:

@@ -1,6 +1,6 @@
 """The driver's pass over the input, per format: row counts, shard offsets, and the up-front row checks.
 
-    result = scan_jsonl(data, listing, shard_size, budgets)   # one per format; pipeline.readers dispatches
+    result = scan_jsonl(data, listing, shard_size, checks)   # one per format; pipeline.readers dispatches
 
 - Parquet: row counts from the footers; prompt nulls from the column statistics; the id column streamed.
 - Arrow (`datasets.save_to_disk`): the record batches' lengths and null counts (memory-mapped when local);
@@ -47,7 +47,7 @@ from pipeline.formats import (
 from pipeline.linescan import Block, ScanError, scan_records
 from pipeline.row_columns import KeptTypes, kept_names
 from pipeline.rowcheck import (
-    BudgetCheck,
+    ColumnCheck,
     IdChecker,
     id_kind_of_type,
     id_value_problem,
@@ -105,7 +105,7 @@ def _open_parquet(uri: str) -> Any:
 
 
 def scan_parquet(
-    data: DataConfig, listing: SourceListing, shard_size: int, budgets: BudgetCheck | None = None
+    data: DataConfig, listing: SourceListing, shard_size: int, checks: tuple[ColumnCheck, ...] = ()
 ) -> ScanResult:
     checker = IdChecker(data.id_column, listing.path)
     files: list[InputFile] = []
@@ -126,8 +126,8 @@ def scan_parquet(
         if has_id:
             for ids, first in _parquet_ids(parquet, data.id_column, rows, total):
                 checker.add(ids, first)
-        if budgets is not None:
-            _parquet_budgets(parquet, budgets, data.id_column if has_id else None, rows, total, f.uri)
+        if checks:
+            _parquet_checks(parquet, checks, data.id_column if has_id else None, rows, total, f.uri)
         files.append(dataclasses.replace(f, num_rows=rows, first_row=total))
         total += rows
 
@@ -156,12 +156,14 @@ def _parquet_batches(parquet: Any, columns: list[str], rows: int, first_row: int
             return
 
 
-def _parquet_budgets(
-    parquet: Any, budgets: BudgetCheck, id_column: str | None, rows: int, first_row: int, where: str
+def _parquet_checks(
+    parquet: Any, checks: tuple[ColumnCheck, ...], id_column: str | None, rows: int, first_row: int, where: str
 ) -> None:
-    columns = [budgets.column] + ([id_column] if id_column else [])
+    columns = list(dict.fromkeys([c.column for c in checks] + ([id_column] if id_column else [])))
     for batch, first in _parquet_batches(parquet, columns, rows, first_row):
-        budgets.values(batch.column(0), batch.column(1) if id_column else None, first, where)
+        ids = batch.column(columns.index(id_column)) if id_column else None
+        for check in checks:
+            check.values(batch.column(columns.index(check.column)), ids, first, where)
 
 
 def _parquet_null_prompts(
@@ -190,7 +192,7 @@ def _parquet_null_prompts(
 
 
 def scan_arrow(
-    data: DataConfig, listing: SourceListing, shard_size: int, budgets: BudgetCheck | None = None
+    data: DataConfig, listing: SourceListing, shard_size: int, checks: tuple[ColumnCheck, ...] = ()
 ) -> ScanResult:
     checker = IdChecker(data.id_column, listing.path)
     column, key = text_column(data)
@@ -213,8 +215,8 @@ def scan_arrow(
             ids = batch.column(data.id_column).combine_chunks() if has_id else None
             if not data.chat:
                 _null_prompt(batch.column(column).combine_chunks(), ids, total + start, key, f.uri)
-            if budgets is not None:
-                budgets.values(batch.column(budgets.column), ids, total + start, f.uri)
+            for check in checks:
+                check.values(batch.column(check.column), ids, total + start, f.uri)
             if ids is not None:
                 checker.add(ids, total + start)
         files.append(dataclasses.replace(f, num_rows=rows, first_row=total))
@@ -327,17 +329,18 @@ class JsonlChecker:
     kept columns, the reader also infers the other fields, and the kept ones' types go to `kept`."""
 
     def __init__(
-        self, data: DataConfig, checker: IdChecker, has_id: bool, id_kind: str | None, budgets: BudgetCheck | None,
-        kept: KeptTypes | None = None,
+        self, data: DataConfig, checker: IdChecker, has_id: bool, id_kind: str | None,
+        checks: tuple[ColumnCheck, ...] = (), kept: KeptTypes | None = None,
     ):  # fmt: skip
-        self.data, self.checker, self.has_id, self.budgets, self.kept = data, checker, has_id, budgets, kept
+        self.data, self.checker, self.has_id, self.checks, self.kept = data, checker, has_id, checks, kept
         self.column, self.key = text_column(data)
         fields = [(data.id_column, pa.int64() if id_kind == "int" else pa.string())] if has_id else []
         if not data.chat:
             fields.append((self.column, pa.string()))
-        if budgets is not None:
-            fields.append((budgets.column, pa.int64()))
+        fields += [(c.column, c.json_type) for c in checks if c.json_type is not None]
         self.schema = pa.schema(fields)
+        # the reader infers the fields the schema does not name: the kept columns, a check's untyped column
+        self.infer = kept is not None or any(c.json_type is None for c in checks)
 
     def parse(self, block: Block) -> pa.Table | None:
         """The block through pyarrow, or None (then `python_ids`): pyarrow's reader does not check UTF-8."""
@@ -352,7 +355,7 @@ class JsonlChecker:
                 pa.BufferReader(block.data),
                 read_options=pj.ReadOptions(block_size=4 << 20),
                 parse_options=pj.ParseOptions(
-                    explicit_schema=self.schema, unexpected_field_behavior="infer" if self.kept else "ignore"
+                    explicit_schema=self.schema, unexpected_field_behavior="infer" if self.infer else "ignore"
                 ),
             )
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
@@ -371,8 +374,9 @@ class JsonlChecker:
                 _null_prompt(
                     table.column(self.column).combine_chunks(), ids, block.first_row, self.key, where
                 )
-            if self.budgets is not None:
-                self.budgets.values(table.column(self.budgets.column), ids, block.first_row, where)
+            for check in self.checks:
+                if check.column in table.column_names:  # an inferred column no record of the block has: none
+                    check.values(table.column(check.column), ids, block.first_row, where)
         if self.has_id:
             self.checker.add(ids, block.first_row)
 
@@ -410,8 +414,8 @@ class JsonlChecker:
             problem = None if self.data.chat else prompt_problem(record.get(self.column))
             if problem:
                 raise JobInputError(f"{row_where(self.key, row, row_id, where)}: {problem}")
-            if self.budgets is not None:
-                self.budgets.value(record.get(self.budgets.column), row, row_id, where)
+            for check in self.checks:
+                check.value(record.get(check.column), row, row_id, where)
             row += 1
         for name, values in kept.items():
             self.kept.add_json_values(name, values)
@@ -436,7 +440,7 @@ def check_id_value(value: Any, row: int, where: str, column: str) -> str:
 
 
 def scan_jsonl(
-    data: DataConfig, listing: SourceListing, shard_size: int, budgets: BudgetCheck | None = None
+    data: DataConfig, listing: SourceListing, shard_size: int, checks: tuple[ColumnCheck, ...] = ()
 ) -> ScanResult:
     first = _first_record(listing.files[0].uri, quoted=False, max_record_bytes=data.max_record_bytes)
     if first is None:
@@ -450,7 +454,7 @@ def scan_jsonl(
         )
     checker = IdChecker(data.id_column, listing.path)
     kept = _kept(data, list(record))
-    check = JsonlChecker(data, checker, has_id, id_kind, budgets, kept)
+    check = JsonlChecker(data, checker, has_id, id_kind, checks, kept)
     files, total = _scan_text_files(data, listing, shard_size, quoted=False, check=check)
     if has_id:
         checker.finish(lambda: _reread_text(files, False, check.ids, data.max_record_bytes))
@@ -463,19 +467,19 @@ class CsvChecker:
 
     def __init__(
         self, data: DataConfig, checker: IdChecker, header: tuple[str, ...], has_id: bool,
-        budgets: BudgetCheck | None = None, kept: KeptTypes | None = None,
+        checks: tuple[ColumnCheck, ...] = (), kept: KeptTypes | None = None,
     ):  # fmt: skip
-        self.data, self.checker, self.header, self.has_id, self.budgets = data, checker, header, has_id, budgets
+        self.data, self.checker, self.header, self.has_id, self.checks = data, checker, header, has_id, checks
         self.kept = kept
         self.column, self.key = text_column(data)
         self.id_type: pa.DataType | None = None
 
     def table(self, block: Block, where: str) -> pa.Table:
         id_column = self.data.id_column if self.has_id else None
-        budget_column = None if self.budgets is None else self.budgets.column
         inferred = tuple(self.kept.types) if self.kept else ()
-        read, parse, convert = csv_options(self.header, self.column, id_column, self.id_type, budget_column,
-                                           inferred, dict.fromkeys(inferred))
+        text = tuple(c.column for c in self.checks if c.column not in inferred)  # each check parses its text
+        read, parse, convert = csv_options(self.header, self.column, id_column, self.id_type, None,
+                                           inferred + text, dict.fromkeys(inferred))
         try:
             table, unreadable = read_csv_records(block.data, read, parse, convert)  # error rows: the worker's
         except (pa.ArrowInvalid, ValueError) as err:
@@ -500,8 +504,8 @@ class CsvChecker:
             self.id_type = ids.type if id_kind_of_type(ids.type) else None
         if not self.data.chat:
             _null_prompt(table.column(self.column).combine_chunks(), ids, block.first_row, self.key, where)
-        if self.budgets is not None:
-            self.budgets.values(table.column(self.budgets.column), ids, block.first_row, where, text=True)
+        for check in self.checks:
+            check.values(table.column(check.column), ids, block.first_row, where, text=True)
         if ids is not None:
             self.checker.add(ids, block.first_row)
 
@@ -525,7 +529,7 @@ def _csv_header(uri: str, max_record_bytes: int | None = None) -> tuple[str, ...
 
 
 def scan_csv(
-    data: DataConfig, listing: SourceListing, shard_size: int, budgets: BudgetCheck | None = None
+    data: DataConfig, listing: SourceListing, shard_size: int, checks: tuple[ColumnCheck, ...] = ()
 ) -> ScanResult:
     header = _csv_header(listing.files[0].uri, data.max_record_bytes)
     for f in listing.files[1:]:
@@ -534,7 +538,7 @@ def scan_csv(
     has_id = check_columns(list(header), None, data, listing.files[0].uri)
     checker = IdChecker(data.id_column, listing.path)
     kept = _kept(data, list(header))
-    check = CsvChecker(data, checker, header, has_id, budgets, kept)
+    check = CsvChecker(data, checker, header, has_id, checks, kept)
     files, total = _scan_text_files(data, listing, shard_size, quoted=True, check=check)
     if has_id:
         checker.finish(lambda: _reread_text(files, True, check.ids, data.max_record_bytes))

@@ -16,7 +16,9 @@ Arms, the same settings otherwise:
 - `samples`: the prompts with `spectr.num_samples=n`;
 - `rows`: the same prompts written out n times (each prompt's copies one after the other, own ids), n=1;
 - `distinct` (long1000x8 only): n different prompts of the same length (no prompt to share).
-The arms of a scenario alternate within each round (ABAB..., the first arm alternating between rounds), so the
+With `--seed-per-round`, round r runs both arms with `spectr.seed=r`: with one seed for every round, an arm's
+draws (its lengths, its acceptances) are the same each round, so a ratio can be that seed's luck; a seed per
+round averages it out. The arms of a scenario alternate within each round (ABAB..., the first arm alternating between rounds), so the
 machine's drift hits them alike; the report gives each arm's median throughput and the median over rounds of
 samples / rows (and samples / distinct) from the same round, with the prefills each arm ran and shared.
 """
@@ -91,7 +93,9 @@ def parse_summary(text: str) -> dict[str, object]:
     found: dict[str, object] = {}
     for key, pattern in (("throughput_tokens_per_s", r"throughput\s+([\d.]+) tokens/s"),
                          ("generation_s", r"generation ([\d.]+) s"),
-                         ("generated_tokens", r"generated tokens\s+(\d+)")):
+                         ("generated_tokens", r"generated tokens\s+(\d+)"),
+                         ("target_calls", r"target calls\s+(\d+)"),
+                         ("block_efficiency", r"block efficiency\s+([\d.]+) tokens per target call")):
         match = re.search(pattern, text)
         if match:
             found[key] = float(match.group(1))
@@ -107,11 +111,13 @@ def parse_summary(text: str) -> dict[str, object]:
     return found
 
 
-def run_job(name: str, arm: str, data: Path, scenario: dict, workdir: Path, timeout_s: float) -> dict[str, object]:
+def run_job(name: str, arm: str, data: Path, scenario: dict, workdir: Path, timeout_s: float,
+            extra: tuple[str, ...] = ()) -> dict[str, object]:
     output = Path(tempfile.mkdtemp(prefix=f"{name}-{arm}-", dir=workdir))
     samples = scenario["samples"] if arm == "samples" else 1
     command = [sys.executable, "-m", "jobs.generate", f"data.path={data}", f"output_dir={output}",
-               f"ray.num_actors={scenario['actors']}", f"spectr.num_samples={samples}", *COMMON, *scenario["extra"]]
+               f"ray.num_actors={scenario['actors']}", f"spectr.num_samples={samples}", *COMMON, *scenario["extra"],
+               *extra]
     started = time.perf_counter()
     done = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=timeout_s)
     text = done.stdout + done.stderr
@@ -164,6 +170,9 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/samples_jobs")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a Hydra override for every arm (e.g. spectr.ignore_eos=true: every row runs its budget)")
+    parser.add_argument("--seed-per-round", action="store_true",
+                        help="round r runs both arms with spectr.seed=r: the draws (lengths, acceptances) change "
+                             "between rounds, so the median ratio is not one seed's luck")
     args = parser.parse_args()
     COMMON.extend(args.set)
     out = PROJECT_ROOT / args.out
@@ -180,15 +189,16 @@ def main() -> None:
                 if round_index % 2:
                     arms.reverse()  # ABAB...: the first arm alternates between rounds
                 for arm in arms:
-                    record = {"round": round_index + 1,
-                              **run_job(name, arm, files[arm], SCENARIOS[name], workdir, args.timeout_s)}
+                    seed = (f"spectr.seed={round_index + 1}",) if args.seed_per_round else ()
+                    record = {"round": round_index + 1, **({"seed": round_index + 1} if seed else {}),
+                              **run_job(name, arm, files[arm], SCENARIOS[name], workdir, args.timeout_s, seed)}
                     records.append(record)
                     print(json.dumps({k: v for k, v in record.items() if k != "error"}), flush=True)
                     if "error" in record:
                         print(record["error"], file=sys.stderr, flush=True)
                     (out / "runs.json").write_text(json.dumps(records, indent=1))
     result = {"command": " ".join(["python", *sys.argv]), "time": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-              "settings": COMMON, "scenarios": {k: SCENARIOS[k] for k in inputs}, "machine_before": before,
+              "settings": COMMON + (["spectr.seed=<round>"] if args.seed_per_round else []), "scenarios": {k: SCENARIOS[k] for k in inputs}, "machine_before": before,
               "machine_after": machine(), "report": report(records), "runs": records}
     (out / "result.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result["report"], indent=1))

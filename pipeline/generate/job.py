@@ -41,7 +41,7 @@ from pipeline.generate.output import (
     remove_uncommitted_parts,
     write_success,
 )
-from pipeline.generate.plan import JobPlan, plan_samples, prepare, samples_line
+from pipeline.generate.plan import JobPlan, prepare, samples_line
 from pipeline.generate.progress import ProgressBar
 from pipeline.generate.scheduler import RunHooks, ShardActorPool, ShardQueue
 from pipeline.generate.stats import empty_stats, merge_stats
@@ -158,7 +158,7 @@ class _Startup:
 def _run(config: GenerateConfig, hooks: RunHooks | None, keep: PairKeeper | None, startup: _Startup) -> JobReport:
     plan = _check(config, keep, startup)
     done = plan.state.rows_done
-    unit = "prompts" if plan_samples(config) == 1 else "rows"  # output rows: prompts x samples
+    unit = "prompts" if plan.output_rows == plan.num_rows else "rows"  # output rows: prompts x samples
     log.info(
         "checked config, models and %s in %.1f s; %d of %d shards to generate%s",
         samples_line(plan),
@@ -497,6 +497,7 @@ def _finish(plan: JobPlan, tracker: Any, run: GenerationRun, started: float, sta
         earlier_wall_s=tracker.earlier_wall_s,
     )
     summary.startup_phases = dict(run.startup_phases)
+    summary.input_prompts = plan.num_rows if plan.output_rows != plan.num_rows else 0
     messages = _failure_messages(plan, summary)
     plan_cache.save_states(plan, plan_cache.pair_key(plan), run.planner_states)  # method=auto; best effort
     if not messages:
@@ -562,7 +563,7 @@ def _failure_messages(plan: JobPlan, summary: JobSummary) -> list[str]:
         messages.append(f"{plan.shards_to_do} of {plan.num_shards} shards were not generated; re-run to resume")
     if summary.failed_fraction > plan.config.max_failed_fraction:
         messages.append(
-            f"{summary.prompts_failed} of {summary.num_prompts} prompts failed "
+            f"{summary.prompts_failed} of {summary.num_prompts} {'rows' if summary.input_prompts else 'prompts'} failed "
             f"({100 * summary.failed_fraction:.1f}%), more than max_failed_fraction="
             f"{plan.config.max_failed_fraction:g}; their rows have finish_reason=error and the message in column "
             f"'error' of {plan.output_dir} (a re-run regenerates those that did not fail for their input: "

@@ -38,6 +38,7 @@ from pipeline.generate.shards import (
 from pipeline.hashing import stable_hash
 from pipeline.readers import limit_note, scan_source
 from pipeline.redact import redacted
+from pipeline.row_columns import SampleCounts
 from pipeline.source import Source, list_source, with_shard_size
 
 
@@ -56,6 +57,7 @@ class JobPlan:
     lease: Any = field(default=None)  # the job's `Lease` while it runs (set by pipeline.generate.job)
     run_tag: str = field(default_factory=lambda: uuid.uuid4().hex[:8])  # fences this run's part names
     limit_note: str = ""  # "first N of M rows (data.limit)" when data.limit left input rows out
+    samples: SampleCounts | None = None  # each row's n, counted by the scan (with data.sampling_params_column)
     checked_s: float = 0.0  # seconds the config and input check took (the job's first line)
 
     @property
@@ -82,13 +84,18 @@ class JobPlan:
     @property
     def layout(self) -> ShardLayout:
         """How the output rows (prompts x samples) are cut into shards (`pipeline.generate.shards`)."""
-        samples = plan_samples(self.config)
+        samples = self.samples_per_prompt
         return ShardLayout(self.num_rows, self.shard_size, samples, self.manifest.samples_per_shard or samples)
 
     @property
+    def samples_per_prompt(self) -> int:
+        """Samples per prompt the plan places (`plan_samples`; with rows' own n, the largest the scan found)."""
+        return self.samples.placed if self.samples is not None else plan_samples(self.config)
+
+    @property
     def output_rows(self) -> int:
-        """Output rows the job writes: prompts x samples (with rows' own n, at most this many)."""
-        return self.layout.output_rows
+        """Output rows the job writes: prompts x samples (with rows' own n, the sum of each row's)."""
+        return self.samples.output_rows(self.num_rows) if self.samples is not None else self.layout.output_rows
 
     def shard(self, index: int) -> ShardTask:
         """Shard `index`'s first attempt in this run (fenced when an earlier run listed it)."""
@@ -103,10 +110,6 @@ class JobPlan:
     def shards_to_do(self) -> int:
         return self.num_shards - self.state.shards_done
 
-    @property
-    def rows_to_do(self) -> int:
-        return self.num_rows - self.state.rows_done
-
     def refresh(self) -> None:
         """Read the output directory again (the job does, once it holds the lease)."""
         if fs.exists(self.output.child("_manifest.json")):
@@ -115,18 +118,20 @@ class JobPlan:
 
 
 def plan_samples(config: GenerateConfig) -> int:
-    """Samples per prompt the plan places: `data.max_samples` when rows bring their own n (vLLM's `n` in
-    `data.sampling_params_column`), else `spectr.num_samples`."""
+    """Samples per prompt a plan without the scan's count places: `data.max_samples`, else
+    `spectr.num_samples` (with `data.sampling_params_column`, `prepare` counts each row's n: `SampleCounts`)."""
     return config.data.max_samples or config.spectr.num_samples
 
 
 def samples_line(plan: JobPlan) -> str:
-    """The first line's count: "16 prompts x 4 samples = 64 rows" (with rows' own n: "up to")."""
-    samples = plan_samples(plan.config)
-    if samples == 1 and not plan.config.data.max_samples:
+    """The first line's count: "16 prompts x 4 samples = 64 rows"; rows with their own n: "x 1 to 8 samples"."""
+    low = high = plan.samples_per_prompt
+    if plan.samples is not None:
+        low, high = plan.samples.sample_range(plan.num_rows)
+    if high == 1:
         return f"{plan.num_rows} prompts"
-    up_to = "up to " if plan.config.data.max_samples else ""
-    return f"{plan.num_rows} prompts x {up_to}{samples} samples = {up_to}{plan.output_rows} rows"
+    each = f"{high}" if low == high else f"{low} to {high}"
+    return f"{plan.num_rows} prompts x {each} samples = {plan.output_rows} rows"
 
 
 def check_pair(model: ModelConfig) -> Any:
@@ -154,14 +159,21 @@ def prepare(config: GenerateConfig) -> JobPlan:
     existing = check_output_dir(output, config_hash, settings)
 
     limit = models.max_new_tokens_limit(config.model) if config.data.max_new_tokens_column else None
+    column = config.data.sampling_params_column  # rows' own n: counted on the scan's pass
+    counts = None if column is None else SampleCounts(column, config.spectr.num_samples, config.data.max_samples)
     samples = plan_samples(config)
     if existing is not None:  # resume: the shards the manifest records (older manifests: no sample ranges)
         size, per_shard = existing.shard_size or config.shard_size, existing.samples_per_shard or samples
-    elif config.shard_size is not None:  # output rows per shard: the block of prompts follows from it
+    elif config.shard_size is not None and counts is None:  # output rows per shard: the block of prompts
         size, per_shard = shard_layout(1 << 62, samples, config.shard_size).shard_size, None
-    else:
+    else:  # (with rows' own n the block follows from the scan's count: offsets every granule meanwhile)
         size, per_shard = None, None
-    source = scan_source(config.data, listing, size or SHARD_GRANULE, limit)  # the one pass over the metadata
+    source = scan_source(config.data, listing, size or SHARD_GRANULE, limit, counts)  # the one pass over the metadata
+    if counts is not None:
+        samples = counts.placed
+        if existing is not None:
+            per_shard = existing.samples_per_shard or samples
+        config = _placing(config, samples)
     if per_shard is None:  # a new job: the layout by output rows (prompts x samples)
         layout = shard_layout(source.num_rows, samples, config.shard_size)
         if layout.shard_size % source.shard_size == 0:  # else: a small input's shards read their granule
@@ -183,4 +195,12 @@ def prepare(config: GenerateConfig) -> JobPlan:
     else:
         state = OutputState(done=bytearray(shards))
     return JobPlan(config, output, config_hash, settings, source, manifest, existing is not None, state,
-                   limit_note=limit_note(config.data, listing, source.num_rows))
+                   limit_note=limit_note(config.data, listing, source.num_rows), samples=counts)
+
+
+def _placing(config: GenerateConfig, samples: int) -> GenerateConfig:
+    """The config the job runs with when the scan counted rows' own n: `data.max_samples` is the n the plan
+    places (the workers fail a row over it), unchanged when the user set it (the hash is taken before)."""
+    if config.data.max_samples is not None:
+        return config
+    return dataclasses.replace(config, data=dataclasses.replace(config.data, max_samples=samples))

@@ -124,6 +124,7 @@ class JobSummary:
     prefilled_rows: int = 0  # rows whose prompt ran through the models (one prefill each) ...
     shared_prefill_rows: int = 0  # ... and rows that copied the prefill of the same prompt in the batch (samples)
     startup_phases: dict[str, float] = field(default_factory=dict)  # this run's startup, seconds per phase
+    input_prompts: int = 0  # the input's prompts, when samples make the rows (num_prompts) more; 0: one row each
 
     @classmethod
     def build(
@@ -238,10 +239,12 @@ class JobSummary:
         phase_total = sum(phases.values()) or 1.0
         split = " | ".join(f"{name} {100 * seconds / phase_total:.0f}%" for name, seconds in phases.items())
         earlier = self.num_prompts - self.prompts_this_run
+        rows = self.input_prompts and self.input_prompts != self.num_prompts  # samples: count rows, say prompts
         lines = [
             (
-                "prompts",
-                f"{self.num_prompts} ({self.prompts_completed} completed, {self.prompts_failed} failed"
+                "rows" if rows else "prompts",
+                f"{self.num_prompts}" + (f" from {self.input_prompts} prompts" if rows else "")
+                + f" ({self.prompts_completed} completed, {self.prompts_failed} failed"
                 + (f"; {earlier} done by an earlier run)" if earlier else ")"),
             ),
             ("generated tokens", f"{self.generated_tokens}"),

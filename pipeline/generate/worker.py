@@ -246,7 +246,7 @@ class ShardGenerator:
                 settings = self._settings(shard, i)
                 samples = self._sample_range(shard, i, settings)
             except ValueError as err:
-                failed = self._sample_range(shard, i, None)  # a failed row: its error on the job's samples
+                failed = self._failed_range(shard, i)  # a failed row: its error on each sample the plan counted
                 failed_input += len(failed) if shard.problem(i) else 0
                 for sample in failed:
                     by_position[len(slots)] = self._error_row(shard, i, str(err), sample)
@@ -322,17 +322,32 @@ class ShardGenerator:
 
     def _sample_range(self, shard: Shard, i: int, settings: Any) -> range:
         """The sample indices of row i this shard generates: the shard's range [a, b) of the row's n samples
-        (its own `n`, else `spectr.num_samples`); `settings` None: a failed row (the job's n). ValueError: a row
-        whose n the job's plan did not place (over `data.max_samples`, or over `spectr.num_samples` without it)."""
-        n = self.spectr.num_samples if settings is None or settings.n is None else settings.n
+        (its own `n`, else `spectr.num_samples`). ValueError: a row whose n the job's plan did not place (over
+        `data.max_samples` when the user set it: the plan places every n the scan found otherwise)."""
+        n = self.spectr.num_samples if settings.n is None else settings.n
         data = self.job.data if self.job is not None else None  # the Ray Data stage places any n (no plan)
-        if data is not None and settings is not None:
+        if data is not None:
             placed = data.max_samples or self.spectr.num_samples
             if n > placed:
                 key = "data.max_samples" if data.max_samples else "spectr.num_samples (data.max_samples unset)"
                 raise ValueError(f"row {shard.ids[i]!r}: n={n} is more samples than the job's plan places per "
-                                 f"prompt: {key} = {placed}; set data.max_samples to the largest n of "
-                                 f"{data.sampling_params_column!r} so that the plan can place them")
+                                 f"prompt: {key} = {placed}; raise data.max_samples, or unset it (the plan then "
+                                 f"places every row's n of {data.sampling_params_column!r})")
+        stop = n if shard.sample_stop is None else min(n, shard.sample_stop)
+        return range(shard.sample_start, stop)
+
+    def _failed_range(self, shard: Shard, i: int) -> range:
+        """A failed row's sample indices in this shard: its own n when it has a usable one the plan placed
+        (`params_n`, as the scan counted it), else the job's n."""
+        from pipeline.row_columns import params_n
+
+        data = self.job.data if self.job is not None else None
+        n = None
+        if data is not None and data.sampling_params_column:  # an unreadable record's value is None: the job's n
+            n = params_n((shard.extras or {}).get(data.sampling_params_column, [None] * len(shard))[i])
+            if n is not None and n > (data.max_samples or self.spectr.num_samples):
+                n = None
+        n = self.spectr.num_samples if n is None else n
         stop = n if shard.sample_stop is None else min(n, shard.sample_stop)
         return range(shard.sample_start, stop)
 

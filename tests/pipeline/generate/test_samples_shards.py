@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -120,17 +121,74 @@ def test_per_row_n_up_to_max_samples(tiny_pair, tmp_path, generator):
     settings = {"spectr.num_samples": 2, "data.sampling_params_column": "params", "data.max_samples": 4,
                 "spectr.max_new_tokens": 4}
     table, plan = run_every_shard(tiny_pair, tmp_path, generator, "out", rows, shard_size=4, **settings)
-    assert plan.output_rows == 16 and plan.num_shards == 4  # 4 prompts x up to 4 samples, 1 prompt a shard
+    assert plan.num_shards == 4 and plan.output_rows == 3 + 2 + 1 + 2  # 1 prompt a shard; the rows written, exactly
     got = [(r["id"], r["sample_index"], r["finish_reason"] == "error") for r in content(table)]
     assert got == [("a", 0, False), ("a", 1, False), ("a", 2, False), ("b", 0, False), ("b", 1, False),
                    ("c", 0, False), ("d", 0, True), ("d", 1, True)]
+    assert len(got) == plan.output_rows
     error = table.filter(pa.compute.equal(table["id"], "d"))["error"][0].as_py()
     assert "n=5" in error and "data.max_samples = 4" in error
-    # without data.max_samples the plan places spectr.num_samples per prompt, and says what to set
-    table, _ = run_every_shard(tiny_pair, tmp_path, generator, "out2", rows[:2], shard_size=4,
-                               **{**settings, "data.max_samples": None})
-    errors = [r["error"] for r in content(table) if r["id"] == "a"]
-    assert len(errors) == 2 and "set data.max_samples" in errors[0] and "spectr.num_samples" in errors[0]
+    # without data.max_samples the scan's count places every row's n: 5 samples a prompt, nothing fails
+    table, plan = run_every_shard(tiny_pair, tmp_path, generator, "out2", rows, shard_size=5,
+                                  **{**settings, "data.max_samples": None})
+    got = [(r["id"], r["sample_index"], r["finish_reason"]) for r in content(table)]
+    assert [g[:2] for g in got] == [("a", 0), ("a", 1), ("a", 2), ("b", 0), ("b", 1), ("c", 0)] + [
+        ("d", s) for s in range(5)] and "error" not in {g[2] for g in got}
+    assert (plan.samples_per_prompt, plan.output_rows, plan.config.data.max_samples) == (5, 11, 5)
+
+
+def test_a_failed_row_writes_the_rows_the_plan_counted(tiny_pair, tmp_path, generator):
+    """A row that fails on another setting still has its n (the scan counted it): n error rows; a value
+    that is unusable as a whole (unknown name, n not an int) counts and fails with the job's n."""
+    rows = [{"id": "a", "prompt": PROMPTS[0], "params": {"n": 3, "temperature": -1}},  # 3 error rows
+            {"id": "b", "prompt": PROMPTS[1], "params": {"n": 4, "colour": "red"}},  # unknown name: the job's 2
+            {"id": "c", "prompt": PROMPTS[2], "params": {"n": "x"}},  # the job's 2
+            {"id": "d", "prompt": PROMPTS[3], "params": '{"n": 1}'}]  # JSON text: 1 row
+    settings = {"spectr.num_samples": 2, "data.sampling_params_column": "params", "spectr.max_new_tokens": 2}
+    table, plan = run_every_shard(tiny_pair, tmp_path, generator, "out", rows, shard_size=3, **settings)
+    got = [(r["id"], r["sample_index"], r["finish_reason"]) for r in content(table)]
+    assert got[:-1] == [("a", s, "error") for s in range(3)] + [("b", s, "error") for s in range(2)] + [
+        ("c", s, "error") for s in range(2)] and got[-1][:2] == ("d", 0) and got[-1][2] != "error"
+    assert plan.output_rows == len(got) == 8 and plan.samples_per_prompt == 3
+
+
+PARAMS_N = [{"n": 3}, None, {"n": 1, "temperature": 0.5}, {"n": 6}, {"top_p": 0.9}]  # 3 + 2 + 1 + 6 + 2 = 14
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "jsonl-text", "jsonl-mixed", "csv", "parquet-struct", "parquet-text",
+                                  "hf_disk"])
+def test_the_scan_counts_each_rows_n_in_every_format(tiny_pair, tmp_path, kind):
+    """The plan reads each row's n on the scan's one pass, whatever the format and the column's shape (a struct,
+    JSON text, or both in one JSON-lines file: pyarrow's reader rejects that block, the line-by-line path counts):
+    the layout places the largest n, the first line and the bar count the rows exactly."""
+    from pipeline.generate.plan import samples_line
+
+    rows = [{"id": i, "prompt": PROMPTS[i], "params": p} for i, p in enumerate(PARAMS_N)]
+    text = [{**r, "params": None if r["params"] is None else json.dumps(r["params"])} for r in rows]
+    if kind.startswith("jsonl"):
+        chosen = {"jsonl": rows, "jsonl-text": text, "jsonl-mixed": rows[:3] + text[3:]}[kind]
+        data = write_prompts(tmp_path, chosen)
+    elif kind == "csv":
+        import csv
+
+        data = tmp_path / "p.csv"
+        with data.open("w", newline="") as f:
+            writer = csv.DictWriter(f, ["id", "prompt", "params"])
+            writer.writeheader()
+            writer.writerows(text)
+    elif kind.startswith("parquet"):
+        data = tmp_path / "p.parquet"
+        pq.write_table(pa.Table.from_pylist(rows if kind == "parquet-struct" else text), data)
+    else:
+        import datasets
+
+        data = tmp_path / "hf"
+        datasets.Dataset.from_list(rows).save_to_disk(str(data))
+    plan = prepare(from_dict(job_config(tiny_pair, data, tmp_path / "out", shard_size=None,
+                                        **{"spectr.num_samples": 2, "data.sampling_params_column": "params"})))
+    assert (plan.samples_per_prompt, plan.output_rows) == (6, 14)
+    assert samples_line(plan) == "5 prompts x 1 to 6 samples = 14 rows"
+    assert plan.config.data.max_samples == 6  # the workers place what the plan placed
 
 
 @pytest.mark.parametrize("suffix", ["jsonl", "jsonl.gz", "csv"])
@@ -187,6 +245,7 @@ def test_job_spreads_few_prompts_samples_over_both_actors(tiny_pair, tmp_path, r
     assert len(records) == 4 and len(workers) == 2  # the samples spread over both actors
     summary = report.summary
     assert summary.num_prompts == 64 and summary.prompts_completed == 64
+    assert re.search(r"\n  rows +64 from 16 prompts \(64 completed, 0 failed\)", "\n" + summary.table())  # not "prompts"
     assert summary.prefilled_rows + summary.shared_prefill_rows == 64 and summary.shared_prefill_rows > 0
     # resume: as if the driver died once two shards were listed; the other two (and only they) run again
     out = tmp_path / "out"
