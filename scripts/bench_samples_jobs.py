@@ -170,6 +170,8 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/samples_jobs")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a Hydra override for every arm (e.g. spectr.ignore_eos=true: every row runs its budget)")
+    parser.add_argument("--first-round", type=int, default=1,
+                        help="the first round's number (with --seed-per-round, its seed): a later set continues a set")
     parser.add_argument("--seed-per-round", action="store_true",
                         help="round r runs both arms with spectr.seed=r: the draws (lengths, acceptances) change "
                              "between rounds, so the median ratio is not one seed's luck")
@@ -189,8 +191,9 @@ def main() -> None:
                 if round_index % 2:
                     arms.reverse()  # ABAB...: the first arm alternates between rounds
                 for arm in arms:
-                    seed = (f"spectr.seed={round_index + 1}",) if args.seed_per_round else ()
-                    record = {"round": round_index + 1, **({"seed": round_index + 1} if seed else {}),
+                    number = args.first_round + round_index
+                    seed = (f"spectr.seed={number}",) if args.seed_per_round else ()
+                    record = {"round": number, **({"seed": number} if seed else {}),
                               **run_job(name, arm, files[arm], SCENARIOS[name], workdir, args.timeout_s, seed)}
                     records.append(record)
                     print(json.dumps({k: v for k, v in record.items() if k != "error"}), flush=True)
