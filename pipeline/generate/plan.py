@@ -181,10 +181,16 @@ def prepare(config: GenerateConfig) -> JobPlan:
     else:
         layout = ShardLayout(source.num_rows, size or source.shard_size, samples, per_shard)
     shards = layout.num_shards
-    if existing is not None and (existing.num_rows, existing.num_shards) != (source.num_rows, shards):
+    if existing is not None and existing.num_rows != source.num_rows:
         raise JobInputError(
             f"data.path: {listing.path} now gives {source.num_rows} rows, {output.uri} was started with "
             f"{existing.num_rows}; restore the input to resume, or choose another output_dir"
+        )
+    if existing is not None and existing.num_shards != shards:  # a plan of an older version (rows' own n)
+        raise JobInputError(
+            f"output_dir: {output.uri} was started with {existing.num_shards} shards, this version plans {shards} "
+            f"for the same input and settings ({samples} samples per prompt: each row's n, counted by the scan); "
+            f"choose another output_dir"
         )
     manifest = existing or Manifest(
         config_hash, settings, source.num_rows, shards, part_digits(shards), source.id_kind, layout.shard_size,

@@ -261,3 +261,24 @@ def test_job_spreads_few_prompts_samples_over_both_actors(tiny_pair, tmp_path, r
     assert content(again_table) != [] and sorted(zip(again_table["id"].to_pylist(),
                                                       again_table["sample_index"].to_pylist())) == [
         (i, s) for i in range(16) for s in range(4)]
+
+
+def test_resume_with_an_older_plans_shards_is_refused_by_name(tiny_pair, tmp_path):
+    """A directory whose manifest has other shards for the same input and settings (a plan of an earlier version,
+    which placed spectr.num_samples where the scan now counts each row's n) is refused naming both counts, not
+    blamed on the input; the same manifest resumes."""
+    import dataclasses
+
+    from pipeline.errors import JobInputError
+
+    rows = [{"id": i, "prompt": PROMPTS[i], "params": {"n": 1 + i}} for i in range(3)]
+    raw = job_config(tiny_pair, write_prompts(tmp_path, rows), tmp_path / "out", shard_size=2,
+                     **{"data.sampling_params_column": "params"})
+    plan = prepare(from_dict(raw))
+    (tmp_path / "out").mkdir()
+    plan.manifest.save(plan.output)
+    assert prepare(from_dict(raw)).num_shards == plan.num_shards  # the same plan resumes
+    dataclasses.replace(plan.manifest, num_shards=plan.num_shards - 1).save(plan.output)
+    with pytest.raises(JobInputError, match=rf"started with {plan.num_shards - 1} shards, this version plans "
+                                            rf"{plan.num_shards} .*3 samples per prompt"):
+        prepare(from_dict(raw))
