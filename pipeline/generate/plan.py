@@ -181,17 +181,8 @@ def prepare(config: GenerateConfig) -> JobPlan:
     else:
         layout = ShardLayout(source.num_rows, size or source.shard_size, samples, per_shard)
     shards = layout.num_shards
-    if existing is not None and existing.num_rows != source.num_rows:
-        raise JobInputError(
-            f"data.path: {listing.path} now gives {source.num_rows} rows, {output.uri} was started with "
-            f"{existing.num_rows}; restore the input to resume, or choose another output_dir"
-        )
-    if existing is not None and existing.num_shards != shards:  # a plan of an older version (rows' own n)
-        raise JobInputError(
-            f"output_dir: {output.uri} was started with {existing.num_shards} shards, this version plans {shards} "
-            f"for the same input and settings ({samples} samples per prompt: each row's n, counted by the scan); "
-            f"choose another output_dir"
-        )
+    if existing is not None:
+        _check_same_plan(existing, listing.path, output, source.num_rows, shards, samples)
     manifest = existing or Manifest(
         config_hash, settings, source.num_rows, shards, part_digits(shards), source.id_kind, layout.shard_size,
         samples_per_shard=layout.samples_per_shard if samples > 1 else None,
@@ -202,6 +193,21 @@ def prepare(config: GenerateConfig) -> JobPlan:
         state = OutputState(done=bytearray(shards))
     return JobPlan(config, output, config_hash, settings, source, manifest, existing is not None, state,
                    limit_note=limit_note(config.data, listing, source.num_rows), samples=counts)
+
+
+def _check_same_plan(existing: Manifest, path: str, output: fs.Location, rows: int, shards: int, samples: int) -> None:
+    """Resume: the input gives the rows and the plan the shards the directory was started with."""
+    if existing.num_rows != rows:
+        raise JobInputError(
+            f"data.path: {path} now gives {rows} rows, {output.uri} was started with "
+            f"{existing.num_rows}; restore the input to resume, or choose another output_dir"
+        )
+    if existing.num_shards != shards:  # a plan of an older version (rows' own n)
+        raise JobInputError(
+            f"output_dir: {output.uri} was started with {existing.num_shards} shards, this version plans {shards} "
+            f"for the same input and settings ({samples} samples per prompt: each row's n, counted by the scan); "
+            f"choose another output_dir"
+        )
 
 
 def _placing(config: GenerateConfig, samples: int) -> GenerateConfig:
