@@ -497,7 +497,7 @@ def _finish(plan: JobPlan, tracker: Any, run: GenerationRun, started: float, sta
         earlier_wall_s=tracker.earlier_wall_s,
     )
     summary.startup_phases = dict(run.startup_phases)
-    summary.input_prompts = plan.num_rows if plan.output_rows != plan.num_rows else 0
+    summary.input_prompts = plan.num_rows
     messages = _failure_messages(plan, summary)
     plan_cache.save_states(plan, plan_cache.pair_key(plan), run.planner_states)  # method=auto; best effort
     if not messages:
@@ -563,7 +563,7 @@ def _failure_messages(plan: JobPlan, summary: JobSummary) -> list[str]:
         messages.append(f"{plan.shards_to_do} of {plan.num_shards} shards were not generated; re-run to resume")
     if summary.failed_fraction > plan.config.max_failed_fraction:
         messages.append(
-            f"{summary.prompts_failed} of {summary.num_prompts} {'rows' if summary.input_prompts else 'prompts'} failed "
+            f"{summary.prompts_failed} of {summary.num_prompts} {'rows' if summary.counts_rows else 'prompts'} failed "
             f"({100 * summary.failed_fraction:.1f}%), more than max_failed_fraction="
             f"{plan.config.max_failed_fraction:g}; their rows have finish_reason=error and the message in column "
             f"'error' of {plan.output_dir} (a re-run regenerates those that did not fail for their input: "

@@ -124,7 +124,7 @@ class JobSummary:
     prefilled_rows: int = 0  # rows whose prompt ran through the models (one prefill each) ...
     shared_prefill_rows: int = 0  # ... and rows that copied the prefill of the same prompt in the batch (samples)
     startup_phases: dict[str, float] = field(default_factory=dict)  # this run's startup, seconds per phase
-    input_prompts: int = 0  # the input's prompts, when samples make the rows (num_prompts) more; 0: one row each
+    input_prompts: int = 0  # the input's prompts (num_prompts counts output rows: more with samples); 0: unknown
 
     @classmethod
     def build(
@@ -231,6 +231,11 @@ class JobSummary:
         predicted = self.planner_predicted_tokens_per_s
         return self.planner_measured_tokens_per_s / predicted if predicted > 0 else 0.0
 
+    @property
+    def counts_rows(self) -> bool:
+        """Whether the job's rows are not one per prompt (samples): the summary says rows, and from how many prompts."""
+        return bool(self.input_prompts) and self.input_prompts != self.num_prompts
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -239,7 +244,7 @@ class JobSummary:
         phase_total = sum(phases.values()) or 1.0
         split = " | ".join(f"{name} {100 * seconds / phase_total:.0f}%" for name, seconds in phases.items())
         earlier = self.num_prompts - self.prompts_this_run
-        rows = self.input_prompts and self.input_prompts != self.num_prompts  # samples: count rows, say prompts
+        rows = self.counts_rows  # samples: count rows, say prompts
         lines = [
             (
                 "rows" if rows else "prompts",

@@ -327,14 +327,13 @@ class ShardGenerator:
         n = self.spectr.num_samples if settings.n is None else settings.n
         data = self.job.data if self.job is not None else None  # the Ray Data stage places any n (no plan)
         if data is not None:
-            placed = data.max_samples or self.spectr.num_samples
+            placed = self._placed(data)
             if n > placed:
                 key = "data.max_samples" if data.max_samples else "spectr.num_samples (data.max_samples unset)"
                 raise ValueError(f"row {shard.ids[i]!r}: n={n} is more samples than the job's plan places per "
                                  f"prompt: {key} = {placed}; raise data.max_samples, or unset it (the plan then "
                                  f"places every row's n of {data.sampling_params_column!r})")
-        stop = n if shard.sample_stop is None else min(n, shard.sample_stop)
-        return range(shard.sample_start, stop)
+        return self._in_shard(shard, n)
 
     def _failed_range(self, shard: Shard, i: int) -> range:
         """A failed row's sample indices in this shard: its own n when it has a usable one the plan placed
@@ -345,9 +344,17 @@ class ShardGenerator:
         n = None
         if data is not None and data.sampling_params_column:  # an unreadable record's value is None: the job's n
             n = params_n((shard.extras or {}).get(data.sampling_params_column, [None] * len(shard))[i])
-            if n is not None and n > (data.max_samples or self.spectr.num_samples):
+            if n is not None and n > self._placed(data):
                 n = None
-        n = self.spectr.num_samples if n is None else n
+        return self._in_shard(shard, self.spectr.num_samples if n is None else n)
+
+    def _placed(self, data: Any) -> int:
+        """Samples per prompt the job's plan placed (`data.max_samples`: the plan sets it)."""
+        return data.max_samples or self.spectr.num_samples
+
+    @staticmethod
+    def _in_shard(shard: Shard, n: int) -> range:
+        """Of a row's n samples, the indices this shard holds."""
         stop = n if shard.sample_stop is None else min(n, shard.sample_stop)
         return range(shard.sample_start, stop)
 

@@ -60,9 +60,6 @@ def kill_session(process: subprocess.Popen) -> None:
         pass
 
 
-# slow: 30 s of a real SIGKILLed driver; the default suite resumes in process (test_resume_does_only_missing_shards)
-@pytest.mark.slow
-
 def kill_after_two_shards(driver: subprocess.Popen, out) -> None:
     """SIGKILL the job's driver once the commit log lists two shards (and its session, whatever happens)."""
     try:
@@ -76,6 +73,9 @@ def kill_after_two_shards(driver: subprocess.Popen, out) -> None:
     finally:
         kill_session(driver)
 
+
+# slow: 30 s of a real SIGKILLed driver; the default suite resumes in process (test_resume_does_only_missing_shards)
+@pytest.mark.slow
 def test_driver_sigkill_then_rerun(tiny_pair, prompts_jsonl, tmp_path, ray_local):
     out = tmp_path / "out"
     address = ray_local.get_runtime_context().gcs_address
