@@ -13,7 +13,10 @@ entry of `FORMATS` and one `FormatReader` here.
 A JSON-lines or CSV record that cannot be read (not UTF-8, not JSON, another number of CSV fields, or over
 `data.max_record_bytes`: then the worker never reads its bytes, the scan listed where it is) is a row
 whose problem names the file and the line; its id is its clean id where one can be read, else None (the
-row number stands in: `pipeline.prompts`).
+row number stands in: `pipeline.prompts`). Parquet and Arrow rows are converted per column, and per value
+only when a column fails: a value that is not valid UTF-8 costs its row alone (a problem naming the row, its
+id, the column and the byte); a Parquet row group that fails every read (`GROUP_READS`, afresh after the
+first: a corrupt page) costs its rows in the piece, named as a row range with the reason.
 
 Imports point one way, `prompts -> readers -> scanners -> source -> formats`: nothing below imports
 this module. Not here: listing files (`pipeline.source`), the per-format scans themselves
@@ -190,25 +193,118 @@ def _columns(source: Source) -> list[str]:
 
 
 def _read_parquet(source: Source, piece: Piece, cache: Any) -> PieceValues:
-    uri = source.files[piece.file].uri
-    parquet, starts = cache.parquet(uri)
+    """The piece's rows from the row groups that hold them; a row group that cannot be decoded (a corrupt
+    page: it fails again when read afresh) is error rows naming its row range and the reason."""
+    f = source.files[piece.file]
+    parquet, starts = cache.parquet(f.uri)
     first = bisect.bisect_right(starts, piece.start) - 1
     last = bisect.bisect_right(starts, piece.stop - 1) - 1
-    tables = [cache.row_group(uri, parquet, group, _columns(source)) for group in range(first, last + 1)]
-    table = pa.concat_tables(tables).slice(piece.start - int(starts[first]), piece.stop - piece.start)
-    return _split(source, table)
+    parts: list[PieceValues] = []
+    for group in range(first, last + 1):
+        lo, hi = max(piece.start, int(starts[group])), min(piece.stop, int(starts[group + 1]))
+        table, problem = _row_group(cache, f.uri, parquet, group, _columns(source))
+        if table is None:
+            where = f"data.path: rows {f.first_row + lo}-{f.first_row + hi - 1} of {f.uri} (row group {group})"
+            parts.append(_unreadable(source, hi - lo, f"{where} cannot be read: {problem}"))
+        else:
+            parts.append(_split(source, table.slice(lo - int(starts[group]), hi - lo), f.first_row + lo, f.uri))
+    return parts[0] if len(parts) == 1 else _joined(parts)
+
+
+GROUP_READS = 3  # a row group that fails this many reads in a row (the later ones afresh) is corrupt, not unlucky
+
+
+def _row_group(cache: Any, uri: str, parquet: Any, group: int, columns: list[str]) -> tuple[pa.Table | None, str]:
+    """(the row group, "") or (None, why it cannot be read): a read that fails is tried again on a freshly
+    opened file (a transient read error passes; a corrupt page or group fails every time)."""
+    import pyarrow.parquet as pq
+
+    from pipeline import fs
+
+    problem = ""
+    for attempt in range(GROUP_READS):
+        try:
+            if attempt == 0:
+                return cache.row_group(uri, parquet, group, columns), ""
+            location = fs.resolve(uri, "data.path")
+            return pq.ParquetFile(location.filesystem.open_input_file(location.path)).read_row_group(
+                group, columns=columns), ""
+        except (OSError, pa.ArrowException) as err:
+            text = "".join(c if c.isprintable() else " " for c in str(err))
+            problem = f"{type(err).__name__}: {' '.join(text.split())[:200]}"
+    return None, problem
+
+
+def _unreadable(source: Source, rows: int, problem: str) -> PieceValues:
+    """`rows` rows that could not be read: no values, each with `problem`."""
+    nothing: list[Any] = [None] * rows
+    return (
+        list(nothing) if source.id_column else None, list(nothing),
+        list(nothing) if source.budget_column else None, {c: list(nothing) for c in source.columns.read},
+        [problem] * rows,
+    )  # fmt: skip
+
+
+def _joined(parts: list[PieceValues]) -> PieceValues:
+    """Consecutive parts of one piece as one."""
+    ids = None if parts[0][0] is None else [v for part in parts for v in part[0]]
+    values = [v for part in parts for v in part[1]]
+    budgets = None if parts[0][2] is None else [v for part in parts for v in part[2]]
+    extras = {c: [v for part in parts for v in part[3][c]] for c in parts[0][3]}
+    problems = None
+    if any(part[4] for part in parts):
+        problems = [p for part in parts for p in (part[4] or [None] * len(part[1]))]
+    return ids, values, budgets, extras, problems
 
 
 def _read_arrow(source: Source, piece: Piece, cache: Any) -> PieceValues:
-    table = cache.arrow(source.files[piece.file].uri)
-    return _split(source, table.slice(piece.start, piece.stop - piece.start).select(_columns(source)))
+    f = source.files[piece.file]
+    table = cache.arrow(f.uri)
+    rows = table.slice(piece.start, piece.stop - piece.start).select(_columns(source))
+    return _split(source, rows, f.first_row + piece.start, f.uri)
 
 
-def _split(source: Source, table: pa.Table) -> PieceValues:
-    ids = table.column(source.id_column).to_pylist() if source.id_column else None
-    budgets = table.column(source.budget_column).to_pylist() if source.budget_column else None
-    extras = {c: table.column(c).to_pylist() for c in source.columns.read}
-    return ids, table.column(source.text_column).to_pylist(), budgets, extras, None
+def _split(source: Source, table: pa.Table, first_row: int = 0, where: str = "") -> PieceValues:
+    """The rows' values by column; a value that cannot be converted (a string that is not valid UTF-8) is a
+    problem of its row alone, naming the row, its id when readable, the column and the reason."""
+    found: dict[int, str] = {}  # row of the table -> its first problem
+    ids = _values(table, source.id_column, found) if source.id_column else None
+    values = _values(table, source.text_column, found)
+    budgets = _values(table, source.budget_column, found) if source.budget_column else None
+    extras = {c: _values(table, c, found) for c in source.columns.read}
+    if not found:
+        return ids, values, budgets, extras, None
+    problems: list[str | None] = [None] * table.num_rows
+    for row, problem in found.items():
+        row_id = ids[row] if ids is not None else first_row + row
+        problems[row] = f"data.path: row {first_row + row} (id {row_id!r}) of {where}: {problem}"
+        values[row] = None
+        if budgets is not None:
+            budgets[row] = None
+        for column in extras.values():
+            column[row] = None
+    return ids, values, budgets, extras, problems
+
+
+def _values(table: pa.Table, name: str, found: dict[int, str]) -> list[Any]:
+    """A column as Python values; a value that cannot be converted is None, its row's problem in `found`."""
+    column = table.column(name)
+    try:
+        return column.to_pylist()
+    except (UnicodeDecodeError, pa.ArrowException):  # per value, to find which (the rare case)
+        pass
+    values: list[Any] = []
+    for row, scalar in enumerate(s for chunk in column.chunks for s in chunk):
+        try:
+            values.append(scalar.as_py())
+        except UnicodeDecodeError as err:
+            values.append(None)
+            found.setdefault(row, f"column '{name}' is not valid UTF-8 (byte 0x{err.object[err.start]:02x} at "
+                                  f"position {err.start + 1} of the value)")
+        except (ValueError, pa.ArrowException) as err:
+            values.append(None)
+            found.setdefault(row, f"column '{name}' cannot be read ({type(err).__name__}: {err})")
+    return values
 
 
 # --- a file's columns ----------------------------------------------------------------------------------

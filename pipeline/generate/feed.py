@@ -30,7 +30,8 @@ takes the rows that were held back; a rebuilt auto batcher keeps what its choose
   fails alone too and so does a probe (the first token of one of them, one new token), the error is the
   device's, not the rows' (a sticky CUDA error): no error row is kept, the shard fails with `ActorFault`
   (its neighbours with `FeedAborted`), and the driver re-queues them uncharged and restarts the actor.
-A row the engine refuses at admission (a prompt too long for the model) gets its error alone.
+A row the engine refuses at admission (an empty prompt, a prompt too long for the model) gets its error alone,
+as a `Refusal`: the worker counts it as a failure of the input (a rerun fails it again, so does not redo it).
 
 Statistics of a shard: its rows' own counters, plus the batch-level ones (`iterations`, i.e. batched
 target calls, the seconds, and under auto the tokens and seconds per configuration and the wasted
@@ -73,6 +74,13 @@ BATCH_FIELDS = ("iterations", *PHASE_FIELDS, "compile_seconds", "compile_fallbac
 def engine_logprobs(s: SpectrConfig) -> bool | str:
     """The engine's `logprobs` for spectr.logprobs / logprobs_mode: False, "raw" or True (the warped law)."""
     return ("raw" if s.logprobs_mode == "raw" else True) if logprobs_wanted(s) else False
+
+
+class Refusal(str):
+    """The message of a row the engine refused at admission, alone (an empty prompt; prompt + budget over the
+    models' positions; its own settings out of range): a property of the row and the job's settings, so the
+    same input fails the same way again. The worker counts it as an input failure: a rerun does not regenerate
+    its shard for it (`pipeline.generate.manifest.load_state`)."""
 
 
 class FeedAborted(RuntimeError):
@@ -286,7 +294,7 @@ class ShardFeed:
                                      seed=[r.seed for r in rows], warps=warps, stop_token_ids=stop_ids)
         except ValueError as err:
             if len(take) == 1:
-                return [(take[0][0], take[0][1], f"{type(err).__name__}: {err}")]
+                return [(take[0][0], take[0][1], Refusal(f"{type(err).__name__}: {err}"))]
             return [outcome for item in take for outcome in self._admit([item])]
         self._in_batcher.update(zip(ids, take))
         if self.decode is not None and any(r.stops for r in rows):

@@ -33,6 +33,7 @@ from pipeline.generate.commit_log import (
 from pipeline.generate.config import GenerateConfig
 from pipeline.generate.keep import PairKeeper, pair_key
 from pipeline.generate.lease import Lease
+from pipeline.generate.manifest import JOB_FIRST_ERRORS, keep_first_errors
 from pipeline.generate.output import (
     SUCCESS_NAME,
     output_schema,
@@ -85,6 +86,7 @@ class GenerationRun:
     generation_s: float = 0.0
     startup_phases: dict[str, float] = field(default_factory=dict)  # seconds per phase (`startup_line`)
     live: Any = None  # the live MLflow metrics, stopped once the results are written (they never wait on MLflow)
+    first_errors: list[tuple[int, Any, str]] = field(default_factory=list)  # (shard, id, error): the first few
 
 
 def startup_phases(checked_s: float, ray_s: float, actors_s: float, workers: list[dict[str, Any]],
@@ -430,6 +432,7 @@ def _run_shards(
         if result.planner_state:
             run.planner_states[result.planner_state["key"]] = result.planner_state["state"]
         run.shards_written += 1
+        keep_first_errors(run.first_errors, result.index, result.first_errors)
         bar.shard_written(result.num_rows, result.stats)
         live.shard_written(result.stats, result.worker)
         if hooks and hooks.on_shard_written:
@@ -470,6 +473,7 @@ def _commit_record(result: ShardResult, run_token: str) -> dict[str, Any]:
         "bytes": result.bytes,
         "failed": result.failed,
         "failed_input": result.failed_input,
+        "errors": result.first_errors,
         "attempt": result.attempt,
         "stats": result.stats,
         "worker": result.worker,
@@ -498,7 +502,7 @@ def _finish(plan: JobPlan, tracker: Any, run: GenerationRun, started: float, sta
     )
     summary.startup_phases = dict(run.startup_phases)
     summary.input_prompts = plan.num_rows
-    messages = _failure_messages(plan, summary)
+    messages = _failure_messages(plan, summary, [*plan.state.first_errors, *run.first_errors])
     plan_cache.save_states(plan, plan_cache.pair_key(plan), run.planner_states)  # method=auto; best effort
     if not messages:
         plan.lease.check()
@@ -557,7 +561,8 @@ def _best_effort(what: str, function: Any, *args: Any, attempts: int = 3) -> Non
             time.sleep(1.0 + attempt)
 
 
-def _failure_messages(plan: JobPlan, summary: JobSummary) -> list[str]:
+def _failure_messages(plan: JobPlan, summary: JobSummary, failures: list[tuple[int, Any, str]] = ()) -> list[str]:
+    """Why the job failed; the last lines name its first failed rows (by shard) and their reasons."""
     messages = []
     if plan.shards_to_do:
         messages.append(f"{plan.shards_to_do} of {plan.num_shards} shards were not generated; re-run to resume")
@@ -569,6 +574,8 @@ def _failure_messages(plan: JobPlan, summary: JobSummary) -> list[str]:
             f"'error' of {plan.output_dir} (a re-run regenerates those that did not fail for their input: "
             f"retry_failed={plan.config.retry_failed})"
         )
+        named = sorted(failures, key=lambda failure: failure[0])[:JOB_FIRST_ERRORS]
+        messages += [f"row {row_id!r} failed: {error}" for _, row_id, error in named]
     return messages
 
 

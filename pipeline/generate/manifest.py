@@ -170,6 +170,7 @@ class OutputState:
     shards_retried: int = 0  # listed with error rows, regenerated because of retry_failed
     earlier_stats: dict[str, Any] = field(default_factory=empty_stats)
     has_success: bool = False
+    first_errors: list[tuple[int, Any, str]] = field(default_factory=list)  # (shard, id, error) of done shards' first
 
     def __post_init__(self) -> None:
         if len(self.listed) != len(self.done):
@@ -178,6 +179,17 @@ class OutputState:
     @property
     def shards_done(self) -> int:
         return sum(self.done)
+
+
+JOB_FIRST_ERRORS = 3  # failed rows a failed job's last lines name
+
+
+def keep_first_errors(kept: list[tuple[int, Any, str]], shard: int, errors: Any) -> None:
+    """Add a shard's first failed rows ([id, error] each) to `kept`, which holds the job's first
+    `JOB_FIRST_ERRORS` by shard: its size stays bounded however many rows fail."""
+    kept.extend((shard, row_id, error) for row_id, error in errors)
+    kept.sort(key=lambda failure: failure[0])
+    del kept[JOB_FIRST_ERRORS:]
 
 
 def load_state(output: fs.Location, num_shards: int, retry_failed: bool) -> OutputState:
@@ -210,5 +222,6 @@ def load_state(output: fs.Location, num_shards: int, retry_failed: bool) -> Outp
         shard = record["shard"]
         if 0 <= shard < num_shards and state.done[shard] and latest[shard] == position:
             merge_stats(state.earlier_stats, record["stats"])
+            keep_first_errors(state.first_errors, shard, record.get("errors", ()))
             state.rows_done += int(record["rows"])
     return state

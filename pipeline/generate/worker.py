@@ -32,7 +32,7 @@ from typing import Any
 from pipeline import busy
 from pipeline.config import DataConfig, ModelConfig
 from pipeline.generate.config import SpectrConfig, logprobs_wanted, top_logprobs
-from pipeline.generate.feed import Row, ShardFeed
+from pipeline.generate.feed import Refusal, Row, ShardFeed
 from pipeline.generate.shards import Shard, ShardTask, load_shard
 from pipeline.generate.stats import ResourceMeter, device_kind, empty_stats, merge_stats
 from pipeline.source import Source
@@ -54,6 +54,7 @@ class ShardResult:
     attempt: int = 0  # the task's attempt (`ShardTask.attempt`; its fence names the file)
     planner_state: dict[str, Any] | None = None  # method=auto: {"key": cache entry key, "state": the chooser's}
     inputs: list[int] | None = None  # only from `__call__`: each output row's row of the shard (n rows per row)
+    first_errors: list[list[Any]] = field(default_factory=list)  # [id, error] of its first failed rows (FIRST_ERRORS)
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,8 @@ class WorkerJob:
 
 
 PLAN_METADATA_KEY = b"spectr.plan"
+FIRST_ERRORS = 3  # failed rows a shard's result names (the job's last lines name the job's first few)
+ERROR_CHARS = 500  # of each one's message
 
 
 def with_plan(schema: Any, plan: dict[str, Any] | None) -> Any:
@@ -81,6 +84,12 @@ def with_plan(schema: Any, plan: dict[str, Any] | None) -> Any:
     import json
 
     return schema.with_metadata({**(schema.metadata or {}), PLAN_METADATA_KEY: json.dumps(plan).encode()})
+
+
+def first_errors(rows: list[dict[str, Any]]) -> list[list[Any]]:
+    """[id, error] of the first `FIRST_ERRORS` rows with finish_reason=error (what the job's last lines name)."""
+    failed = (row for row in rows if row["finish_reason"] == "error")
+    return [[row["id"], str(row["error"])[:ERROR_CHARS]] for _, row in zip(range(FIRST_ERRORS), failed)]
 
 
 class ShardGenerator:
@@ -265,6 +274,7 @@ class ShardGenerator:
                     row = self._row(shard, i, outcome, sample, stops[i], own[i])
                 else:
                     row = self._error_row(shard, i, outcome, sample)
+                    failed_input += isinstance(outcome, Refusal)  # the engine refused the row: its input's fault
                 row["time_taken_s"] = run.seconds.get(position)
                 row["seed"] = seeds.get(position, row["seed"])  # the seed this sample was generated with
                 by_position[position] = row
@@ -285,6 +295,7 @@ class ShardGenerator:
             plan=run.plan,
             planner_state=self._planner_state(),
             inputs=[i for i, _ in slots],
+            first_errors=first_errors(out),
         )
 
     def _planner_state(self) -> dict[str, Any] | None:
