@@ -30,6 +30,7 @@ from spectr.batching import ContinuousBatcher, FinishedRow, known_methods
 from spectr.rows import prefill
 from spectr.settings import Settings, check_prompts
 from spectr.stats import GenerationStats
+from spectr.structured import StructuredCompiler, StructuredSpec, parse_structured
 from spectr.warps import split_row_warps
 
 __all__ = ["Generation", "GenerationOutput", "generate", "known_methods", "prefill"]
@@ -71,6 +72,8 @@ def generate(
     frequency_penalty: float | Sequence[float] = 0.0,
     repetition_penalty: float | Sequence[float] = 1.0,
     min_tokens: int | Sequence[int] = 0,
+    structured_outputs: Any = None,
+    tokenizer: Any = None,
 ) -> GenerationOutput:
     """Generate up to `max_new_tokens` tokens per prompt from `target`, exactly its (warped) distribution.
 
@@ -98,14 +101,19 @@ def generate(
     their log-probabilities, from the same law as `logprobs` (`output.top_logprobs`). presence_penalty,
     frequency_penalty, repetition_penalty and min_tokens (vLLM's; one value or one per prompt): counted, at every
     node of the draft tree, on that node's own path, on both models' logits (`spectr.penalties`). Bad input raises
-    ValueError naming the argument and, per prompt, the row.
+    ValueError naming the argument and, per prompt, the row. structured_outputs (vLLM's: an object with one of `json`,
+    `json_object`, `regex`, `choice`, `grammar`, or a `spectr.structured.StructuredSpec`; one for every row or one
+    (or None) per prompt): each row's output follows the target's law masked by its grammar at every node of the
+    draft tree (`spectr.structured`); needs `tokenizer` (the pair's Hugging Face fast tokenizer, or a
+    `spectr.structured.StructuredCompiler` to share its compiled grammars across calls).
     """
     return _run(Generation(target, draft, prompts, method=method, num_drafts=num_drafts, draft_length=draft_length,
                            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                            eos_token_id=eos_token_id, seed=seed, batch_size=batch_size, logprobs=logprobs,
                            compile=compile, min_p=min_p, logit_bias=logit_bias, top_logprobs=top_logprobs,
                            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                           repetition_penalty=repetition_penalty, min_tokens=min_tokens))
+                           repetition_penalty=repetition_penalty, min_tokens=min_tokens,
+                           structured_outputs=structured_outputs, tokenizer=tokenizer))
 
 
 def _run(generation: Generation) -> GenerationOutput:
@@ -123,6 +131,37 @@ def _run(generation: Generation) -> GenerationOutput:
         for m, training in zip(models, was_training):
             m.train(training)
     return generation.output()
+
+
+def structured_specs(value, count: int, tokenizer, target) -> list[StructuredSpec | None] | None:
+    """`structured_outputs` (None, one spec for every row, or one per prompt) -> checked specs with a compiler of
+    `tokenizer` (a `StructuredCompiler` is used as is, else one is made for the target's vocabulary). ValueError
+    naming the prompt and the problem."""
+    if value is None:
+        return None
+    per_row = isinstance(value, (list, tuple))
+    if per_row and len(value) != count:
+        raise ValueError(f"structured_outputs has {len(value)} entries but there are {count} prompts")
+    values = list(value) if per_row else [value] * count
+    parsed: dict[int, StructuredSpec | None] = {}
+    specs = []
+    for row, item in enumerate(values):
+        if id(item) not in parsed:  # one parse of a value shared by many rows
+            parsed[id(item)] = parse_structured(item, f"prompt {row}: structured_outputs")
+        specs.append(parsed[id(item)])
+    if not any(specs):
+        return None
+    if tokenizer is None:
+        raise ValueError("structured_outputs need the tokenizer: pass tokenizer= (the pair's fast tokenizer)")
+    compiler = tokenizer if isinstance(tokenizer, StructuredCompiler) else StructuredCompiler(
+        tokenizer, vocab_size=getattr(getattr(target, "config", None), "vocab_size", None))
+    for row, spec in enumerate(specs):
+        if spec is not None:
+            try:
+                compiler.matcher(spec)  # compiled once per text; an invalid one is this prompt's error
+            except ValueError as error:
+                raise ValueError(f"prompt {row}: {error}") from None
+    return [None if spec is None else spec.with_compiler(compiler) for spec in specs]
 
 
 def check_batch_size(batch_size) -> None:
@@ -148,12 +187,13 @@ class Generation:
                  batch_size: int | None = None, pack_below: float | None = None, make_batcher=None,
                  logprobs: bool | str = False, compile: bool | str = False, min_p=0.0, logit_bias=None,
                  top_logprobs: int = 0, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
-                 min_tokens=0):
+                 min_tokens=0, structured_outputs=None, tokenizer=None):
         self.prompts = check_prompts(prompts)
         check_batch_size(batch_size)
+        specs = structured_specs(structured_outputs, len(self.prompts), tokenizer, target)
         (temperature, top_k, top_p), warps = split_row_warps(temperature, top_k, top_p, len(self.prompts), min_p,
                                                              logit_bias, presence_penalty, frequency_penalty,
-                                                             repetition_penalty, min_tokens)
+                                                             repetition_penalty, min_tokens, specs)
         self.settings = Settings.from_arguments(
             self.prompts, methods=known_methods(), method=method, num_drafts=num_drafts,
             draft_length=draft_length, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,

@@ -17,7 +17,13 @@ Face's `TemperatureLogitsWarper`, `TopKLogitsWarper` and `TopPLogitsWarper` (min
 
 vLLM's penalties and min_tokens (`SamplingWarp.presence_penalty`, ... `min_tokens`) come after the bias and
 before temperature, but depend on the row's own tokens: `RowWarps` applies them per node of the draft tree
-with that node's path (`spectr.penalties`); `SamplingWarp.probs` alone does not.
+with that node's path (`spectr.penalties`); `SamplingWarp.probs` alone does not. So does a grammar
+(`SamplingWarp.structured`, vLLM's structured outputs, `spectr.structured`): its mask comes first of all (the
+refused tokens' logits at -inf, as vLLM applies the grammar bitmask before its sampler), per node with the
+node's own path.
+
+The order, as vLLM's: grammar mask, logit bias, min_tokens, penalties, temperature (greedy: argmax here),
+min-p, top-k, top-p.
 
 This module is not a sampler: it only maps logits to probabilities. Sampling with per-row
 uniforms is `spectr.rng.sample_categorical`.
@@ -32,6 +38,7 @@ import torch
 
 from spectr.penalties import NEUTRAL as PENALTIES_OFF
 from spectr.penalties import NodePaths, RowPenalties, validate_penalties
+from spectr.structured import RowGrammars, StructuredSpec
 
 
 @dataclass(frozen=True)
@@ -39,7 +46,8 @@ class SamplingWarp:
     """Temperature / top-k / top-p / min-p settings and a logit bias; `top_k=0`, `top_p=1.0`, `min_p=0.0` and
     `logit_bias=()` mean none. logit_bias: ((token id, bias), ...), sorted by id. vLLM's presence_penalty,
     frequency_penalty (0 = off), repetition_penalty (1 = off) and min_tokens (0 = off) are per row and
-    path-dependent: applied by the pool (`RowWarps`, `spectr.penalties`), not by `probs`."""
+    path-dependent: applied by the pool (`RowWarps`, `spectr.penalties`), not by `probs`; so is `structured`, a
+    grammar (`spectr.structured.StructuredSpec`, None: none)."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -50,11 +58,15 @@ class SamplingWarp:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0
+    structured: StructuredSpec | None = None
 
     def __post_init__(self) -> None:
         validate_sampling(self.temperature, self.top_k, self.top_p)
         validate_extras(self.min_p, self.logit_bias)
         validate_penalties(self.presence_penalty, self.frequency_penalty, self.repetition_penalty, self.min_tokens)
+        if self.structured is not None and not isinstance(self.structured, StructuredSpec):
+            raise ValueError(f"structured must be a spectr.structured.StructuredSpec or None, got "
+                             f"{type(self.structured).__name__}")
 
     @property
     def greedy(self) -> bool:
@@ -67,12 +79,12 @@ class SamplingWarp:
 
     @property
     def path_dependent(self) -> bool:
-        """Whether this warp has a penalty or min_tokens (its law at a node depends on the node's path)."""
-        return self.penalty_settings != PENALTIES_OFF
+        """Whether this warp has a penalty, min_tokens or a grammar (its law at a node depends on the node's path)."""
+        return self.penalty_settings != PENALTIES_OFF or self.structured is not None
 
     def probs(self, logits: torch.Tensor, paths=None) -> torch.Tensor:
         """Warped probabilities, float32, same shape as `logits` ([..., V]). Penalties and min_tokens are not
-        applied here (`paths` is ignored: they need the row's counts, see `RowWarps`)."""
+        applied here (`paths` is ignored: they need the row's counts, see `RowWarps`); nor is a grammar."""
         if self.logit_bias:
             logits = logits.float() + dense_bias(self.logit_bias, logits.shape[-1], logits.device)
         return warp_probs(logits, self.temperature, self.top_k, self.top_p, self.min_p)
@@ -217,12 +229,25 @@ class RowWarps:
         self.uses_min_p = default.min_p > 0
         self.default = default
         self.vocab_size = vocab_size
-        self.penalties: RowPenalties | None = None  # once a row has a penalty or min_tokens
+        self.row_penalties: RowPenalties | None = None  # once a row has a penalty or min_tokens
+        self.grammars: RowGrammars | None = None  # once a row has a grammar (`spectr.structured`)
 
     @property
     def path_dependent(self) -> bool:
-        """Host flag: some admitted row has a penalty or min_tokens (`probs` needs the nodes' paths)."""
-        return self.penalties is not None
+        """Host flag: some admitted row has a penalty, min_tokens or a grammar (`probs` needs the nodes' paths)."""
+        return self.row_penalties is not None or self.grammars is not None
+
+    @property
+    def penalties(self):
+        """What follows the commits (`commit(slots, emitted, lengths)`, called by the iteration): the penalties'
+        counts and the grammars' matchers; None when the pool has neither."""
+        if self.grammars is None:
+            return self.row_penalties
+        return _Commits(self.row_penalties, self.grammars)
+
+    def grammar_error(self, slot: int) -> str | None:
+        """The grammar error of the row in `slot` (`spectr.structured.RowGrammars.error`), or None."""
+        return None if self.grammars is None else self.grammars.error(slot)
 
     def set(self, slots: torch.Tensor, warps: list[SamplingWarp], host_slots: list[int] | None = None, *,
             prompts=None, stops=None) -> None:
@@ -241,18 +266,26 @@ class RowWarps:
         if self.bias is not None or any(w.logit_bias for w in warps):  # admission only (a host loop over rows)
             for slot, warp in zip(slots.tolist() if host_slots is None else host_slots, warps):
                 self._pending_bias[slot] = warp.logit_bias
-        if self.penalties is not None or any(w.path_dependent for w in warps):
+        if self.row_penalties is not None or any(w.penalty_settings != PENALTIES_OFF for w in warps):
             self._set_penalties(slots, warps, prompts, stops)
+        if self.grammars is not None or any(w.structured is not None for w in warps):
+            if self.grammars is None:
+                if self.vocab_size is None:
+                    raise ValueError("structured outputs need the pool's vocab_size (RowWarps(vocab_size=...))")
+                self.grammars = RowGrammars(self.temperature.shape[0], self.vocab_size)
+            self.grammars.set(slots.tolist() if host_slots is None else host_slots, [w.structured for w in warps],
+                              stops or [[]] * len(warps))
 
     def _set_penalties(self, slots: torch.Tensor, warps: list[SamplingWarp], prompts, stops) -> None:
         """Penalties and min_tokens of the new rows: their prompts (repetition) and stop tokens (min_tokens) as
         host lists (None: empty)."""
-        if self.penalties is None:
+        if self.row_penalties is None:
             if self.vocab_size is None:
                 raise ValueError("penalties and min_tokens need the pool's vocab_size (RowWarps(vocab_size=...))")
-            self.penalties = RowPenalties(self.temperature.shape[0], self.vocab_size, self.temperature.device)
+            self.row_penalties = RowPenalties(self.temperature.shape[0], self.vocab_size, self.temperature.device)
         count = len(warps)
-        self.penalties.set(slots, [w.penalty_settings for w in warps], prompts or [[]] * count, stops or [[]] * count)
+        self.row_penalties.set(slots, [w.penalty_settings for w in warps], prompts or [[]] * count,
+                               stops or [[]] * count)
 
     def move(self, source: torch.Tensor, dest: torch.Tensor, host: tuple[list[int], list[int]] | None = None) -> None:
         """Rows in slots `source` move to `dest` ([M] int64 each; `host`: the same two on the host)."""
@@ -262,8 +295,10 @@ class RowWarps:
         if self._pending_bias:
             moves = dict(zip(*((source.tolist(), dest.tolist()) if host is None else host)))
             self._pending_bias = {moves.get(slot, slot): bias for slot, bias in self._pending_bias.items()}
-        if self.penalties is not None:
-            self.penalties.move(source, dest)
+        if self.row_penalties is not None:
+            self.row_penalties.move(source, dest)
+        if self.grammars is not None:
+            self.grammars.move(*((source.tolist(), dest.tolist()) if host is None else host))
 
     def probs(self, logits: torch.Tensor, paths: NodePaths | None = None) -> torch.Tensor:
         """Warped probabilities of rows [0, R) of the pool: logits [R, ..., V] -> [R, ..., V] float32.
@@ -274,13 +309,17 @@ class RowWarps:
         if self._pending_bias:
             self._fold_bias(logits.shape[-1], logits.device)
         bias = None if self.bias is None else self.bias[:rows]
-        if self.penalties is not None:
-            if paths is None:
-                raise ValueError("this pool has penalties or min_tokens: probs needs the nodes' paths")
+        if self.path_dependent and paths is None:
+            raise ValueError("this pool has penalties, min_tokens or a grammar: probs needs the nodes' paths")
+        if self.grammars is not None:  # first of all, as vLLM's grammar bitmask: refused tokens at -inf
+            allowed = self.grammars.allowed(paths, rows, logits.device)  # [R, ..., V] or None
+            if allowed is not None:
+                logits = logits.float().masked_fill(~allowed, -math.inf)
+        if self.row_penalties is not None:
             if bias is not None:
                 logits = logits.float() + bias.view(rows, *(1,) * (logits.dim() - 2), -1)  # [R, ..., V]
                 bias = None
-            logits = self.penalties.apply(logits, paths)
+            logits = self.row_penalties.apply(logits, paths)
         return row_warp_probs(logits, self.temperature[:rows], self.top_k[:rows], self.top_p[:rows], self.truncate,
                               self.min_p[:rows] if self.uses_min_p else None, bias)
 
@@ -294,15 +333,28 @@ class RowWarps:
         self._pending_bias = {}
 
 
+class _Commits:
+    """The commit hook of a pool with grammars: the penalties' counts (if any) and the grammars' matchers."""
+
+    def __init__(self, penalties: RowPenalties | None, grammars: RowGrammars):
+        self.row_penalties, self.grammars = penalties, grammars
+
+    def commit(self, slots: torch.Tensor, emitted: torch.Tensor, lengths: torch.Tensor) -> None:
+        if self.row_penalties is not None:
+            self.row_penalties.commit(slots, emitted, lengths)
+        self.grammars.commit(slots, emitted, lengths)
+
+
 def split_row_warps(temperature, top_k, top_p, count: int, min_p=0.0, logit_bias=None, presence_penalty=0.0,
-                    frequency_penalty=0.0, repetition_penalty=1.0, min_tokens=0
+                    frequency_penalty=0.0, repetition_penalty=1.0, min_tokens=0, structured=None
                     ) -> tuple[tuple[float, int, float], list[SamplingWarp] | None]:
     """Scalars, or one value per row (lists or [N] tensors), -> (the run's warp settings, per-row warps).
 
     All scalars, no min_p, no logit_bias, no penalty and no min_tokens: (those scalars, None). Any of them per row,
     or a min_p / a logit bias (a {token id: bias} dict, or one dict or None per row) / a penalty / min_tokens: (the
-    defaults (1.0, 0, 1.0), one `SamplingWarp` per row, scalars broadcast). ValueError names the argument and the
-    row.
+    defaults (1.0, 0, 1.0), one `SamplingWarp` per row, scalars broadcast). structured: None, one
+    `spectr.structured.StructuredSpec` for every row, or one (or None) per row: per-row warps too. ValueError names
+    the argument and the row.
     """
     values = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
               "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
@@ -312,11 +364,13 @@ def split_row_warps(temperature, top_k, top_p, count: int, min_p=0.0, logit_bias
             values[name] = value.tolist()
     per_row = {name: v for name, v in values.items() if isinstance(v, (list, tuple))}
     biases = logit_bias if isinstance(logit_bias, (list, tuple)) else [logit_bias] * count
+    specs = list(structured) if isinstance(structured, (list, tuple)) else [structured] * count
     if not per_row and not min_p and not logit_bias and (presence_penalty, frequency_penalty, repetition_penalty,
-                                                         min_tokens) == PENALTIES_OFF:
+                                                         min_tokens) == PENALTIES_OFF and not any(specs):
         return (temperature, top_k, top_p), None
-    for name, value in (*per_row.items(), *((("logit_bias", biases),) if isinstance(logit_bias, (list, tuple))
-                                             else ())):
+    lists = (("logit_bias", biases),) if isinstance(logit_bias, (list, tuple)) else ()
+    lists += (("structured", specs),) if isinstance(structured, (list, tuple)) else ()
+    for name, value in (*per_row.items(), *lists):
         if len(value) != count:
             raise ValueError(f"{name} has {len(value)} entries but there are {count} prompts")
     warps = []
@@ -333,6 +387,9 @@ def split_row_warps(temperature, top_k, top_p, count: int, min_p=0.0, logit_bias
             validate_penalties(*row_values[4:])
         except (ValueError, TypeError) as error:
             raise ValueError(f"prompt {row}: {error}") from None
+        if specs[row] is not None and not isinstance(specs[row], StructuredSpec):
+            raise ValueError(f"prompt {row}: structured must be a StructuredSpec or None, got {specs[row]!r}")
         warps.append(SamplingWarp(float(row_values[0]), int(row_values[1]), float(row_values[2]),
-                                  float(row_values[3]), bias, *map(float, row_values[4:7]), int(row_values[7])))
+                                  float(row_values[3]), bias, *map(float, row_values[4:7]), int(row_values[7]),
+                                  specs[row]))
     return (1.0, 0, 1.0), warps
