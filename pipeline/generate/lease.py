@@ -33,6 +33,12 @@ Taking a lease is exclusive:
   abfs:// (Azure has `If-None-Match` / `If-Match` too, but there is no Azure emulator here to test it
   against) and fsspec schemes.
 
+A lease file that holds no lease (empty or torn: a crash or a full disk between its creation and its write)
+is watched like a lease and taken over once it stayed so for `lease_timeout_s`. A read that fails (EIO,
+ESTALE) is retried and then "unknown" (`LeaseUnknownError`), never "lost": the heartbeat retries at its next
+beat (its holder stops only when it could not confirm its lease for `lease_timeout_s`, after which another
+job may have judged it stale), and a worker's shard that meets it goes back uncharged.
+
 Not exclusive: a local heartbeat reads, then rewrites the file; a taker can only act on a lease stale for
 `lease_timeout_s`, so only a holder frozen that long (then `LeaseLostError` at its next check) can race it.
 
@@ -68,6 +74,16 @@ log = logging.getLogger("pipeline")
 
 class LeaseLostError(JobFailedError):
     """Another job took over this job's output directory (this one looked dead to it)."""
+
+
+class LeaseUnknownError(OSError):
+    """The lease could not be read (EIO, ESTALE, a timeout) after `READ_ATTEMPTS` tries: not known to be lost.
+    A worker's shard that meets it goes back uncharged; the holder's heartbeat retries at its next beat."""
+
+
+UNREADABLE = "?"  # the token of `read_holder`'s stand-in for a lease file that holds no lease (empty, torn)
+READ_ATTEMPTS = 3
+READ_BACKOFF_S = 0.2  # before the n-th retry of a read that failed: n times this
 
 
 @dataclass(frozen=True)
@@ -155,7 +171,10 @@ def watch(output: fs.Location, timeout_s: float, poll_s: float | None = None) ->
     `stale_after_s` (what this process watched of it before counts). Blocks at most that long."""
     announced = False
     while True:
-        holder = read_holder(output)
+        try:
+            holder = read_holder(output)
+        except LeaseUnknownError as err:
+            raise JobInputError(f"output_dir: {err}; try again once the storage answers") from None
         if holder is None:
             with _sightings_lock:
                 _sightings.pop(output.uri, None)
@@ -172,17 +191,32 @@ def watch(output: fs.Location, timeout_s: float, poll_s: float | None = None) ->
 
 
 def read_holder(output: fs.Location) -> Holder | None:
+    """The lease's holder; None when there is no lease; a stand-in (token `UNREADABLE`) for a file that holds
+    no lease (empty or torn: a crash or a full disk between its creation and its write), which is watched like
+    any lease and taken over once it stayed so for `lease_timeout_s`. A read that fails (EIO, ESTALE) is tried
+    again, then raises `LeaseUnknownError`: never taken for a lost or a stale lease."""
     location = output.child(LEASE_NAME)
-    try:
-        raw = json.loads(fs.read_bytes(location))
-        return Holder(**raw)
-    except FileNotFoundError:
-        return None
-    except (ValueError, TypeError, OSError) as err:
-        if not fs.exists(location):
+    for attempt in range(READ_ATTEMPTS):
+        try:
+            raw = fs.read_bytes(location)
+            break
+        except FileNotFoundError:
             return None
-        log.warning("unreadable lease %s (%s); treating it as stale", location.uri, err)
-        return Holder("?", "?", -1, "", 0.0, 0.0, "?")
+        except OSError as err:
+            try:
+                if not fs.exists(location):
+                    return None
+            except OSError:
+                pass
+            if attempt + 1 == READ_ATTEMPTS:
+                raise LeaseUnknownError(f"cannot read the lease {location.uri}: {type(err).__name__}: {err}") from err
+            time.sleep(READ_BACKOFF_S * (attempt + 1))
+    holder = _decode(raw)
+    if holder is None:
+        log.warning("the lease %s holds no lease (%d bytes: empty or torn); it is taken over once it stays so for "
+                    "lease_timeout_s", location.uri, len(raw))
+        return Holder(UNREADABLE, UNREADABLE, -1, "", 0.0, 0.0, UNREADABLE, beat=len(raw))
+    return holder
 
 
 def _refusal(output: fs.Location, holder: Holder, timeout_s: float) -> JobInputError:
@@ -204,7 +238,9 @@ def check_holder(output: fs.Location, token: str) -> None:
     """Raise LeaseLostError unless the lease of `output` is still `token`'s. A worker checks it right before it
     writes a part: a late writer of a job that no longer holds the directory (killed, or taken over) writes
     nothing; what it had started writing before is removed by the cleanup of the job that holds it."""
-    current = read_holder(output)
+    current = read_holder(output)  # LeaseUnknownError: not known to be lost (the shard goes back uncharged)
+    if current is not None and current.token == UNREADABLE:
+        raise LeaseUnknownError(f"the lease of {output.uri} holds no lease right now (empty or torn)")
     if current is None or current.token != token:
         raise LeaseLostError(
             f"output_dir: {output.uri} is no longer held by the job that sent this shard (now: "
@@ -221,6 +257,7 @@ class Lease:
         self.output, self.timeout_s, self.holder, self.created_dir = output, timeout_s, holder, created_dir
         self.store = store  # object stores: the conditional writes (None on local disks and NFS)
         self.lost_to: str | None = None
+        self._confirmed = time.monotonic()  # when a heartbeat last read our lease back (an unreadable one: unknown)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -257,6 +294,8 @@ class Lease:
         while not self._stop.wait(self.timeout_s / HEARTBEATS_PER_TIMEOUT):
             try:
                 current = read_holder(self.output)
+                if current is not None and current.token == UNREADABLE:
+                    raise LeaseUnknownError("it holds no lease (empty or torn)")
                 if current is None or current.token != self.holder.token:
                     self.lost_to = current.describe() if current else "nobody (the lease was deleted)"
                     return
@@ -267,9 +306,12 @@ class Lease:
                     return
                 if self.store is None:
                     fs.write_bytes(self.output.child(LEASE_NAME), fresh.encode())
-                self.holder = fresh
+                self.holder, self._confirmed = fresh, time.monotonic()
             except Exception as err:  # noqa: BLE001 - a missed heartbeat is retried; staleness takes minutes
                 log.warning("lease heartbeat on %s failed: %s", self.output.uri, err)
+                if time.monotonic() - self._confirmed > self.timeout_s:  # others may have judged it stale
+                    self.lost_to = f"unknown: no heartbeat for lease_timeout_s={self.timeout_s:g} s ({err})"
+                    return
 
     def check(self) -> None:
         if self.lost_to is not None:
@@ -314,7 +356,8 @@ def _take(output: fs.Location, holder: Holder, stale: Holder | None) -> bool:
         except FileNotFoundError:
             return False
         moved = _holder_in(tombstone)
-        if moved != stale:  # another taker's fresh lease, or a heartbeat since we judged it: put it back
+        same = moved == stale or (moved == UNREADABLE and stale.token == UNREADABLE)  # still no lease in it
+        if not same:  # another taker's fresh lease, or a heartbeat since we judged it: put it back
             try:
                 os.link(tombstone, location.path)
             except FileExistsError:
@@ -334,12 +377,14 @@ def _take(output: fs.Location, holder: Holder, stale: Holder | None) -> bool:
     return True
 
 
-def _holder_in(path: str) -> Holder | None:
+def _holder_in(path: str) -> Holder | str | None:
+    """The holder in a lease file; `UNREADABLE` for a file that holds none; None when it cannot be read."""
     try:
         with open(path, "rb") as f:
-            return Holder(**json.loads(f.read()))
-    except (OSError, ValueError, TypeError):
+            raw = f.read()
+    except OSError:
         return None
+    return _decode(raw) or UNREADABLE
 
 
 class ObjectLease:

@@ -63,6 +63,7 @@ import numpy as np
 from pipeline import fs
 from pipeline.generate.config import GenerateConfig
 from pipeline.generate.feed import ActorFault, FeedAborted
+from pipeline.generate.lease import LeaseUnknownError
 from pipeline.generate.progress import PROGRESS_POLL_S, BatchReporter, ShardProgress, rows_in_flight
 from pipeline.generate.shards import ShardTask
 from pipeline.generate.worker import ShardGenerator, ShardResult, WorkerJob
@@ -371,7 +372,7 @@ class ShardActorPool:
                 queue.push_front(task.again())
                 self._restart(slot, queue, f"its device fails every row and a probe ({_last_line(err)})")
                 return
-            if not isinstance(err, FeedAborted):
+            if not isinstance(err, (FeedAborted, LeaseUnknownError)):  # the lease unreadable: not the shard's
                 slot.failed.add(task.index)
                 self._charge(task, err)
             queue.push_front(task.again())

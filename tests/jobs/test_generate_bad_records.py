@@ -45,6 +45,7 @@ def test_a_record_that_is_not_utf8_is_one_error_row_and_max_failed_fraction_deci
     assert errors[16] == f"data.path: {data} line 17 is not valid UTF-8 (byte 0xff at column 27)"
     assert table.column("finish_reason").to_pylist()[16] == "error" and table.column("prompt").to_pylist()[16] is None
     assert report.exit_code == 1 and "1 of 40 prompts failed" in report.messages[0]
+    assert report.messages[-1] == f"row 'p016' failed: {errors[16]}"  # the last line: which row, and why (#52)
     assert report.summary.prompts_completed == 39 and not (out / "_SUCCESS").exists()
 
     # a rerun: the same input fails that record again, so nothing is generated again (retry_failed or not)
