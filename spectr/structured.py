@@ -40,6 +40,9 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 OPTIONS = ("whitespace_pattern", "disable_any_whitespace")
 KNOWN_KEYS = KINDS + OPTIONS
 ALIASES = ("structured_outputs", "guided_decoding")  # vLLM's name, and its older one
+DEAD_END = "structured_outputs: the grammar allows no token here (a dead end of the grammar on this vocabulary)"
+NO_STOP = ("structured_outputs: the grammar completed but the row has no stop token to end it (ignore_eos without "
+           "stop_token_ids)")
 
 
 @dataclass(frozen=True)
@@ -321,9 +324,7 @@ class RowGrammars:
         if not bool(mask.any()):
             if path:
                 return None  # a dead end below the root: if a row ever commits into it, the commit errs
-            row.error = self.errors[slot] = (
-                "structured_outputs: the grammar allows no token here (a dead end"
-                + (", or it completed and the row has no stop token)" if accepting else ")"))
+            row.error = self.errors[slot] = NO_STOP if accepting else DEAD_END
             return row.stop_mask if row.stops else None
         return mask
 
@@ -347,7 +348,10 @@ class RowGrammars:
             for token in new:
                 if token in row.stops:
                     break
+                completed = row.matcher.is_stopped()
                 if not row.matcher.consume_token(token):
-                    row.error = self.errors[slot] = (f"structured_outputs: token {token} was kept but the grammar "
-                                                     f"refuses it ({row.matcher.get_error().strip()[:200]})")
+                    row.error = self.errors[slot] = (
+                        NO_STOP if completed else
+                        f"{DEAD_END} (token {token} came after the grammar's last allowed token; "
+                        f"{row.matcher.get_error().strip().splitlines()[0][:160]})")
                     break

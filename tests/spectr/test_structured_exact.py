@@ -22,7 +22,11 @@ import random
 import pytest
 import torch
 
-from spectr.reference import block_output_distribution, sequence_output_distribution, traversal_output_distribution
+from spectr.reference import (
+    block_output_distribution,
+    sequence_output_distribution,
+    traversal_output_distribution,
+)
 from spectr.structured import RowGrammars, StructuredCompiler, parse_structured
 
 EOS = 3
