@@ -15,8 +15,12 @@
 - `data.sampling_params_column`: a struct or a JSON object with any of vLLM's `SamplingParams` names in
   `SAMPLING_KEYS`, with vLLM's meanings; names that cannot be exact (`REFUSED_KEYS`) are refused with the
   reason unless neutral; a value out of range fails that row alone, with its error.
+- `structured_outputs` (vLLM's; `guided_decoding`, its older name, is read as an alias): a grammar for the row
+  (`spectr.structured.parse_structured`: json / json_object / regex / choice / grammar, whitespace_pattern); an
+  invalid one fails the row, naming the problem; it rides the engine warp as its last field.
 - The job-level equivalents (`spectr.min_p`, `spectr.logit_bias`, the penalties, `spectr.min_tokens`,
-  `spectr.stop_token_ids`, `spectr.ignore_eos`, `spectr.include_stop_str_in_output`: `JOB_KEYS`) apply to every
+  `spectr.stop_token_ids`, `spectr.ignore_eos`, `spectr.include_stop_str_in_output`, `spectr.structured_outputs`:
+  `JOB_KEYS`) apply to every
   row; a row's own value of the same name replaces the job's (`RowSettings.over`). A row's stop strings are
   added to `spectr.stop` instead.
 
@@ -43,7 +47,7 @@ OUTPUT_COLUMNS = ("id", "prompt", "completion", "completion_token_ids", "prompt_
 # stop_token_ids decide which tokens end the row; logprobs is read by the stage / the job-wide spectr.logprobs
 SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",
                  "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "logprobs", "logit_bias",
-                 "presence_penalty", "frequency_penalty", "repetition_penalty")
+                 "presence_penalty", "frequency_penalty", "repetition_penalty", "structured_outputs", "guided_decoding")
 # known names that cannot be exact here (or are not built yet), refused with the reason (their neutral value passes)
 REFUSED_KEYS = {
     "best_of": "best_of picks among samples by score, which changes the output law (draw n samples instead)",
@@ -55,7 +59,7 @@ NEUTRAL = {"best_of": (None, 1), "use_beam_search": (False,), "logits_processors
 # value that means "off"; temperature / top_k / top_p / max_tokens / seed / stop / n / logprobs have their own keys
 JOB_KEYS = {"min_p": 0.0, "logit_bias": (), "presence_penalty": 0.0, "frequency_penalty": 0.0,
             "repetition_penalty": 1.0, "min_tokens": 0, "stop_token_ids": (), "ignore_eos": False,
-            "include_stop_str_in_output": False}
+            "include_stop_str_in_output": False, "structured_outputs": None}
 # vLLM's ranges: (test, the rule as the message says it); the same for a row's value and the job's
 RANGES = {
     "temperature": (lambda v: v >= 0, ">= 0 (0 = greedy)"), "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
@@ -258,6 +262,7 @@ class RowSettings:
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int | None = None
+    structured_outputs: Any = None  # a `spectr.structured.StructuredSpec` (vLLM's structured_outputs / guided_decoding)
 
     def over(self, job: Any) -> RowSettings:
         """These settings with the job's value (`job_settings` of the job's `spectr.*`) wherever the row has
@@ -276,11 +281,12 @@ class RowSettings:
         penalties = (self.presence_penalty or 0.0, self.frequency_penalty or 0.0,
                      1.0 if self.repetition_penalty is None else self.repetition_penalty, self.min_tokens or 0)
         if (self.temperature, self.top_k, self.top_p) == (None, None, None) and not self.min_p \
-                and not self.logit_bias and penalties == (0.0, 0.0, 1.0, 0):
+                and not self.logit_bias and penalties == (0.0, 0.0, 1.0, 0) and self.structured_outputs is None:
             return None
-        return (job.temperature if self.temperature is None else self.temperature,
+        warp = (job.temperature if self.temperature is None else self.temperature,
                 job.top_k if self.top_k is None else self.top_k, job.top_p if self.top_p is None else self.top_p,
                 self.min_p or 0.0, tuple(self.logit_bias or ()), *penalties)
+        return warp if self.structured_outputs is None else (*warp, self.structured_outputs)
 
     def stop_ids(self, eos_token_ids: Any) -> tuple[int, ...] | None:
         """The tokens that end the row (vLLM's: the model's EOS unless ignore_eos, and stop_token_ids); None:
@@ -300,6 +306,8 @@ def job_settings(job: Any) -> dict[str, Any]:
         try:
             if key == "logit_bias":
                 value = _bias(value) if value is not None else ()
+            elif key == "structured_outputs":
+                value = _structured(value, key)
             elif key == "stop_token_ids":
                 value = _token_ids(value, key) if value is not None else []
             elif isinstance(off, bool):
@@ -445,6 +453,29 @@ def _bias(value: Any) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(out))
 
 
+def _structured(value: Any, key: str) -> Any:
+    """vLLM's structured_outputs value (an object, a struct, or its JSON text) -> a `spectr.structured.StructuredSpec`
+    or None; ValueError naming the key and the problem (an unknown key inside, an invalid schema, regex, grammar)."""
+    from spectr.structured import parse_structured
+
+    if value is not None and not isinstance(value, (str, dict)) and hasattr(value, "items"):
+        value = dict(value.items())  # an OmegaConf mapping (spectr.structured_outputs)
+    if isinstance(value, dict):  # a Parquet struct reads back with every field: the absent ones None
+        value = {k: (list(v) if isinstance(v, tuple) else v) for k, v in value.items() if v is not None}
+        if isinstance(value.get("json"), dict):
+            value["json"] = _plain(value["json"])
+    return parse_structured(value, key)
+
+
+def _plain(value: Any) -> Any:
+    """OmegaConf containers -> dicts and lists (a schema given as Hydra overrides)."""
+    if hasattr(value, "items"):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) or (hasattr(value, "__iter__") and not isinstance(value, (str, bytes))):
+        return [_plain(v) for v in value]
+    return value
+
+
 def _flag(value: Any, key: str) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{key} must be true or false, got {value!r}")
@@ -472,6 +503,11 @@ def row_settings(params: Any, stop: Any, params_key: str, stop_key: str) -> RowS
                 setattr(settings, key, _flag(values[key], key))
         if "logit_bias" in values:
             settings.logit_bias = _bias(values["logit_bias"])
+        given = [k for k in ("structured_outputs", "guided_decoding") if values.get(k) is not None]
+        if len(given) > 1:
+            raise ValueError("structured_outputs and guided_decoding (its older name) may not both be set")
+        if given:
+            settings.structured_outputs = _structured(values[given[0]], given[0])
         if "logprobs" in values:
             value = values["logprobs"]
             settings.logprobs = (0 if value else None) if isinstance(value, bool) else _number(value, "logprobs", True)
