@@ -7,13 +7,14 @@
 What `ray.data.llm`'s processors do, with the same conventions: `preprocess` is a `Dataset.map` whose
 output is merged over the row (every input column goes on to the stage and to `postprocess`); a streaming
 `repartition` into blocks of at most `batch_size` rows (so that a big block does not go to one actor);
-the stage is one `map_batches` of `pipeline.ray_data.stage.SpecTrStage` on an actor pool
-(`ActorPoolStrategy(size=concurrency)`, or `(min, max)`: autoscaling), `batch_size` rows per Ray Data
-batch, and per actor as many batches at once as fill its engine's slots plus one, at most
-`max_concurrent_batches` (`SpecTrProcessorConfig.batches_in_flight`: `max_tasks_in_flight_per_actor` and
-`max_concurrency`; all of them feed the actor's one continuous batch), `num_gpus` GPUs per actor
-(default 1; more with `device_map="auto"`: the target split over them) when `accelerator_type` is set or
-the cluster has GPUs (else `num_cpus`);
+the stage is one `map_batches` of `pipeline.ray_data.stage.SpecTrStage` on an actor pool (as Ray's engine
+stage: `concurrency=n` an autoscaling pool of 1..n actors that grows while blocks wait, `(m, n)` m..n,
+`(n, n)` fixed), `batch_size` rows per Ray Data batch, and per actor as many batches at once as fill its
+engine's slots plus one, at most `max_concurrent_batches` (`SpecTrProcessorConfig.batches_in_flight`:
+`max_tasks_in_flight_per_actor`, unless set, and `max_concurrency`; all of them feed the actor's one
+continuous batch), `num_gpus` GPUs per actor (default 1; more with `device_map="auto"`: the target split
+over them) when `accelerator_type` is set or the cluster has GPUs (else `num_cpus`), the config's
+`runtime_env`;
 `postprocess` is a `Dataset.map`, and a row carrying `__inference_error__` bypasses it (with
 `should_continue_on_error`; the others get `__inference_error__ = ""`).
 
@@ -25,11 +26,14 @@ Not here: the actor (`pipeline.ray_data.stage`), the settings (`pipeline.ray_dat
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 from pipeline.ray_data.config import SAMPLING_PARAMS_COLUMN, SpecTrProcessorConfig, pool_size
 from pipeline.ray_data.stage import ERROR_COLUMN, SpecTrStage
+
+BUILDER_KWARGS = ("chat_template_kwargs",)  # what ray.data.llm's vLLM builder takes beyond the row functions
 
 
 class MergedPreprocess:
@@ -72,8 +76,11 @@ class SpecTrProcessor:
 
     def input_column_names(self) -> list[str]:
         """The columns the stage reads after `preprocess` (the others pass through unchanged)."""
-        prompt = "messages" if self.config.apply_chat_template else "prompt"
-        return [prompt, f"{SAMPLING_PARAMS_COLUMN} (optional)", "id (optional: the seed's key)"]
+        prompt = ["messages (rendered with the chat template)"] if self.config.chat().enabled else []
+        prompt += ["prompt" + (" (when a row has no messages)" if prompt else "")]
+        if not self.config.stage("tokenize_stage").enabled:
+            prompt += ["tokenized_prompt (when a row has neither)"]
+        return prompt + [f"{SAMPLING_PARAMS_COLUMN} (optional)", "id (optional: the seed's key)"]
 
     def log_input_column_names(self) -> list[str]:
         """As `ray.data.llm`'s processors: log (and return) the columns the stage expects."""
@@ -107,8 +114,10 @@ class SpecTrProcessor:
             fn_constructor_kwargs={"config": config},
             # no batches queued on an actor beyond those it runs (Ray's default queues as many again): a
             # queued batch waits for its actor while another may have free slots, e.g. when one actor loads first
+            # n: an autoscaling pool of 1..n actors, as ray.data.llm's engine stage (`pool_size`)
             compute=ray.data.ActorPoolStrategy(**pool_size(config.concurrency),
-                                               max_tasks_in_flight_per_actor=in_flight),
+                                               max_tasks_in_flight_per_actor=config.max_tasks_in_flight_per_actor
+                                               or in_flight),
             batch_size=config.batch_size,
             batch_format="pyarrow",
             zero_copy_batch=True,
@@ -120,25 +129,35 @@ class SpecTrProcessor:
             kwargs["num_cpus"] = config.num_cpus or 1
         if config.accelerator_type:
             kwargs["accelerator_type"] = config.accelerator_type
+        if config.runtime_env is not None:
+            kwargs["runtime_env"] = config.runtime_env
         return kwargs
 
 
 def build_processor(config: SpecTrProcessorConfig, preprocess: Callable | None = None,
                     postprocess: Callable | None = None, preprocess_map_kwargs: dict[str, Any] | None = None,
                     postprocess_map_kwargs: dict[str, Any] | None = None,
-                    builder_kwargs: dict[str, Any] | None = None) -> SpecTrProcessor:
+                    builder_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> SpecTrProcessor:
     """The SpecTr stage (with the optional row functions around it): call it on a Dataset to get one.
-    builder_kwargs: as `ray.data.llm.build_processor`'s, more keyword arguments of this builder (here the
-    map kwargs: `preprocess_map_kwargs`, `postprocess_map_kwargs`)."""
+    builder_kwargs: as `ray.data.llm.build_processor`'s, keyword arguments of the builder: `chat_template_kwargs`
+    (the template's variables, under the chat template stage's own). `ray.data.llm.build_processor` passes
+    them as keywords (`**kwargs` here), this function also in `builder_kwargs`."""
     if not isinstance(config, SpecTrProcessorConfig):
         raise TypeError(f"build_processor takes a SpecTrProcessorConfig, got {type(config).__name__}")
-    extra = dict(builder_kwargs or {})
-    unknown = sorted(set(extra) - {"preprocess_map_kwargs", "postprocess_map_kwargs"})
+    extra = {**(builder_kwargs or {}), **kwargs}
+    reserved = sorted(set(builder_kwargs or {}) & {"preprocess", "postprocess", "preprocess_map_kwargs",
+                                                     "postprocess_map_kwargs"})
+    if reserved:  # Ray's rule (ProcessorBuilder.validate_builder_kwargs)
+        raise ValueError(f"builder_kwargs cannot contain {', '.join(reserved)}: pass them to build_processor directly")
+    unknown = sorted(set(extra) - set(BUILDER_KWARGS))
     if unknown:
-        raise TypeError(f"build_processor: unknown builder_kwargs {', '.join(unknown)}; known: "
-                        "preprocess_map_kwargs, postprocess_map_kwargs")
-    preprocess_map_kwargs = extra.get("preprocess_map_kwargs", preprocess_map_kwargs)
-    postprocess_map_kwargs = extra.get("postprocess_map_kwargs", postprocess_map_kwargs)
+        raise TypeError(f"build_processor: unknown builder_kwargs {', '.join(unknown)}; known: {', '.join(BUILDER_KWARGS)}")
+    chat_template_kwargs = extra.get("chat_template_kwargs")
+    if chat_template_kwargs is not None:
+        if not isinstance(chat_template_kwargs, dict):
+            raise TypeError(f"build_processor: chat_template_kwargs must be a dict, got {chat_template_kwargs!r}")
+        if config.chat_template_kwargs is None:  # the stage's own first (Ray's precedence), then the config's
+            config = dataclasses.replace(config, chat_template_kwargs=chat_template_kwargs)
     return SpecTrProcessor(config, preprocess, postprocess, preprocess_map_kwargs, postprocess_map_kwargs)
 
 

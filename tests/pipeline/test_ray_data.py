@@ -83,8 +83,12 @@ def test_rows_get_spectr_generates_tokens_for_their_seed_and_settings(stage):
         assert row["num_generated_tokens"] == len(row["generated_tokens"]) <= budget
         assert row["finish_reason"] in ("stop", "length") and row[ERROR_COLUMN] == ""
         assert row["target_calls"] >= 1 and row["time_taken_llm"] >= 0
-    assert len(out[0]["logprobs"]) == 5 and all(lp <= 0 for lp in out[0]["logprobs"])
+    # Ray's shape: per token {token id: {logprob, rank, decoded_token}}, the sampled token's (logprobs=True: alone)
+    assert [list(entry) for entry in out[0]["logprobs"]] == [[t] for t in out[0]["generated_tokens"]]
+    assert all(e[t]["logprob"] <= 0 and e[t]["decoded_token"] == tok.decode([t])
+               for e, t in zip(out[0]["logprobs"], out[0]["generated_tokens"]))
     assert [r["logprobs"] for r in out[1:]] == [None] * 3  # only where sampling_params asks
+    assert [r["seed"] for r in out] == seeds  # the seed column reproduces each row
     # negative control: another seed gives other tokens (the comparison above can fail)
     others = [reference(stage, r["prompt_token_ids"], s + 1, b, **w) for r, s, b, w in zip(out, seeds, budgets, warps)]
     assert others != [r["generated_tokens"] for r in out]
@@ -124,11 +128,16 @@ def test_the_stage_reads_like_ray_data_llm(tiny_pair, tmp_path):
     refused on the driver naming it (a hub id or an s3:// URI is passed on to loading); the engine's rows in flight
     default by device."""
     config = config_for(tiny_pair)
-    processor = build_processor(config, builder_kwargs={"postprocess_map_kwargs": {"num_cpus": 0.5}})
+    processor = build_processor(config, postprocess_map_kwargs={"num_cpus": 0.5},
+                                builder_kwargs={"chat_template_kwargs": {"enable_thinking": False}})
     assert processor.postprocess_map_kwargs == {"num_cpus": 0.5}
-    assert processor.log_input_column_names()[0] == "prompt"
-    with pytest.raises(TypeError, match="unknown builder_kwargs nope"):
+    assert processor.config.chat().chat_template_kwargs == {"enable_thinking": False}
+    assert processor.log_input_column_names()[:2] == ["messages (rendered with the chat template)",
+                                                      "prompt (when a row has no messages)"]
+    with pytest.raises(TypeError, match="unknown builder_kwargs nope; known: chat_template_kwargs"):
         build_processor(config, builder_kwargs={"nope": 1})
+    with pytest.raises(ValueError, match="builder_kwargs cannot contain postprocess_map_kwargs"):  # Ray's rule
+        build_processor(config, builder_kwargs={"postprocess_map_kwargs": {}})
     missing = tmp_path / "no" / "such" / "model"
     with pytest.raises(ValueError, match=f"model_source '{missing}' is a local path that does not exist"):
         dataclasses.replace(config, model_source=str(missing))
@@ -241,13 +250,17 @@ def test_config_checks(tiny_pair):
         config_for(tiny_pair, engine_kwargs={"method": "beam"})
     with pytest.raises(ValueError, match="concurrency must be"):
         config_for(tiny_pair, concurrency=(3, 2))
-    with pytest.raises(ValueError, match="chat_template_kwargs need data.chat=true"):
-        config_for(tiny_pair, chat_template_kwargs={"enable_thinking": False})
+    with pytest.raises(ValueError, match="chat_template_kwargs must be a dict"):
+        config_for(tiny_pair, chat_template_kwargs="enable_thinking")
     assert config_for(tiny_pair, engine_kwargs={"method": "block", "num_drafts": 4}).spectr_config().num_drafts == 1
     processor = build_processor(config_for(tiny_pair, concurrency=(1, 3), accelerator_type="H100"))
     kwargs = processor.stage_map_kwargs(gpus=False)
     assert kwargs["num_gpus"] == 1 and kwargs["accelerator_type"] == "H100"
     assert (kwargs["compute"].min_size, kwargs["compute"].max_size) == (1, 3)
+    # Ray's concurrency: n is an autoscaling pool of 1..n actors, (n, n) a fixed one
+    for concurrency, sizes in ((3, (1, 3)), ((2, 2), (2, 2))):
+        compute = build_processor(config_for(tiny_pair, concurrency=concurrency)).stage_map_kwargs(gpus=False)["compute"]
+        assert (compute.min_size, compute.max_size) == sizes
     # batches of 4 rows, 4 engine slots: one batch fills them, one more refills them; none queued beyond
     assert kwargs["compute"].max_tasks_in_flight_per_actor == kwargs["max_concurrency"] == 2
     small = config_for(tiny_pair, batch_size=3, engine_kwargs={"batch_size": 8})  # 3 batches fill 8 slots, + 1
@@ -282,8 +295,9 @@ def test_read_parquet_from_s3_stage_write_parquet(ray_local, s3_prompts, stage, 
         return {"prompt": row["text"], "sampling_params": {"max_tokens": row["budget"], "seed": seed,
                                                            "logprobs": row["id"] == 2}}
 
-    def postprocess(row):
-        return {**row, "answer_words": len(row["generated_text"].split())}
+    def postprocess(row):  # Ray's logprobs (token id -> {logprob, ...} per token) as the sampled tokens' floats
+        floats = None if row["logprobs"] is None else [next(iter(e.values()))["logprob"] for e in row["logprobs"]]
+        return {**row, "answer_words": len(row["generated_text"].split()), "logprobs": floats}
 
     config = config_for(tiny_pair, max_concurrent_batches=2, num_cpus=1)
     processor = build_processor(config, preprocess=preprocess, postprocess=postprocess)

@@ -1,0 +1,282 @@
+"""Porting `ray.data.llm` code to the SpecTr stage: Ray's own examples, run with the import and the config class
+changed (plus `draft_model_source`, and the model's name for a tiny chat model made here: no hub).
+
+- The `build_processor` docstring's examples (`ray.data.llm.build_processor.__doc__`, Ray 2.60, read from the
+  installed package, so they are Ray's text as shipped): the basic one (vLLM `engine_kwargs`,
+  `detokenize=False`, 300 rows: slow; its light sibling runs it on 8) and the `builder_kwargs` one
+  (`chat_template_kwargs`, `chat_template_stage={"enabled": True}`).
+- Ray's minimal quickstart (`doc/source/data/doc_code/working-with-llms/minimal_quickstart.py`, not in the
+  installed package: `QUICKSTART` below is that file as of Ray 2.60, reproduced), and at temperature 0 the
+  tokens of Hugging Face's greedy `generate` on the chat-templated prompt (the control: at temperature 0.7
+  they differ).
+- The output's columns are Ray's engine stage's (`vLLMOutputData`'s fields and the ones Ray's stage adds),
+  with Ray's Python types; `ray.data.llm.build_processor` takes the config.
+- `concurrency` as Ray's: n is an autoscaling pool of 1..n actors, measured (slow): the pool grows to 2 actors
+  as blocks wait; (1, 1) keeps one (the control). Each actor numbers its requests from 0 (`request_id`, as
+  Ray's), so the rows with request_id 0 count the actors.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+
+import pytest
+from tiny_pair_support import WORDS, build_llama, build_tokenizer
+
+CHAT_TEMPLATE = ("{% if enable_thinking %}think {% endif %}{% for m in messages %}{{ m['role'] }} : "
+                 "{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}assistant :{% endif %}")
+EXTRA_WORDS = ("user assistant system : think What is machine learning ? Explain neural networks in one sentence . "
+               "You are a calculator ** = 2 + 3").split()
+
+# Ray 2.60's doc/source/data/doc_code/working-with-llms/minimal_quickstart.py (the part between its markers)
+QUICKSTART = '''
+import ray
+from ray.data.llm import vLLMEngineProcessorConfig, build_processor
+
+# Initialize Ray
+ray.init()
+
+# simple dataset
+ds = ray.data.from_items([
+    {"prompt": "What is machine learning?"},
+    {"prompt": "Explain neural networks in one sentence."},
+])
+
+# Minimal vLLM configuration
+config = vLLMEngineProcessorConfig(
+    model_source="unsloth/Llama-3.1-8B-Instruct",
+    concurrency=1,  # 1 vLLM engine replica
+    batch_size=32,  # 32 samples per batch
+    engine_kwargs={
+        "max_model_len": 4096,  # Fit into test GPU memory
+    }
+)
+
+# Build processor
+# preprocess: converts input row to format expected by vLLM (OpenAI chat format)
+# postprocess: extracts generated text from vLLM output
+processor = build_processor(
+    config,
+    preprocess=lambda row: {
+        "messages": [{"role": "user", "content": row["prompt"]}],
+        "sampling_params": {"temperature": 0.7, "max_tokens": 100},
+    },
+    postprocess=lambda row: {
+        "prompt": row["prompt"],
+        "response": row["generated_text"],
+    },
+)
+
+# Process the dataset
+result = processor(ds)
+result.show()
+'''
+
+
+@pytest.fixture(scope="module")
+def chat_pair(tmp_path_factory):
+    """A tiny random Llama pair with a chat template (and a template variable, `enable_thinking`), with room for
+    100 new tokens (256 positions)."""
+    root = tmp_path_factory.mktemp("chat_pair")
+    words = WORDS + EXTRA_WORDS
+    tokenizer = build_tokenizer(words, root / "target", chat_template=CHAT_TEMPLATE)
+    build_tokenizer(words, root / "draft", chat_template=CHAT_TEMPLATE)
+    build_llama(root / "target", len(tokenizer), hidden=32, layers=2, seed=11, max_positions=256)
+    build_llama(root / "draft", len(tokenizer), hidden=16, layers=1, seed=12, max_positions=256)
+    return {"target": root / "target", "draft": root / "draft"}
+
+
+def ported(code: str, pair: dict) -> str:
+    """Ray's code with the import line and the config class changed (plus draft_model_source), and the model's
+    name replaced by the tiny pair's directory: nothing else."""
+    code = code.replace("from ray.data.llm import vLLMEngineProcessorConfig, build_processor",
+                        "from pipeline.ray_data import SpecTrProcessorConfig, build_processor")
+    code = code.replace("vLLMEngineProcessorConfig(", f"SpecTrProcessorConfig(draft_model_source={str(pair['draft'])!r},")
+    code, count = re.subn(r'model_source="[^"]+"', f"model_source={str(pair['target'])!r}", code)
+    assert count == 1 and "vLLMEngineProcessorConfig" not in code and "ray.data.llm" not in code
+    return code
+
+
+def docstring_examples() -> list[str]:
+    """The `.. testcode::` blocks of `ray.data.llm.build_processor`'s docstring, dedented."""
+    import textwrap
+
+    from ray.data import llm
+
+    blocks = llm.build_processor.__doc__.split(".. testcode::")[1:]
+    out = []
+    for block in blocks:
+        body = block.split("\n", 1)[1].split(":skipif: True", 1)[1]
+        lines = []
+        for line in body.splitlines()[1:]:
+            if line.strip() and not line.startswith(" " * 12):
+                break
+            lines.append(line)
+        out.append(textwrap.dedent("\n".join(lines)))
+    assert len(out) == 3 and "detokenize=False" in out[0] and "builder_kwargs=dict(" in out[2]
+    return out
+
+
+_LAST_NAMESPACE: dict = {}  # the globals of the last code `run` executed
+
+
+def run(code: str, monkeypatch, capsys=None) -> list:
+    """Execute ported code; the rows it prints are returned (the docstring's examples print each row, which
+    is kept as it is; the quickstart's `result.show()` prints each row's repr, read back from stdout). Its
+    `ray.init()` joins the test session's Ray."""
+    import ast
+
+    import ray
+
+    monkeypatch.setattr(ray, "init", functools.partial(ray.init, ignore_reinit_error=True))
+    printed: list = []
+    namespace = {"print": printed.append}
+    if capsys is not None:
+        capsys.readouterr()
+    exec(compile(code, "ray_example", "exec"), namespace)
+    _LAST_NAMESPACE.clear()
+    _LAST_NAMESPACE.update(namespace)
+    if capsys is not None:
+        printed = [ast.literal_eval(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    return printed
+
+
+def ray_columns() -> set[str]:
+    """The columns Ray's vLLM processor writes (its engine stage's output model, the fields its stage adds, the
+    tokenize stage's)."""
+    from ray.llm._internal.batch.stages.vllm_engine_stage import vLLMOutputData
+
+    return set(vLLMOutputData.model_fields) | {"request_id", "batch_uuid", "time_taken_llm", "params",
+                                               "__inference_error__", "tokenized_prompt"}
+
+
+def check_ray_types(row: dict) -> None:
+    """A stage row's values have the Python types Ray's rows have."""
+    assert isinstance(row["generated_text"], str) and isinstance(row["prompt"], str)
+    for name in ("generated_tokens", "prompt_token_ids", "tokenized_prompt"):
+        assert isinstance(row[name], list) and all(type(t) is int for t in row[name]), name
+    for name in ("num_input_tokens", "num_generated_tokens", "request_id"):
+        assert type(row[name]) is int, name
+    assert type(row["time_taken_llm"]) is float and isinstance(row["params"], str)
+    assert isinstance(row["batch_uuid"], str) and row["__inference_error__"] == ""
+    assert row["embeddings"] is None and row["metrics"] is None and row["prompt_logprobs"] is None
+    assert row["num_generated_tokens"] == len(row["generated_tokens"])
+
+
+def test_the_builder_kwargs_example_runs_with_rays_columns_and_types(ray_local, chat_pair, monkeypatch):
+    """The docstring's builder_kwargs example: chat_template_kwargs reach the template (`think` is rendered), and
+    the output row (no postprocess) has Ray's columns, with Ray's types, plus SpecTr's."""
+    code = ported(docstring_examples()[2], chat_pair)
+    rows = run(code, monkeypatch)
+    assert len(rows) == 1
+    row = rows[0]
+    assert ray_columns() <= set(row), sorted(ray_columns() - set(row))
+    check_ray_types(row)
+    assert row["prompt"] == "think user : What is 2+2? assistant :"  # the template, with enable_thinking
+    assert row["logprobs"] is None and row["finish_reason"] in ("stop", "length") and row["sample_index"] == 0
+    assert {"finish_reason", "stop_reason", "target_calls", "block_efficiency", "seed"} <= set(row)
+    assert row["num_generated_tokens"] <= 100
+
+
+def check_basic_example(rows: list, count: int) -> None:
+    assert sorted(r["id"] for r in rows) == list(range(count))
+    for row in rows:  # postprocess kept every column (**row) and added resp
+        assert row["resp"] == row["generated_text"] and row["generated_text"] != ""  # detokenize=False: Ray's
+        # detokenize stage (on by default) still decodes generated_text
+        assert row["prompt"] == f"system : You are a calculator user : {row['id']} ** 3 = ? assistant :"
+        assert 1 <= row["num_generated_tokens"] <= 20
+        check_ray_types(row)
+
+
+def test_the_basic_docstring_example_runs_on_8_rows(ray_local, chat_pair, monkeypatch, caplog):
+    """The light sibling of the next test: the basic example with `ray.data.range(8)` for its 300 rows. vLLM's
+    engine settings are accepted with one warning naming them."""
+    code = ported(docstring_examples()[0], chat_pair)
+    assert "ds = ray.data.range(300)" in code
+    with caplog.at_level(logging.WARNING, logger="pipeline"):
+        rows = run(code.replace("ray.data.range(300)", "ray.data.range(8)"), monkeypatch)
+    check_basic_example(rows, 8)
+    warned = [r.getMessage() for r in caplog.records if "no use in the SpecTr engine" in r.getMessage()]
+    assert warned and "enable_chunked_prefill, enable_prefix_caching, max_num_batched_tokens" in warned[0]
+
+
+@pytest.mark.slow  # its light sibling: test_the_basic_docstring_example_runs_on_8_rows
+def test_the_basic_docstring_example_runs_as_written(ray_local, chat_pair, monkeypatch):
+    rows = run(ported(docstring_examples()[0], chat_pair), monkeypatch)
+    check_basic_example(rows, 300)
+
+
+def hf_greedy(pair: dict, messages: list, max_new_tokens: int) -> list[int]:
+    """Hugging Face's greedy tokens on the chat-templated prompt (EOS included, as the stage's)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(pair["target"])
+    model = AutoModelForCausalLM.from_pretrained(pair["target"], torch_dtype=torch.float32)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # as apply_chat_template(tokenize=True)
+    out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=2,
+                         pad_token_id=3)
+    return out[0, len(ids):].tolist()
+
+
+def test_rays_quickstart_runs_and_gives_hf_greedy_tokens_at_temperature_0(ray_local, chat_pair, monkeypatch,
+                                                                        capsys):
+    """Ray's minimal quickstart as written (ported), then at temperature 0 with the tokens kept: HF's greedy
+    tokens on each chat-templated prompt. Control: the quickstart's own temperature 0.7 gives other text than
+    HF's greedy tokens do."""
+    from transformers import AutoTokenizer
+
+    code = ported(QUICKSTART, chat_pair)
+    rows = run(code, monkeypatch, capsys)
+    questions = ["What is machine learning?", "Explain neural networks in one sentence."]
+    assert [r["prompt"] for r in rows] == [f"user : {q} assistant :" for q in questions]  # Ray's: the rendered prompt
+    assert all(isinstance(r["response"], str) and set(r) == {"prompt", "response"} for r in rows)
+    greedy = run(code.replace('"temperature": 0.7', '"temperature": 0.0').replace(
+        "result.show()", "rows = result.take_all()").replace(
+        '"response": row["generated_text"],', '"response": row["generated_text"], "tokens": row["generated_tokens"],'),
+        monkeypatch, None)
+    assert greedy == []
+    tokenizer = AutoTokenizer.from_pretrained(chat_pair["target"])
+    expected = [hf_greedy(chat_pair, [{"role": "user", "content": q}], 100) for q in questions]
+    greedy_rows = _LAST_NAMESPACE["rows"]
+    assert [r["tokens"] for r in greedy_rows] == expected
+    assert [r["response"] for r in greedy_rows] == [tokenizer.decode(t, skip_special_tokens=True) for t in expected]
+    assert [r["response"] for r in rows] != [r["response"] for r in greedy_rows]  # the control
+
+
+def test_rays_own_build_processor_takes_the_config(chat_pair):
+    """`ray.data.llm.build_processor(config, ..., builder_kwargs=...)` with this config: Ray's keyword
+    forwarding reaches this builder (chat_template_kwargs included)."""
+    from ray.data.llm import build_processor as ray_build_processor
+
+    from pipeline.ray_data import SpecTrProcessor, SpecTrProcessorConfig
+
+    config = SpecTrProcessorConfig(model_source=str(chat_pair["target"]), draft_model_source=str(chat_pair["draft"]))
+    processor = ray_build_processor(config, preprocess=lambda row: row, postprocess_map_kwargs={"num_cpus": 0.25},
+                                    builder_kwargs=dict(chat_template_kwargs={"enable_thinking": True}))
+    assert isinstance(processor, SpecTrProcessor) and processor.postprocess_map_kwargs == {"num_cpus": 0.25}
+    assert processor.config.chat().chat_template_kwargs == {"enable_thinking": True}
+
+
+@pytest.mark.slow  # the config's pool sizes are checked in test_ray_data.py::test_config_checks
+def test_concurrency_n_is_an_autoscaling_pool_that_grows(ray_local, chat_pair):
+    """concurrency=2 (Ray's meaning: 1..2 actors) on 16 one-row blocks: the pool grows to 2 actors while blocks
+    wait; concurrency=(1, 1) keeps one (the control). Each actor's first row has request_id 0."""
+    import ray
+
+    from pipeline.ray_data import SpecTrProcessorConfig, build_processor
+
+    actors = {}
+    for concurrency in (2, (1, 1)):
+        config = SpecTrProcessorConfig(model_source=str(chat_pair["target"]), draft_model_source=str(chat_pair["draft"]),
+                                       concurrency=concurrency, batch_size=1, num_cpus=0.5,
+                                       engine_kwargs={"method": "speculative", "batch_size": 1})
+        processor = build_processor(config, preprocess=lambda row: {"prompt": "the cat", "sampling_params":
+                                                                    {"max_tokens": 48, "ignore_eos": True}})
+        rows = processor(ray.data.range(16)).take_all()
+        assert len(rows) == 16
+        actors[str(concurrency)] = sum(r["request_id"] == 0 for r in rows)
+    assert actors == {"2": 2, "(1, 1)": 1}
