@@ -280,3 +280,102 @@ def test_concurrency_n_is_an_autoscaling_pool_that_grows(ray_local, chat_pair):
         assert len(rows) == 16
         actors[str(concurrency)] = sum(r["request_id"] == 0 for r in rows)
     assert actors == {"2": 2, "(1, 1)": 1}
+
+
+def stage_config(pair: dict, **overrides):
+    from pipeline.ray_data import SpecTrProcessorConfig
+
+    fields = dict(model_source=str(pair["target"]), draft_model_source=str(pair["draft"]), batch_size=8,
+                  should_continue_on_error=True,
+                  engine_kwargs={"method": "spectr", "num_drafts": 2, "draft_length": 2, "batch_size": 4,
+                                 "dtype": "float32"})
+    return SpecTrProcessorConfig(**{**fields, **overrides})
+
+
+def test_stage_only_sampling_keys_logprobs_and_prompt_sources(chat_pair):
+    """Without Ray (the actor called directly), with the detokenize and tokenize stages off: skip_special_tokens
+    and detokenize as vLLM's engine writes text (each against its default: the control), logprobs=N in Ray's
+    shape from the engine's top max_logprobs, an assistant prefill continued (Ray's template rule), a row's own
+    tokenized_prompt, and the rows that cannot run failing alone, each naming why."""
+    import pyarrow as pa
+
+    from pipeline.ray_data import SpecTrStage
+
+    config = stage_config(chat_pair, detokenize_stage=False, tokenize_stage=False,
+                          engine_kwargs={**stage_config(chat_pair).engine_kwargs, "max_logprobs": 3})
+    stage = SpecTrStage(config)
+    eos_first = {"max_tokens": 4, "seed": 1, "logit_bias": {"2": 100.0}}  # the first token is EOS, a special token
+    rows = [
+        {"prompt": "the cat", "sampling_params": {**eos_first, "skip_special_tokens": False}},
+        {"prompt": "the cat", "sampling_params": eos_first},
+        {"prompt": "the cat", "sampling_params": {"max_tokens": 4, "seed": 1, "detokenize": False}},
+        {"prompt": "the cat", "sampling_params": {"max_tokens": 4, "seed": 1}},
+        {"messages": [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "def"}],
+         "sampling_params": {"max_tokens": 3, "seed": 2}},
+        {"tokenized_prompt": [1, 5, 6], "sampling_params": {"max_tokens": 3, "seed": 3}},
+        {"prompt": "the cat", "sampling_params": {"max_tokens": 5, "seed": 4, "logprobs": 3}},
+        {"prompt": "the cat", "sampling_params": {"max_tokens": 5, "logprobs": 5}},
+        {"prompt": None, "sampling_params": {"max_tokens": 5}},
+        {"prompt": "the cat", "sampling_params": {"prompt_logprobs": 1}},
+    ]
+    keys = {key: None for row in rows for key in row}  # every column in every row (from_pylist reads the first)
+    out = stage.generate(pa.Table.from_pylist([{**keys, **row} for row in rows])).to_pylist()
+    errors = [r["__inference_error__"] for r in out]
+    assert errors[:7] == [""] * 7, errors
+    assert out[0]["generated_tokens"] == [2] and out[0]["generated_text"] == "</s>" and out[1]["generated_text"] == ""
+    assert out[2]["generated_text"] == "" and out[2]["generated_tokens"] == out[3]["generated_tokens"]
+    assert out[3]["generated_text"] == stage.generator.tokenizer.decode(out[3]["generated_tokens"],
+                                                                        skip_special_tokens=True) != ""
+    assert out[4]["prompt"] == "user : the cat assistant : def"  # continued, no new generation prompt
+    assert out[5]["prompt_token_ids"] == [1, 5, 6] and "tokenized_prompt" not in output_columns(stage)
+    lp = out[6]["logprobs"]
+    assert len(lp) == out[6]["num_generated_tokens"] == 5
+    for entry, token in zip(lp, out[6]["generated_tokens"]):
+        assert token in entry and 1 <= len(entry) <= 4
+        others = sorted((v["rank"], v["logprob"]) for t, v in entry.items() if t != token)
+        assert [rank for rank, _ in others] == sorted(set(range(1, 4)) - {entry[token]["rank"]})[: len(others)]
+        assert all(a[1] >= b[1] for a, b in zip(others, others[1:]))  # ranked by log-probability
+        assert entry[token]["logprob"] <= 0
+    assert "engine_kwargs max_logprobs (3" in errors[7]
+    assert "prompt is null, and the row has no 'messages'" in errors[8] and "'tokenized_prompt'" in errors[8]
+    assert "prompt_logprobs is not supported yet" in errors[9]
+    assert [r["request_id"] for r in out] == list(range(7)) + [-1] * 3  # per actor, -1 on a failed row
+
+
+def output_columns(stage) -> set[str]:
+    from pipeline.ray_data.stage import output_types
+
+    return set(output_types(stage.tokenize_stage))
+
+
+def test_engine_kwargs_and_stage_settings_are_checked_with_reasons(chat_pair, caplog):
+    """vLLM engine settings: ignored ones named in one warning, meaning-changing ones refused with the reason,
+    unknown ones refused; max_num_seqs is the engine's rows in flight; Ray's stage configs (bool, dict, Ray's own
+    objects) are read, their resource keys named in a warning, a key Ray's stage config does not have refused."""
+    from ray.data.llm import ChatTemplateStageConfig
+
+    base = stage_config(chat_pair).engine_kwargs
+    with pytest.raises(ValueError, match=r"quantization='awq' \(quantized weights are another model"):
+        stage_config(chat_pair, engine_kwargs={**base, "quantization": "awq"})
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 .*num_gpus=N and engine_kwargs device_map='auto'"):
+        stage_config(chat_pair, engine_kwargs={**base, "tensor_parallel_size": 2})
+    with pytest.raises(ValueError, match="unknown engine_kwargs nope; known: method"):
+        stage_config(chat_pair, engine_kwargs={**base, "nope": 1})
+    with pytest.raises(ValueError, match="task_type 'embed'"):
+        stage_config(chat_pair, task_type="embed")
+    with pytest.raises(ValueError, match="chat_template_stage: unknown key\\(s\\) nope; known: enabled"):
+        stage_config(chat_pair, chat_template_stage={"nope": 1})
+    with pytest.raises(ValueError, match="tokenize_stage.model_source 'other/model' is not model_source"):
+        stage_config(chat_pair, tokenize_stage={"model_source": "other/model"})
+    config = stage_config(chat_pair, engine_kwargs={**{k: v for k, v in base.items() if k != "batch_size"},
+                                                    "max_num_seqs": 5, "tensor_parallel_size": 1})
+    assert config.spectr_config().batch_size == 5
+    with caplog.at_level(logging.WARNING, logger="pipeline"):
+        config = stage_config(chat_pair, chat_template_stage=ChatTemplateStageConfig(
+            batch_size=16, chat_template_kwargs={"enable_thinking": True}), engine_kwargs={**base, "max_model_len": 9})
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("chat_template_stage.batch_size not applied" in m for m in messages), messages
+    assert any("engine_kwargs max_model_len are vLLM engine settings" in m for m in messages), messages
+    assert config.chat().chat_template_kwargs == {"enable_thinking": True} and config.chat().enabled
+    assert not stage_config(chat_pair, chat_template_stage=False).chat().enabled
+    assert not stage_config(chat_pair, apply_chat_template=False).chat().enabled
