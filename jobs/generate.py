@@ -49,7 +49,8 @@ def sweep_cell_config(cfg: DictConfig, sweep_dir: str) -> dict[str, Any]:
     sweep = read_sweep(sweep_dir)
     if sweep is None:
         return raw
-    task = dict(item.split("=", 1) for item in HydraConfig.get().overrides.task if "=" in item)
+    task = {key: redact(value)  # a swept URI's password names no folder or run
+            for key, value in (item.split("=", 1) for item in HydraConfig.get().overrides.task if "=" in item)}
     mlflow = raw.setdefault("mlflow", {})
     if sweep.run_id and not mlflow.get("parent_run_id"):
         mlflow["parent_run_id"] = sweep.run_id

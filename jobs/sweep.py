@@ -4,7 +4,9 @@ Registered in conf/generate.yaml (`hydra.callbacks.mlflow_sweep`); it acts only 
 
 - `on_multirun_start`: the parent run (`pipeline.generate.sweep.SweepRun`) with the sweep's overrides as
   params, and `<sweep dir>/_mlflow_sweep.json`, from which every cell nests its run under it;
-- `on_job_end`: records each cell's exit code (the cell returns it; it never calls `sys.exit`, which
+- `on_job_start`: masks the credentials in Hydra's `multirun.yaml` (saved by the sweeper before the first
+  cell, with the whole config), mode 0o640;
+- `on_job_end`: records each cell's exit code (its overrides as the report prints them: redacted) (the cell returns it; it never calls `sys.exit`, which
   would end the sweep);
 - `on_multirun_end`: ends the parent run and, once every cell ran, exits non-zero if any cell failed.
 
@@ -17,7 +19,9 @@ Not here: the cells themselves (`jobs.generate`).
 from __future__ import annotations
 
 import atexit
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -27,6 +31,21 @@ from omegaconf import DictConfig, OmegaConf
 from pipeline.config import MlflowConfig, build_section, check_mlflow
 from pipeline.generate.keep import SWEEP_KEEPER
 from pipeline.generate.sweep import SweepRun
+from pipeline.redact import redact
+
+
+def redact_file(path: Path) -> None:
+    """Rewrite a text file with its credentials masked (`pipeline.redact`), mode 0o640; nothing if absent."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return
+    masked = redact(text)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
+    with os.fdopen(fd, "w") as f:
+        f.write(masked)
+    os.replace(tmp, path)
 
 
 def parse_overrides(overrides: list[str]) -> tuple[dict[str, str], list[str]]:
@@ -49,16 +68,23 @@ class SweepCallback(Callback):
         )
         check_mlflow(mlflow)
         overrides, swept = parse_overrides(list(config.hydra.overrides.task))
+        overrides = {key: redact(value) for key, value in overrides.items()}
         self.sweep = SweepRun(mlflow, config.hydra.sweep.dir)
         self.sweep.start(overrides, swept)
         atexit.register(self._killed)
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        """Hydra's sweeper saved `multirun.yaml` (the whole config, world-readable) before the first cell: its
+        credentials masked, and read by its owner and group only."""
+        if self.sweep is not None:
+            redact_file(Path(config.hydra.sweep.dir) / "multirun.yaml")
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         if self.sweep is None:
             return  # a single run: nothing to tie together
         value = getattr(job_return, "_return_value", None)
         code = value if isinstance(value, int) and not isinstance(value, bool) else 1
-        overrides = " ".join(config.hydra.overrides.task)
+        overrides = redact(" ".join(config.hydra.overrides.task))  # the report prints them
         self.sweep.cell_ended(int(config.hydra.job.num), overrides, code)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:

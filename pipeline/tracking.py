@@ -23,7 +23,7 @@ from typing import Any
 
 from pipeline.config import PROJECT_ROOT, MlflowConfig, flatten
 from pipeline.errors import JobInputError
-from pipeline.redact import redact
+from pipeline.redact import install_log_filter, redact
 
 PARAMS_PER_BATCH = 100  # MLflow's limit on params per log_batch call
 METRICS_PER_BATCH = 500  # below MLflow's limit of 1000 metrics per log_batch call
@@ -120,6 +120,7 @@ class MlflowRun:
         self.tracking_uri = resolve_tracking_uri(config)
         self.experiment = config.experiment
         self.client = MlflowClient(tracking_uri=self.tracking_uri)
+        install_log_filter()  # MLflow's own handlers (added at its import) mask credentials too
         self.run_id: str | None = None
         self.experiment_id: str | None = None
         self._monitor: Any = None

@@ -129,7 +129,7 @@ class SweepRun:
 
     def report(self) -> str:
         lines = [f"sweep: {len(self.cells)} cell(s), {sum(1 for c in self.cells if c.exit_code)} failed"]
-        lines += [f"  #{c.number} exit {c.exit_code}  {c.overrides}" for c in self.cells]
+        lines += [f"  #{c.number} exit {c.exit_code}  {redact(c.overrides)}" for c in self.cells]
         if self.run is not None:
             lines.append(f"  mlflow parent run {self.run_id} at {redact(self.run.tracking_uri)}")
         return "\n".join(lines)

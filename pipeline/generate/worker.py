@@ -35,6 +35,7 @@ from pipeline.generate.config import SpectrConfig, logprobs_wanted, top_logprobs
 from pipeline.generate.feed import Refusal, Row, ShardFeed
 from pipeline.generate.shards import Shard, ShardTask, load_shard
 from pipeline.generate.stats import ResourceMeter, device_kind, empty_stats, merge_stats
+from pipeline.redact import install_log_filter
 from pipeline.source import Source
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,7 @@ class ShardGenerator:
         from pipeline import models
         from pipeline.prompts import ReadCache
 
+        install_log_filter()  # the actor's log (Ray forwards it to the driver) masks credentials too
         busy.watch_compiles()  # a compile reports itself to the ping: the stall watchdog does not take it for a hang
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
