@@ -41,11 +41,11 @@ def test_a_child_loggers_records_and_tracebacks_are_masked_at_the_root_handler()
         child = logging.getLogger("some_library.store")
         child.warning("retrying http://alice:pw-child@h:5000/api (attempt %d)", 2)
         try:
-            raise ConnectionError("cannot reach https://tok-secret@h/x?token=tok-query")
+            raise ConnectionError("cannot reach https://ghp_toksecret@h/x?token=tok-query")
         except ConnectionError:
             child.exception("request failed")
     finally:
         root.removeHandler(handler)
     shown = stream.getvalue()
-    assert "pw-child" not in shown and "tok-secret" not in shown and "tok-query" not in shown
+    assert "pw-child" not in shown and "ghp_toksecret" not in shown and "tok-query" not in shown
     assert "http://alice:***@h:5000/api (attempt 2)" in shown and "https://***@h/x?token=***" in shown
