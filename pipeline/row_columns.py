@@ -302,6 +302,8 @@ def job_settings(job: Any) -> dict[str, Any]:
     (token id, bias) pairs, stop_token_ids a list. ValueError naming `spectr.<key>` and vLLM's rule."""
     values = {}
     for key, off in JOB_KEYS.items():
+        if key == "structured_outputs" and not hasattr(job, key):
+            continue  # a config without the key (it is read where the job's config has it)
         value = getattr(job, key, off)
         try:
             if key == "logit_bias":
