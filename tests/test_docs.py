@@ -97,3 +97,88 @@ def test_readme_links_the_docs():
     linked = {Path(t.partition("#")[0]).name for t in relative_links(README) if t.startswith("docs/")}
     assert len(linked) >= 3, f"README.md links {sorted(linked)} of docs/; at least 3 pages"
     assert all((ROOT / "docs" / name).exists() for name in linked)
+
+
+# -- docs/configuration.md lists every key of the generation job's config ------------------------------------------
+
+CONF = ROOT / "conf"
+GENERATE_GROUPS = ("model", "data", "spectr", "ray", "mlflow")  # conf/generate.yaml's groups (its other keys: top level)
+
+
+def config_keys(conf: Path = CONF) -> dict[str, set[str]]:
+    """The generation job's keys by table row ("model", ..., "top level"): every key of every YAML file of its
+    groups (all options, e.g. ray/cluster.yaml too; a nested key as `parent.child`), of conf/generate.yaml
+    itself (not `defaults` or `hydra`), and of the typed schema the job checks (`pipeline.generate.config`:
+    keys with a default and no YAML line count too). The other jobs' files (benchmark, train_*) are documented
+    on their own pages."""
+    import dataclasses
+
+    import yaml
+
+    from pipeline.config import DataConfig, MlflowConfig, ModelConfig
+    from pipeline.generate.config import GenerateConfig, RayConfig, SpectrConfig
+
+    def flat(mapping: dict, prefix: str = "") -> set[str]:
+        keys = set()
+        for key, value in mapping.items():
+            if key in ("defaults", "hydra"):
+                continue
+            keys.add(prefix + key)
+            if isinstance(value, dict):
+                keys |= flat(value, prefix + key + ".")
+        return keys
+
+    keys: dict[str, set[str]] = {group: set() for group in GENERATE_GROUPS}
+    for group in GENERATE_GROUPS:
+        for path in sorted((conf / group).glob("*.yaml")):
+            keys[group] |= flat(yaml.safe_load(path.read_text()) or {})
+    keys["top level"] = flat(yaml.safe_load((conf / "generate.yaml").read_text()) or {})
+    schema = {"model": ModelConfig, "data": DataConfig, "spectr": SpectrConfig, "ray": RayConfig,
+              "mlflow": MlflowConfig}
+    for group, cls in schema.items():
+        keys[group] |= {f.name for f in dataclasses.fields(cls)}
+    keys["top level"] |= {f.name for f in dataclasses.fields(GenerateConfig) if f.name not in schema}
+    return keys
+
+
+def table_rows(text: str) -> dict[str, str]:
+    """docs/configuration.md's config table: group -> the row's text."""
+    rows = {}
+    for line in text.splitlines():
+        match = re.match(r"^\| `?([a-z ]+?)`? \| (.*) \|$", line)
+        if match and match.group(1) in (*GENERATE_GROUPS, "top level"):
+            rows[match.group(1)] = match.group(2)
+    return rows
+
+
+def undocumented(text: str, keys: dict[str, set[str]]) -> list[str]:
+    """`group.key` of every key that its group's row of the table does not name in backticks (a nested key
+    `a.b` counts as named by `a.b` or by `b`)."""
+    rows = table_rows(text)
+    missing = []
+    for group, names in keys.items():
+        named = set(re.findall(r"`([A-Za-z_][A-Za-z0-9_.]*)", rows.get(group, "")))
+        for key in sorted(names):
+            if key not in named and key.rsplit(".", 1)[-1] not in named:
+                missing.append(key if group == "top level" else f"{group}.{key}")
+    return missing
+
+
+def test_the_configuration_page_lists_every_key_of_the_job():
+    missing = undocumented((ROOT / "docs" / "configuration.md").read_text(encoding="utf-8"), config_keys())
+    assert not missing, (f"docs/configuration.md has no line for {len(missing)} key(s) of conf/ and the job's "
+                         f"schema: {', '.join(missing)} (name each, as `key` (default): meaning, in its group's row "
+                         "of the table under 'The config groups')")
+
+
+def test_a_key_added_to_conf_without_a_line_is_named(tmp_path):
+    """The control: a copy of conf/ with one more key in a group's YAML (and one nested key) fails the check,
+    which names exactly those."""
+    import shutil
+
+    shutil.copytree(CONF, tmp_path / "conf")
+    with open(tmp_path / "conf" / "spectr" / "default.yaml", "a") as f:
+        f.write("brand_new_key: 1\nnew_section:\n  inner_key: 2\n")
+    text = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
+    added = set(undocumented(text, config_keys(tmp_path / "conf"))) - set(undocumented(text, config_keys()))
+    assert sorted(added) == ["spectr.brand_new_key", "spectr.new_section", "spectr.new_section.inner_key"]
