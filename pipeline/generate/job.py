@@ -33,7 +33,7 @@ from pipeline.generate.commit_log import (
 from pipeline.generate.config import GenerateConfig
 from pipeline.generate.keep import PairKeeper, pair_key
 from pipeline.generate.lease import Lease
-from pipeline.generate.manifest import JOB_FIRST_ERRORS, keep_first_errors
+from pipeline.generate.manifest import JOB_FIRST_ERRORS, incomplete_shards, keep_first_errors
 from pipeline.generate.output import (
     SUCCESS_NAME,
     output_schema,
@@ -506,6 +506,8 @@ def _finish(plan: JobPlan, tracker: Any, run: GenerationRun, started: float, sta
     plan_cache.save_states(plan, plan_cache.pair_key(plan), run.planner_states)  # method=auto; best effort
     if not messages:
         plan.lease.check()
+        messages = _incomplete_messages(plan)  # re-read from the directory: _SUCCESS only over every shard
+    if not messages:
         committed = {record["shard"]: record["file"] for record in read_commit_records(output)}
         removed = remove_uncommitted_parts(output, set(committed.values()))
         if removed:
@@ -559,6 +561,19 @@ def _best_effort(what: str, function: Any, *args: Any, attempts: int = 3) -> Non
                 log.warning("%s failed (%s: %s); the job goes on", what, type(err).__name__, err)
                 return
             time.sleep(1.0 + attempt)
+
+
+def _incomplete_messages(plan: JobPlan) -> list[str]:
+    """Why the directory is not complete although every shard was committed (a part deleted or cut since, or
+    written where the driver cannot see it: an output_dir local to each node), or nothing."""
+    count, first = incomplete_shards(plan.output, plan.num_shards)
+    if not count:
+        return []
+    return [
+        f"{count} of {plan.num_shards} shards have no committed part file in {plan.output_dir} as the driver sees "
+        f"it ({'; '.join(first)}); no _SUCCESS. When the actors run on other nodes, output_dir must be storage "
+        "that every node shares (NFS, s3://, gs://), not a path local to each; re-run to regenerate them"
+    ]
 
 
 def _failure_messages(plan: JobPlan, summary: JobSummary, failures: list[tuple[int, Any, str]] = ()) -> list[str]:

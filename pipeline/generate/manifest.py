@@ -181,6 +181,26 @@ class OutputState:
         return sum(self.done)
 
 
+def incomplete_shards(output: fs.Location, num_shards: int, limit: int = 5) -> tuple[int, list[str]]:
+    """Re-read from the directory itself: (how many of the job's shards have no committed part there with its
+    listed size, what is wrong with the first `limit`). `_SUCCESS` is written only when the count is 0."""
+    records = {record["shard"]: record for record in read_commit_records(output)}
+    sizes = {info.base_name: info.size for info in fs.list_files(output, "output_dir")}
+    count, first = 0, []
+    for shard in range(num_shards):
+        record = records.get(shard)
+        if record is not None and sizes.get(record["file"]) == record["bytes"]:
+            continue
+        count += 1
+        if len(first) < limit:
+            if record is None:
+                first.append(f"shard {shard}: no commit record")
+            else:
+                found = "missing" if record["file"] not in sizes else f"{sizes[record['file']]} bytes"
+                first.append(f"shard {shard}: {record['file']} is {found}, its commit lists {record['bytes']} bytes")
+    return count, first
+
+
 JOB_FIRST_ERRORS = 3  # failed rows a failed job's last lines name
 
 

@@ -1,7 +1,7 @@
 """Reading a finished (or partial) output directory back: the rows in input order, and the run's settings.
 
 `read_output` takes a local path or a URI, reads the commit log, and concatenates the committed part files
-in shard (= input row) order; a shard committed twice (a retried one) counts once, its last commit. Parts
+in shard (= input row) order (every shard the manifest lists, unless `partial=True`); a shard committed twice (a retried one) counts once, its last commit. Parts
 that are not in the log (a run killed between writing and committing, an attempt the driver gave up on)
 are not read, and each committed part must have the size its record lists (else `ValueError`).
 
@@ -29,13 +29,22 @@ def committed_files(output_dir: str | os.PathLike[str]) -> dict[int, dict[str, A
     return {record["shard"]: record for record in read_commit_records(output)}
 
 
-def read_output(output_dir: str | os.PathLike[str]) -> pa.Table:
-    """All committed shards, concatenated in shard (= input row) order."""
+def read_output(output_dir: str | os.PathLike[str], partial: bool = False) -> pa.Table:
+    """All committed shards, concatenated in shard (= input row) order. An output that misses shards its
+    manifest lists (a job not finished, or finished short) is refused (`ValueError`) unless `partial`: then
+    the committed shards only."""
     output = fs.resolve(os.fspath(output_dir), "output_dir")
     manifest = load_manifest(output)
     if manifest is None:
         raise FileNotFoundError(f"{output.uri} has no {MANIFEST_NAME}")
     records = {record["shard"]: record for record in read_commit_records(output)}
+    absent = [shard for shard in range(manifest.num_shards) if shard not in records]
+    if absent and not partial:
+        raise ValueError(
+            f"{output.uri}: {len(absent)} of the {manifest.num_shards} shards its manifest lists have no committed "
+            f"part (shard {', '.join(map(str, absent[:5]))}{', ...' if len(absent) > 5 else ''}): the job did not "
+            "finish; re-run it to complete the output, or read_output(..., partial=True) for the committed shards"
+        )
     sizes = {info.base_name: info.size for info in fs.list_files(output, "output_dir")} if records else {}
     tables = []
     for index in sorted(records):
