@@ -39,6 +39,8 @@ from typing import Any
 
 from pipeline.errors import JobInputError
 
+BIAS_LIMIT = 100.0  # vLLM clamps each logit_bias value to [-100, 100] (spectr.warps.BIAS_LIMIT)
+
 # the output row's own columns: a kept input column may not take one of these names
 OUTPUT_COLUMNS = ("id", "prompt", "completion", "completion_token_ids", "prompt_tokens", "completion_tokens",
                   "finish_reason", "stop_reason", "target_calls", "block_efficiency", "seed", "error", "sample_index",
@@ -47,7 +49,8 @@ OUTPUT_COLUMNS = ("id", "prompt", "completion", "completion_token_ids", "prompt_
 # stop_token_ids decide which tokens end the row; logprobs is read by the stage / the job-wide spectr.logprobs
 SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",
                  "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "logprobs", "logit_bias",
-                 "presence_penalty", "frequency_penalty", "repetition_penalty", "structured_outputs", "guided_decoding")
+                 "presence_penalty", "frequency_penalty", "repetition_penalty", "structured_outputs", "guided_decoding",
+                 "allowed_token_ids")
 # known names that cannot be exact here (or are not built yet), refused with the reason (their neutral value passes)
 REFUSED_KEYS = {
     "best_of": "best_of picks among samples by score, which changes the output law (draw n samples instead)",
@@ -64,7 +67,8 @@ JOB_KEYS = {"min_p": 0.0, "logit_bias": (), "presence_penalty": 0.0, "frequency_
 RANGES = {
     "temperature": (lambda v: v >= 0, ">= 0 (0 = greedy)"), "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "top_k": (lambda v: v >= 0, ">= 0, or -1 (0 and -1 = off)"), "min_p": (lambda v: 0 <= v <= 1, "in [0, 1] (0 = off)"),
-    "max_tokens": (lambda v: v >= 1, ">= 1"), "seed": (lambda v: v >= 0, ">= 0"), "n": (lambda v: v >= 1, ">= 1"),
+    "max_tokens": (lambda v: v >= 1, ">= 1"), "seed": (lambda v: v >= 0, ">= 0, or -1 (no seed)"),
+    "n": (lambda v: v >= 1, ">= 1"),
     "logprobs": (lambda v: v >= 0, ">= 0"), "presence_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2] (0 = off)"),
     "frequency_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2] (0 = off)"),
     "repetition_penalty": (lambda v: v > 0, "> 0 (1 = off)"), "min_tokens": (lambda v: v >= 0, ">= 0 (0 = off)"),
@@ -263,6 +267,7 @@ class RowSettings:
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     structured_outputs: Any = None  # a `spectr.structured.StructuredSpec` (vLLM's structured_outputs / guided_decoding)
+    allowed_token_ids: tuple[int, ...] | None = None  # vLLM's: only these tokens may be sampled
 
     def over(self, job: Any) -> RowSettings:
         """These settings with the job's value (`job_settings` of the job's `spectr.*`) wherever the row has
@@ -281,11 +286,14 @@ class RowSettings:
         penalties = (self.presence_penalty or 0.0, self.frequency_penalty or 0.0,
                      1.0 if self.repetition_penalty is None else self.repetition_penalty, self.min_tokens or 0)
         if (self.temperature, self.top_k, self.top_p) == (None, None, None) and not self.min_p \
-                and not self.logit_bias and penalties == (0.0, 0.0, 1.0, 0) and self.structured_outputs is None:
+                and not self.logit_bias and penalties == (0.0, 0.0, 1.0, 0) and self.structured_outputs is None \
+                and not self.allowed_token_ids:
             return None
         warp = (job.temperature if self.temperature is None else self.temperature,
                 job.top_k if self.top_k is None else self.top_k, job.top_p if self.top_p is None else self.top_p,
                 self.min_p or 0.0, tuple(self.logit_bias or ()), *penalties)
+        if self.allowed_token_ids:
+            return (*warp, self.structured_outputs, tuple(self.allowed_token_ids))
         return warp if self.structured_outputs is None else (*warp, self.structured_outputs)
 
     def stop_ids(self, eos_token_ids: Any) -> tuple[int, ...] | None:
@@ -451,7 +459,8 @@ def _bias(value: Any) -> tuple[tuple[int, float], ...]:
         token = int(token) if isinstance(token, str) and token.isdigit() else token
         if isinstance(token, bool) or not isinstance(token, int) or token < 0:
             raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token!r}")
-        out.append((token, _number(bias, f"logit_bias[{token}]", integer=False)))
+        bias = _number(bias, f"logit_bias[{token}]", integer=False)  # finite: an infinite bias is refused
+        out.append((token, min(BIAS_LIMIT, max(-BIAS_LIMIT, bias))))  # vLLM clamps to [-100, 100]
     return tuple(sorted(out))
 
 
@@ -497,6 +506,12 @@ def row_settings(params: Any, stop: Any, params_key: str, stop_key: str) -> RowS
                 setattr(settings, key, _number(values[key], key, integer=True))
         if settings.top_k == -1:
             settings.top_k = 0  # vLLM's "off"
+        if settings.seed == -1:
+            settings.seed = None  # no seed: the job's (derived from spectr.seed and the row's id)
+        if values.get("allowed_token_ids") is not None:
+            settings.allowed_token_ids = tuple(_token_ids(values["allowed_token_ids"], "allowed_token_ids"))
+            if not settings.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty (no token could be sampled)")
         settings.stop += _stop_strings(values.get("stop"), "stop")
         if "stop_token_ids" in values:
             settings.stop_token_ids = _token_ids(values["stop_token_ids"], "stop_token_ids")

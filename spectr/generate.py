@@ -74,6 +74,7 @@ def generate(
     min_tokens: int | Sequence[int] = 0,
     structured_outputs: Any = None,
     tokenizer: Any = None,
+    allowed_token_ids: Sequence[int] | Sequence[Sequence[int] | None] | None = None,
 ) -> GenerationOutput:
     """Generate up to `max_new_tokens` tokens per prompt from `target`, exactly its (warped) distribution.
 
@@ -105,7 +106,9 @@ def generate(
     `json_object`, `regex`, `choice`, `grammar`, or a `spectr.structured.StructuredSpec`; one for every row or one
     (or None) per prompt): each row's output follows the target's law masked by its grammar at every node of the
     draft tree (`spectr.structured`); needs `tokenizer` (the pair's Hugging Face fast tokenizer, or a
-    `spectr.structured.StructuredCompiler` to share its compiled grammars across calls).
+    `spectr.structured.StructuredCompiler` to share its compiled grammars across calls). allowed_token_ids (vLLM's:
+    a list of ids for every row, or one list or None per prompt): only those tokens may be sampled, on both models'
+    logits.
     """
     return _run(Generation(target, draft, prompts, method=method, num_drafts=num_drafts, draft_length=draft_length,
                            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -113,7 +116,8 @@ def generate(
                            compile=compile, min_p=min_p, logit_bias=logit_bias, top_logprobs=top_logprobs,
                            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                            repetition_penalty=repetition_penalty, min_tokens=min_tokens,
-                           structured_outputs=structured_outputs, tokenizer=tokenizer))
+                           structured_outputs=structured_outputs, tokenizer=tokenizer,
+                           allowed_token_ids=allowed_token_ids))
 
 
 def _run(generation: Generation) -> GenerationOutput:
@@ -187,13 +191,14 @@ class Generation:
                  batch_size: int | None = None, pack_below: float | None = None, make_batcher=None,
                  logprobs: bool | str = False, compile: bool | str = False, min_p=0.0, logit_bias=None,
                  top_logprobs: int = 0, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
-                 min_tokens=0, structured_outputs=None, tokenizer=None):
+                 min_tokens=0, structured_outputs=None, tokenizer=None, allowed_token_ids=None):
         self.prompts = check_prompts(prompts)
         check_batch_size(batch_size)
         specs = structured_specs(structured_outputs, len(self.prompts), tokenizer, target)
         (temperature, top_k, top_p), warps = split_row_warps(temperature, top_k, top_p, len(self.prompts), min_p,
                                                              logit_bias, presence_penalty, frequency_penalty,
-                                                             repetition_penalty, min_tokens, specs)
+                                                             repetition_penalty, min_tokens, specs,
+                                                             allowed_token_ids)
         self.settings = Settings.from_arguments(
             self.prompts, methods=known_methods(), method=method, num_drafts=num_drafts,
             draft_length=draft_length, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,

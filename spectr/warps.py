@@ -5,13 +5,15 @@ distribution p and the target distribution q are warped identically; speculative
 then reproduce the *warped* target distribution exactly. The semantics follow Hugging
 Face's `TemperatureLogitsWarper`, `TopKLogitsWarper` and `TopPLogitsWarper` (min_tokens_to_keep=1):
 
-- logit bias (vLLM's `logit_bias`): a value added to chosen tokens' logits, before everything else
+- logit bias (vLLM's `logit_bias`, each value clamped to [-100, 100] as vLLM does, an infinite one refused) and
+  vLLM's `allowed_token_ids` (every other token at -inf): added to the logits before everything else
   (greedy included: the argmax of the biased logits);
 - temperature: logits / temperature; `temperature == 0` means greedy, a one-hot on the argmax
   (the first index among ties, as `torch.argmax` and HF's greedy search pick it);
 - min-p (vLLM's `min_p`, `min_p > 0`): after temperature, remove the tokens whose probability is below
   min_p times the most likely token's (the most likely token is always kept);
-- top-k (`top_k > 0`): keep every token whose logit is >= the k-th largest (ties are kept);
+- top-k (`top_k > 0`; 0 and -1 are off, as vLLM's): keep every token whose logit is >= the k-th largest (ties
+  are kept);
 - top-p (`top_p < 1`): keep the smallest set of most likely tokens whose mass reaches top_p
   (tokens whose ascending cumulative mass is <= 1 - top_p are removed; the top token is always kept).
 
@@ -59,10 +61,11 @@ class SamplingWarp:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     structured: StructuredSpec | None = None
+    allowed_token_ids: tuple[int, ...] = ()  # vLLM's: only these may be sampled (empty: every token)
 
     def __post_init__(self) -> None:
         validate_sampling(self.temperature, self.top_k, self.top_p)
-        validate_extras(self.min_p, self.logit_bias)
+        validate_extras(self.min_p, self.logit_bias, self.allowed_token_ids)
         validate_penalties(self.presence_penalty, self.frequency_penalty, self.repetition_penalty, self.min_tokens)
         if self.structured is not None and not isinstance(self.structured, StructuredSpec):
             raise ValueError(f"structured must be a spectr.structured.StructuredSpec or None, got "
@@ -85,13 +88,18 @@ class SamplingWarp:
     def probs(self, logits: torch.Tensor, paths=None) -> torch.Tensor:
         """Warped probabilities, float32, same shape as `logits` ([..., V]). Penalties and min_tokens are not
         applied here (`paths` is ignored: they need the row's counts, see `RowWarps`); nor is a grammar."""
-        if self.logit_bias:
-            logits = logits.float() + dense_bias(self.logit_bias, logits.shape[-1], logits.device)
+        if self.logit_bias or self.allowed_token_ids:
+            logits = logits.float() + dense_bias(self.logit_bias, logits.shape[-1], logits.device,
+                                                 self.allowed_token_ids)
         return warp_probs(logits, self.temperature, self.top_k, self.top_p, self.min_p)
 
 
-def validate_extras(min_p: float, logit_bias) -> None:
-    """Raise ValueError naming min_p or logit_bias when out of range."""
+BIAS_LIMIT = 100.0  # vLLM clamps each logit bias to [-100, 100]
+
+
+def validate_extras(min_p: float, logit_bias, allowed_token_ids=()) -> None:
+    """Raise ValueError naming min_p, logit_bias or allowed_token_ids when out of range. A bias must be finite (an
+    infinite one would make every law NaN); finite ones are clamped to +-100 as vLLM's (`dense_bias`)."""
     if isinstance(min_p, bool) or not isinstance(min_p, (int, float)) or not (0 <= min_p <= 1):
         raise ValueError(f"min_p must be in [0, 1] (0 = off), got {min_p!r}")
     for entry in logit_bias:
@@ -99,17 +107,30 @@ def validate_extras(min_p: float, logit_bias) -> None:
                 or not isinstance(entry[0], int) or entry[0] < 0 or isinstance(entry[1], bool)
                 or not isinstance(entry[1], (int, float)) or math.isnan(entry[1])):
             raise ValueError(f"logit_bias must map token ids (ints >= 0) to numbers, got entry {entry!r}")
+        if not math.isfinite(entry[1]):
+            raise ValueError(f"logit_bias must be finite (vLLM clamps to [-100, 100]), got {entry[1]!r} for token "
+                             f"{entry[0]}")
+    if not isinstance(allowed_token_ids, tuple) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in allowed_token_ids):
+        raise ValueError(f"allowed_token_ids must be token ids (ints >= 0), got {allowed_token_ids!r}")
 
 
-def dense_bias(logit_bias, vocab_size: int, device) -> torch.Tensor:
-    """((token id, bias), ...) -> [V] float32 (ValueError for an id outside the vocabulary)."""
-    for token, _ in logit_bias:
+def dense_bias(logit_bias, vocab_size: int, device, allowed_token_ids=()) -> torch.Tensor:
+    """((token id, bias), ...) -> [V] float32, each bias clamped to [-100, 100] as vLLM's; with allowed_token_ids
+    (vLLM's), every other token at -inf. ValueError for an id outside the vocabulary."""
+    for token in [t for t, _ in logit_bias] + list(allowed_token_ids):
         if token >= vocab_size:
-            raise ValueError(f"logit_bias: token id {token} is outside the vocabulary of {vocab_size}")
+            raise ValueError(f"logit_bias / allowed_token_ids: token id {token} is outside the vocabulary of "
+                             f"{vocab_size}")
     bias = torch.zeros(vocab_size, dtype=torch.float32, device=device)
     if logit_bias:  # one copy of ids and values to the device, no read back
         ids = torch.tensor([t for t, _ in logit_bias], dtype=torch.int64, device=device)
-        bias.index_put_((ids,), torch.tensor([float(v) for _, v in logit_bias], dtype=torch.float32, device=device))
+        values = [min(BIAS_LIMIT, max(-BIAS_LIMIT, float(v))) for _, v in logit_bias]
+        bias.index_put_((ids,), torch.tensor(values, dtype=torch.float32, device=device))
+    if allowed_token_ids:
+        refused = torch.ones(vocab_size, dtype=torch.bool, device=device)
+        refused[torch.tensor(list(allowed_token_ids), dtype=torch.int64, device=device)] = False
+        bias = bias.masked_fill(refused, -math.inf)
     return bias
 
 
@@ -119,8 +140,9 @@ def validate_sampling(temperature: float, top_k: int, top_p: float) -> None:
         raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
     if not math.isfinite(temperature) or temperature < 0:
         raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-        raise ValueError(f"top_k must be an int >= 0 (0 = no top-k truncation), got {top_k!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1:
+        raise ValueError(f"top_k must be an int >= 0, or -1 (0 and -1 = no top-k truncation, as vLLM's), got "
+                         f"{top_k!r}")
     if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not (0 < top_p <= 1):
         raise ValueError(f"top_p must be in (0, 1] (1.0 = no top-p truncation), got {top_p!r}")
 
@@ -263,9 +285,9 @@ class RowWarps:
         self.truncate = (self.truncate[0] or any(w.top_k > 0 for w in warps),
                          self.truncate[1] or any(w.top_p < 1.0 for w in warps))
         self.uses_min_p = self.uses_min_p or any(w.min_p > 0 for w in warps)
-        if self.bias is not None or any(w.logit_bias for w in warps):  # admission only (a host loop over rows)
+        if self.bias is not None or any(w.logit_bias or w.allowed_token_ids for w in warps):  # admission only
             for slot, warp in zip(slots.tolist() if host_slots is None else host_slots, warps):
-                self._pending_bias[slot] = warp.logit_bias
+                self._pending_bias[slot] = (warp.logit_bias, warp.allowed_token_ids)
         if self.row_penalties is not None or any(w.penalty_settings != PENALTIES_OFF for w in warps):
             self._set_penalties(slots, warps, prompts, stops)
         if self.grammars is not None or any(w.structured is not None for w in warps):
@@ -326,10 +348,10 @@ class RowWarps:
     def _fold_bias(self, vocab_size: int, device) -> None:
         if self.bias is None:
             self.bias = torch.zeros(self.temperature.shape[0], vocab_size, dtype=torch.float32, device=device)
-            if self.default.logit_bias:
-                self.bias[:] = dense_bias(self.default.logit_bias, vocab_size, device)
-        for slot, logit_bias in self._pending_bias.items():
-            self.bias[slot] = dense_bias(logit_bias, vocab_size, device)
+            if self.default.logit_bias or self.default.allowed_token_ids:
+                self.bias[:] = dense_bias(self.default.logit_bias, vocab_size, device, self.default.allowed_token_ids)
+        for slot, (logit_bias, allowed) in self._pending_bias.items():
+            self.bias[slot] = dense_bias(logit_bias, vocab_size, device, allowed)
         self._pending_bias = {}
 
 
@@ -346,15 +368,16 @@ class _Commits:
 
 
 def split_row_warps(temperature, top_k, top_p, count: int, min_p=0.0, logit_bias=None, presence_penalty=0.0,
-                    frequency_penalty=0.0, repetition_penalty=1.0, min_tokens=0, structured=None
-                    ) -> tuple[tuple[float, int, float], list[SamplingWarp] | None]:
+                    frequency_penalty=0.0, repetition_penalty=1.0, min_tokens=0, structured=None,
+                    allowed_token_ids=None) -> tuple[tuple[float, int, float], list[SamplingWarp] | None]:
     """Scalars, or one value per row (lists or [N] tensors), -> (the run's warp settings, per-row warps).
 
     All scalars, no min_p, no logit_bias, no penalty and no min_tokens: (those scalars, None). Any of them per row,
     or a min_p / a logit bias (a {token id: bias} dict, or one dict or None per row) / a penalty / min_tokens: (the
     defaults (1.0, 0, 1.0), one `SamplingWarp` per row, scalars broadcast). structured: None, one
-    `spectr.structured.StructuredSpec` for every row, or one (or None) per row: per-row warps too. ValueError names
-    the argument and the row.
+    `spectr.structured.StructuredSpec` for every row, or one (or None) per row: per-row warps too; so do
+    allowed_token_ids (vLLM's: a list of ids for every row, or one list or None per row). ValueError names the
+    argument and the row.
     """
     values = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
               "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
@@ -365,11 +388,16 @@ def split_row_warps(temperature, top_k, top_p, count: int, min_p=0.0, logit_bias
     per_row = {name: v for name, v in values.items() if isinstance(v, (list, tuple))}
     biases = logit_bias if isinstance(logit_bias, (list, tuple)) else [logit_bias] * count
     specs = list(structured) if isinstance(structured, (list, tuple)) else [structured] * count
+    allowed_per_row = bool(allowed_token_ids) and all(a is None or isinstance(a, (list, tuple))
+                                                      for a in allowed_token_ids)
+    allowed = list(allowed_token_ids) if allowed_per_row else [allowed_token_ids] * count
     if not per_row and not min_p and not logit_bias and (presence_penalty, frequency_penalty, repetition_penalty,
-                                                         min_tokens) == PENALTIES_OFF and not any(specs):
+                                                         min_tokens) == PENALTIES_OFF and not any(specs) \
+            and not any(allowed):
         return (temperature, top_k, top_p), None
     lists = (("logit_bias", biases),) if isinstance(logit_bias, (list, tuple)) else ()
     lists += (("structured", specs),) if isinstance(structured, (list, tuple)) else ()
+    lists += (("allowed_token_ids", allowed),) if allowed_per_row else ()
     for name, value in (*per_row.items(), *lists):
         if len(value) != count:
             raise ValueError(f"{name} has {len(value)} entries but there are {count} prompts")
@@ -382,8 +410,9 @@ def split_row_warps(temperature, top_k, top_p, count: int, min_p=0.0, logit_bias
                 raise ValueError(f"logit_bias must be a {{token id: bias}} dict, got {bias!r}")
             bias = tuple(sorted((int(k) if isinstance(k, str) and k.lstrip("-").isdigit() else k, v)
                                 for k, v in bias.items()))
+            row_allowed = tuple(allowed[row] or ())
             validate_sampling(*row_values[:3])
-            validate_extras(row_values[3], bias)
+            validate_extras(row_values[3], bias, row_allowed)
             validate_penalties(*row_values[4:])
         except (ValueError, TypeError) as error:
             raise ValueError(f"prompt {row}: {error}") from None
@@ -391,5 +420,5 @@ def split_row_warps(temperature, top_k, top_p, count: int, min_p=0.0, logit_bias
             raise ValueError(f"prompt {row}: structured must be a StructuredSpec or None, got {specs[row]!r}")
         warps.append(SamplingWarp(float(row_values[0]), int(row_values[1]), float(row_values[2]),
                                   float(row_values[3]), bias, *map(float, row_values[4:7]), int(row_values[7]),
-                                  specs[row]))
+                                  specs[row], row_allowed))
     return (1.0, 0, 1.0), warps

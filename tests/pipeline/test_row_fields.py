@@ -71,3 +71,32 @@ def test_the_job_level_setting_applies_to_every_row_and_a_rows_own_replaces_it()
 def test_an_invalid_job_level_setting_names_the_key():
     with pytest.raises(ValueError, match=r"spectr\.structured_outputs: invalid regex"):
         job_settings(job(structured_outputs={"regex": "(("}))
+
+
+# --- issue 51, section 2: vLLM's row fields that touch the law or the row -------------------------------------
+
+
+def test_seed_minus_one_is_no_seed():
+    """vLLM's seed=-1 / None: the row takes the job's seed (derived from spectr.seed and its id)."""
+    assert settings({"seed": -1}).seed is None and settings({"seed": 7}).seed == 7
+    with pytest.raises(ValueError, match=r"seed must be >= 0, or -1 \(no seed\), got -2"):
+        settings({"seed": -2})
+
+
+def test_logit_bias_is_clamped_to_100_and_an_infinite_one_refused():
+    assert settings({"logit_bias": {"5": 250, "6": -1e9, "7": 3}}).logit_bias == ((5, 100.0), (6, -100.0), (7, 3.0))
+    for value in (float("inf"), float("-inf"), float("nan")):
+        with pytest.raises(ValueError, match=r"logit_bias\[5\] must be finite"):
+            settings({"logit_bias": {"5": value}})
+
+
+def test_allowed_token_ids_ride_the_engine_warp():
+    row = settings({"allowed_token_ids": [3, 5, 9]}).over(job())
+    warp = SamplingWarp(*row.engine_warp(job()))
+    assert warp.allowed_token_ids == (3, 5, 9) and warp.structured is None
+    both = settings({"allowed_token_ids": [1], "structured_outputs": {"regex": "a"}}).over(job())
+    assert SamplingWarp(*both.engine_warp(job())).structured.kind == "regex"
+    for bad, message in (([], "must not be empty"), ([1, -2], "allowed_token_ids must be a list of token ids"),
+                         ("12", "allowed_token_ids must be a list of token ids")):
+        with pytest.raises(ValueError, match=message):
+            settings({"allowed_token_ids": bad})
