@@ -69,6 +69,7 @@ from typing import Any
 import torch
 
 from spectr.drafting import TreeDrafter
+from spectr.feature_draft import FeatureDrafter, FeatureDraftLM, FeatureTap
 from spectr.hf import HFCausalLM
 from spectr.iteration import Loop, autoregressive_step, speculative_step
 from spectr.native import (
@@ -156,12 +157,18 @@ def load_models(target, draft, settings: Settings, speculative: bool | None = No
     """Wrap the pair and check that it is one: vocabulary, device. The draft is kept when some
     iteration may speculate (`speculative`, default: the settings' method is speculative).
     native: wrap Llama / Qwen2 models as `NativeCausalLM` (so that they may be compiled)."""
-    target_lm = wrap_model(target, "target", native)
+    feature = getattr(draft, "is_feature_draft", False)
+    # a feature draft reads the target's hidden states from HF's forward (hooks): the target runs eagerly
+    target_lm = wrap_model(target, "target", native and not feature)
     if not (settings.speculative if speculative is None else speculative):
         return target_lm, None
     if draft is None:
         raise ValueError(f"method {settings.method!r} needs a draft model; got draft=None")
-    draft_lm = wrap_model(draft, "draft", native)
+    if feature:
+        draft_lm = FeatureDraftLM(draft)
+        target_lm.tap = feature_tap(target, draft.config.feature_layers)
+    else:
+        draft_lm = wrap_model(draft, "draft", native)
     if draft_lm.vocab_size != target_lm.vocab_size:
         raise ValueError(
             f"target and draft must share a vocabulary: target vocab size {target_lm.vocab_size} "
@@ -172,6 +179,19 @@ def load_models(target, draft, settings: Settings, speculative: bool | None = No
             f"target and draft must be on the same device: target on {target_lm.device}, draft on {draft_lm.device}"
         )
     return target_lm, draft_lm
+
+
+def feature_tap(target, layers: list[int]) -> FeatureTap:
+    """The target's feature tap for these layers, installed once per model (kept on the model, so that
+    batchers over the same target share its hooks instead of stacking them)."""
+    tap = getattr(target, "_spectr_feature_tap", None)
+    if tap is not None and tap.layers == list(layers):
+        return tap
+    if tap is not None:
+        tap.close()
+    tap = FeatureTap(target, layers)
+    target._spectr_feature_tap = tap
+    return tap
 
 
 def model_limit(models: Sequence[HFCausalLM]) -> int | None:
@@ -298,8 +318,11 @@ class ContinuousBatcher:
         drafter = None
         if self.draft is not None:
             draft_cache = self.draft.new_cache(slots, self.max_length + 2 + tree)
-            drafter = TreeDrafter(self.draft, draft_cache, s.warp, torch.zeros(slots, dtype=torch.int64,
-                                                                                device=self.device))
+            pending = torch.zeros(slots, dtype=torch.int64, device=self.device)
+            if isinstance(self.draft, FeatureDraftLM):  # pending: an iteration's L + 1 tokens, + 1 autoregressive
+                drafter = FeatureDrafter(self.draft, draft_cache, s.warp, pending, capacity=max_l + 2)
+            else:
+                drafter = TreeDrafter(self.draft, draft_cache, s.warp, pending)
         self.rows = RowState.pool(slots, self.target_cache, drafter, self.device)
         self.occupied = torch.zeros(slots, dtype=torch.bool, device=self.device)  # [B] admitted, not retired
         self.records = Records(slots, self.max_length, max_l + 1, max_l, s.eos_ids, self.device, self.logprobs,
@@ -470,7 +493,8 @@ class ContinuousBatcher:
                 unique_slots.append(slot)
                 unique_prompts.append(prompt)
         caches = [("target", self.target, self.target_cache)]
-        if self.rows.drafter is not None:
+        feature = isinstance(self.rows.drafter, FeatureDrafter)
+        if self.rows.drafter is not None and not feature:
             caches.append(("draft", self.draft, self.rows.drafter.cache))
         for phase, model, cache in caches:
             with self.loop.timer.phase(phase):
@@ -482,6 +506,11 @@ class ContinuousBatcher:
                                              for c in zip(*copies))  # [C] each
                     cache.rows.copy_rows(source, dest, max(c[2] for c in copies))
                     cache.rows.lengths.index_copy_(0, dest, lengths)
+        if feature:  # the head reads the prompt with the target's features from the prefill just run
+            with self.loop.timer.phase("draft"):
+                features = self.target.tap.take() if self.target.tap.features is not None else None
+                index = torch.tensor(unique_slots, dtype=torch.int64, device=self.device)
+                self.rows.drafter.prefill_rows(index, unique_prompts, features, copies)
         self.stats.prefilled_rows += len(unique_slots)
         self.stats.shared_prefill_rows += len(copies)
 

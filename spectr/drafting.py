@@ -81,6 +81,10 @@ class TreeDrafter:
             self._branch_visibility[key] = (columns[None, :] % num_drafts) == drafts[:, None]
         return self._branch_visibility[key]
 
+    def row_tensors(self) -> list[torch.Tensor]:
+        """The per-row state [B, ...] that moves with a row (`RowState.move`)."""
+        return [self.pending, self.num_pending]
+
     def host_extent(self) -> torch.Tensor:
         """[2] int64 on the device: max(lengths + num_pending) and max(num_pending), for the host copy."""
         return torch.stack([(self.cache.rows.lengths + self.num_pending).max(), self.num_pending.max()])

@@ -158,6 +158,7 @@ class HFCausalLM:
         self._cache_kwarg = "cache" if "cache" in parameters else "past_key_values"
         self._takes_logits_to_keep = "logits_to_keep" in parameters
         self.name = getattr(config, "_name_or_path", "") or type(model).__name__
+        self.tap = None  # a feature draft's `spectr.feature_draft.FeatureTap` on this model's forwards
         # The configs whose attention implementation the engine's forwards switch to the grouped one.
         self._attention_configs = [c for c in {id(config): config, id(text_config): text_config}.values()
                                    if getattr(c, "_attn_implementation", None) == "sdpa"]

@@ -132,6 +132,7 @@ def autoregressive_step(loop: Loop, rows: RowState) -> None:
         self_only = torch.ones(1, 1, dtype=torch.bool, device=device)  # [1, 1]
         allowed = tree_attention(lengths, self_only, loop.target_longest + 1)
         logits = loop.target.forward(rows.pending[:, None], slots, allowed, cache, slots)  # [R, 1, V]
+        features = _features(loop, rows)  # [R, 1, F] for a feature draft, else None
     with loop.timer.phase("selection"):
         errors = nonfinite_rows(logits)[:, 0].to(torch.int64) * TARGET_NONFINITE  # [R]
         paths = root_paths(logits.shape[0], device) if loop.warp.path_dependent else None
@@ -153,7 +154,10 @@ def autoregressive_step(loop: Loop, rows: RowState) -> None:
     rows.pending = torch.where(still, next_tokens, rows.pending)
     rows.running = still
     rows.iteration = rows.iteration + 1
-    loop.draft_lag += 1
+    if features is not None:  # the feature draft takes the token with the target's feature before it
+        rows.drafter.observe(next_tokens, features[:, 0], still, loop.draft_extent[0])
+    else:
+        loop.draft_lag += 1
 
 
 def speculative_step(loop: Loop, rows: RowState) -> None:
@@ -167,6 +171,7 @@ def speculative_step(loop: Loop, rows: RowState) -> None:
     width, splits = _tree_extent(loop, tree)
     with loop.timer.phase("target"):
         logits = _verify(loop, rows, tree, width)  # [R, W, V]
+        features = _features(loop, rows)  # [R, W, F] for a feature draft, else None
     with loop.timer.phase("selection"):
         real = torch.arange(width, device=logits.device) < tree.num_nodes[:, None]  # [R, W]
         target_nonfinite = (nonfinite_rows(logits) & real).any(1)  # [R]
@@ -186,8 +191,15 @@ def speculative_step(loop: Loop, rows: RowState) -> None:
     still = loop.records.record(rows.slots, rows.running, selection.tokens, accepted + 1, errors, logprobs, top)
     _count_committed(loop, rows, selection.tokens)
     loop.stats.verify_tokens += width
-    _commit(loop, rows, tree, selection, still)
+    _commit(loop, rows, tree, selection, still, features)
     rows.iteration = rows.iteration + 1
+
+
+def _features(loop: Loop, rows: RowState) -> torch.Tensor | None:
+    """The target's features from the forward just run, when the drafter reads them (a feature draft)."""
+    if rows.drafter is None or not getattr(rows.drafter, "observes", False):
+        return None
+    return loop.target.tap.take()
 
 
 def _path_top(tree, selection, log_probs: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -264,8 +276,9 @@ def _verify(loop: Loop, rows: RowState, tree, width: int) -> torch.Tensor:
     return loop.target.forward(input_ids, lengths[:, None] + depth, allowed, cache, slots)
 
 
-def _commit(loop: Loop, rows: RowState, tree, selection, still: torch.Tensor) -> None:
-    """Both caches keep the accepted path of the chosen draft, for the rows still running."""
+def _commit(loop: Loop, rows: RowState, tree, selection, still: torch.Tensor, features=None) -> None:
+    """Both caches keep the accepted path of the chosen draft, for the rows still running (a feature draft
+    instead takes the committed tokens with the target's `features` at the nodes before them)."""
     length = loop.draft_length
     cache = rows.target_cache.rows
     lengths = cache.lengths  # [R]
@@ -279,5 +292,9 @@ def _commit(loop: Loop, rows: RowState, tree, selection, still: torch.Tensor) ->
     cache.keep_path(torch.where(depth < accepted[:, None], source, dest), dest)
     cache.advance(torch.where(still, 1 + accepted, 0))
     rows.pending = torch.where(still, next_tokens, rows.pending)
-    rows.drafter.commit(tree, selection.draft_index, selection.num_accepted, next_tokens, still)
+    if features is None:
+        rows.drafter.commit(tree, selection.draft_index, selection.num_accepted, next_tokens, still)
+    else:
+        rows.drafter.commit(tree, selection.draft_index, selection.num_accepted, next_tokens, still,
+                            emitted=selection.tokens, features=features)
     rows.running = still

@@ -77,7 +77,7 @@ class RowState:
     def nbytes(self) -> int:
         tensors = [self.slots, self.running, self.pending, self.keys, self.iteration]
         if self.drafter is not None:
-            tensors += [self.drafter.pending, self.drafter.num_pending]
+            tensors += self.drafter.row_tensors()
         return sum(t.untyped_storage().nbytes() for t in tensors)
 
     def admit(self, slots: torch.Tensor, last_tokens: torch.Tensor, keys: torch.Tensor) -> None:
@@ -113,7 +113,7 @@ class RowState:
         caches move with `RowKVCache.move_rows`, the records with `Records.move`)."""
         tensors = [self.running, self.pending, self.keys, self.iteration]
         if self.drafter is not None:
-            tensors += [self.drafter.pending, self.drafter.num_pending]
+            tensors += self.drafter.row_tensors()
         for tensor in tensors:
             tensor.index_copy_(0, dest, tensor.index_select(0, source))
         self.running.index_fill_(0, source, False)
