@@ -68,7 +68,7 @@ def test_temperature_zero_is_a_one_hot_argmax_with_first_index_on_ties():
     [
         (dict(temperature=-0.1), "temperature"),
         (dict(temperature=float("nan")), "temperature"),
-        (dict(top_k=-1), "top_k"),
+        (dict(top_k=-2), "top_k"),
         (dict(top_k=2.5), "top_k"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),
