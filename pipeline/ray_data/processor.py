@@ -110,14 +110,18 @@ class SpecTrProcessor:
         if gpus is None:
             gpus = ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
         in_flight = config.batches_in_flight(bool(config.accelerator_type or gpus))
+        pool = pool_size(config.concurrency)
+        # an autoscaling pool grows only while batches wait on its actors (Ray Data scales up at a utilization,
+        # tasks in flight / (actors x max_concurrency), of 1.75): as Ray's engine stage, twice the batches an actor
+        # runs may be sent to it; a fixed pool queues none beyond those (see batches_in_flight)
+        queued = in_flight if pool["min_size"] == pool["max_size"] else 2 * in_flight
         kwargs: dict[str, Any] = dict(
             fn_constructor_kwargs={"config": config},
             # no batches queued on an actor beyond those it runs (Ray's default queues as many again): a
             # queued batch waits for its actor while another may have free slots, e.g. when one actor loads first
             # n: an autoscaling pool of 1..n actors, as ray.data.llm's engine stage (`pool_size`)
-            compute=ray.data.ActorPoolStrategy(**pool_size(config.concurrency),
-                                               max_tasks_in_flight_per_actor=config.max_tasks_in_flight_per_actor
-                                               or in_flight),
+            compute=ray.data.ActorPoolStrategy(**pool, max_tasks_in_flight_per_actor=config.max_tasks_in_flight_per_actor
+                                               or queued),
             batch_size=config.batch_size,
             batch_format="pyarrow",
             zero_copy_batch=True,

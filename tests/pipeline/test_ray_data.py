@@ -261,8 +261,11 @@ def test_config_checks(tiny_pair):
     for concurrency, sizes in ((3, (1, 3)), ((2, 2), (2, 2))):
         compute = build_processor(config_for(tiny_pair, concurrency=concurrency)).stage_map_kwargs(gpus=False)["compute"]
         assert (compute.min_size, compute.max_size) == sizes
-    # batches of 4 rows, 4 engine slots: one batch fills them, one more refills them; none queued beyond
-    assert kwargs["compute"].max_tasks_in_flight_per_actor == kwargs["max_concurrency"] == 2
+    # batches of 4 rows, 4 engine slots: one batch fills them, one more refills them; a fixed pool queues none
+    # beyond; an autoscaling one as many again (Ray Data grows a pool only while batches wait on its actors)
+    assert kwargs["max_concurrency"] == 2 and kwargs["compute"].max_tasks_in_flight_per_actor == 4
+    fixed = build_processor(config_for(tiny_pair, concurrency=(2, 2))).stage_map_kwargs(gpus=False)
+    assert fixed["compute"].max_tasks_in_flight_per_actor == fixed["max_concurrency"] == 2
     small = config_for(tiny_pair, batch_size=3, engine_kwargs={"batch_size": 8})  # 3 batches fill 8 slots, + 1
     assert small.batches_in_flight() == 4 and dataclasses.replace(small, max_concurrent_batches=3).batches_in_flight() == 3
     assert build_processor(config_for(tiny_pair, num_cpus=2)).stage_map_kwargs(gpus=False)["num_cpus"] == 2

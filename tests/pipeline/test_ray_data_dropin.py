@@ -263,8 +263,9 @@ def test_rays_own_build_processor_takes_the_config(chat_pair):
 
 @pytest.mark.slow  # the config's pool sizes are checked in test_ray_data.py::test_config_checks
 def test_concurrency_n_is_an_autoscaling_pool_that_grows(ray_local, chat_pair):
-    """concurrency=2 (Ray's meaning: 1..2 actors) on 16 one-row blocks: the pool grows to 2 actors while blocks
-    wait; concurrency=(1, 1) keeps one (the control). Each actor's first row has request_id 0."""
+    """concurrency=2 (Ray's meaning: 1..2 actors) on 24 one-row blocks of 200 tokens: the pool starts with one
+    actor and grows to 2 while blocks wait on it; concurrency=(1, 1) keeps one (the control). Each actor's
+    first row has request_id 0."""
     import ray
 
     from pipeline.ray_data import SpecTrProcessorConfig, build_processor
@@ -275,9 +276,9 @@ def test_concurrency_n_is_an_autoscaling_pool_that_grows(ray_local, chat_pair):
                                        concurrency=concurrency, batch_size=1, num_cpus=0.5,
                                        engine_kwargs={"method": "speculative", "batch_size": 1})
         processor = build_processor(config, preprocess=lambda row: {"prompt": "the cat", "sampling_params":
-                                                                    {"max_tokens": 48, "ignore_eos": True}})
-        rows = processor(ray.data.range(16)).take_all()
-        assert len(rows) == 16
+                                                                    {"max_tokens": 200, "ignore_eos": True}})
+        rows = processor(ray.data.range(24)).take_all()
+        assert len(rows) == 24
         actors[str(concurrency)] = sum(r["request_id"] == 0 for r in rows)
     assert actors == {"2": 2, "(1, 1)": 1}
 
