@@ -8,7 +8,7 @@ Each round runs, in a shuffled order, each side in a fresh process:
   `ray.cpus_per_actor=C`, `shard_size` rows per shard;
 - `stage`: this script's `stage` command: a local Ray (the actors' CPUs and one more, for Ray Data's own
   tasks), `ray.data.read_parquet` of the file as a user would (no block settings) -> `pipeline.ray_data`'s
-  stage with its defaults (`concurrency=N`, `num_cpus=C`, `batch_size` = the job's shard size) ->
+  stage with its defaults (`concurrency=(N, N)`, a fixed pool as the job's, `num_cpus=C`, `batch_size` = the job's shard size) ->
   `write_parquet`. Its actor is `SpecTrStage` with a timeline (`TimedStage`: when it was ready, and each
   batch's end with the engine's iteration count), written to a folder and read back here.
 
@@ -166,7 +166,8 @@ def stage_command(argv: list[str]) -> None:
     ray.init(num_cpus=int(args.actors * args.cpus_per_actor) + 1, include_dashboard=False, log_to_driver=False)
     ray_ready = time.time()
     config = SpecTrProcessorConfig(model_source=str(PAIR / "target"), draft_model_source=str(PAIR / "draft"),
-                                   batch_size=args.batch_rows, concurrency=args.actors, num_cpus=args.cpus_per_actor,
+                                   batch_size=args.batch_rows, num_cpus=args.cpus_per_actor,
+                                   concurrency=(args.actors, args.actors),  # a fixed pool, as the job's (n: 1..n)
                                    engine_kwargs=json.loads(args.engine))
     processor = build_processor(config)
     processor.stage_class = TimedStage
