@@ -60,27 +60,63 @@ def run_page(tracking_uri: str, experiment_id: str | None, run_id: str | None) -
 
 def check_reachable(config: MlflowConfig) -> None:
     """Fail fast (before any actor starts) when a configured tracking server does not answer."""
+    down = reachable(config)
+    if down:
+        raise JobInputError(f"mlflow.tracking_uri: {down}")
+
+
+def reachable(config: MlflowConfig, timeout_s: float = 5.0) -> str | None:
+    """None when the configured server's store answers (one request that reads it: the experiment by name),
+    else why not: no answer within `timeout_s`, or a 5xx (the caller may go on without MLflow). A 4xx the user
+    can fix (credentials, a URL that is no MLflow server) raises JobInputError. Local stores: None."""
+    import json
+    from urllib.parse import quote
+
     if not config.enabled:
-        return
+        return None
     uri = resolve_tracking_uri(config)
     if not uri.startswith(("http://", "https://")):
-        return
+        return None
+    path = f"/api/2.0/mlflow/experiments/get-by-name?experiment_name={quote(config.experiment)}"
     try:
-        with urllib.request.urlopen(_health_request(uri), timeout=5) as response:
+        with urllib.request.urlopen(_server_request(uri, path), timeout=timeout_s) as response:
             response.read()
-    except (urllib.error.URLError, OSError) as err:
-        raise JobInputError(f"mlflow.tracking_uri: no MLflow server answers at {redact(uri)} ({err})") from None
+        return None
+    except urllib.error.HTTPError as err:
+        body = err.read(2000).decode("utf-8", "replace")
+        try:
+            code = json.loads(body).get("error_code")
+        except (ValueError, AttributeError):
+            code = None
+        if err.code == 404 and code == "RESOURCE_DOES_NOT_EXIST":
+            return None  # the store answers: the experiment is created with the run
+        if 400 <= err.code < 500:
+            raise JobInputError(
+                f"mlflow.tracking_uri: the server at {redact(uri)} refuses the job's requests (HTTP {err.code}"
+                f"{', ' + code if code else ''}); check the URI and the credentials (MLFLOW_TRACKING_USERNAME / "
+                "MLFLOW_TRACKING_PASSWORD, MLFLOW_TRACKING_TOKEN)"
+            ) from None
+        return f"the MLflow server at {redact(uri)} answers HTTP {err.code}"
+    except (urllib.error.URLError, OSError) as err:  # refused, reset, timed out
+        return f"no MLflow server answers at {redact(uri)} within {timeout_s:g} s ({redact(str(err))})"
 
 
-def _health_request(uri: str) -> urllib.request.Request:
-    """GET <server>/health; a `user:password@` in the URI as a basic-auth header, as MLflow's client sends it
-    (urllib would take it for part of the host name)."""
+def _server_request(uri: str, path: str) -> urllib.request.Request:
+    """GET <server><path>; a `user:password@` in the URI as a basic-auth header, as MLflow's client sends it
+    (urllib would take it for part of the host name), else MLflow's own credential variables."""
     import base64
+    import os
     from urllib.parse import unquote, urlsplit, urlunsplit
 
-    parts = urlsplit(uri.rstrip("/") + "/health")
+    parts = urlsplit(uri.rstrip("/") + path)
     if parts.username is None and parts.password is None:
-        return urllib.request.Request(parts.geturl())
+        request = urllib.request.Request(parts.geturl())
+        user, password = os.environ.get("MLFLOW_TRACKING_USERNAME"), os.environ.get("MLFLOW_TRACKING_PASSWORD")
+        if os.environ.get("MLFLOW_TRACKING_TOKEN"):
+            request.add_header("Authorization", "Bearer " + os.environ["MLFLOW_TRACKING_TOKEN"])
+        elif user is not None and password is not None:
+            request.add_header("Authorization", "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode())
+        return request
     host = parts.hostname or ""
     netloc = (f"[{host}]" if ":" in host else host) + (f":{parts.port}" if parts.port else "")
     request = urllib.request.Request(urlunsplit(parts._replace(netloc=netloc)))

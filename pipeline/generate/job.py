@@ -17,6 +17,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,7 +53,7 @@ from pipeline.generate.worker import ShardResult, WorkerJob
 from pipeline.models import check_model_dir
 from pipeline.redact import install_log_filter
 from pipeline.source import list_source
-from pipeline.tracking import check_reachable
+from pipeline.tracking import reachable
 
 __all__ = ["JobPlan", "JobReport", "RunHooks", "format_report", "prepare", "raise_if_failed", "run_generate"]
 
@@ -169,15 +170,13 @@ def _run(config: GenerateConfig, hooks: RunHooks | None, keep: PairKeeper | None
         plan.num_shards,
         (f" (resuming: {done} {unit} already done)" if done else "") + (f"; {plan.limit_note}" if plan.limit_note else ""),
     )
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlflow") as background:
-        tracking = _TrackingStart(background, plan)
-        try:
-            report = _execute(plan, tracking, hooks, startup, keep)
-        except BaseException:
-            if tracking.started_ok():
-                tracking.result().fail()
-            raise
-    return report
+    tracking = _TrackingStart(plan)
+    try:
+        return _execute(plan, tracking, hooks, startup, keep)
+    except BaseException:
+        if tracking.started_ok():
+            tracking.result().fail()
+        raise
 
 
 def _check(config: GenerateConfig, keep: PairKeeper | None, startup: _Startup) -> JobPlan:
@@ -202,10 +201,22 @@ def _check(config: GenerateConfig, keep: PairKeeper | None, startup: _Startup) -
 
 def _prepare_checked(config: GenerateConfig, started: float | None = None) -> JobPlan:
     plan = prepare(config)
-    check_reachable(config.mlflow)
+    plan.mlflow_down = _mlflow_check(config)
     if started is not None:
         plan.checked_s = time.perf_counter() - started
     return plan
+
+
+def _mlflow_check(config: GenerateConfig) -> str | None:
+    """The tracking server's store, read once (bounded by mlflow.shutdown_timeout_s): None when it answers;
+    a server that does not answer, or answers 5xx, is a warning and the job goes on without MLflow (with
+    `mlflow.required`, a refusal: exit 2); a 4xx the user can fix is a refusal (`reachable`)."""
+    down = reachable(config.mlflow, timeout_s=config.mlflow.shutdown_timeout_s)
+    if down and getattr(config.mlflow, "required", False):
+        raise JobInputError(f"mlflow.tracking_uri: {down} (mlflow.required=true)")
+    if down:
+        log.warning("mlflow: %s; the job goes on without MLflow (its results are in the output directory)", down)
+    return down
 
 
 def _starts_ray(config: GenerateConfig, keep: PairKeeper | None) -> bool:
@@ -230,30 +241,62 @@ def _ray_session(config: GenerateConfig, keep: PairKeeper | None) -> contextlib.
 
 
 class _TrackingStart:
-    """The job's MLflow run, started on the background thread once the actors are spawned (`begin`): MLflow's
+    """The job's MLflow run, started on a thread of its own once the actors are spawned (`begin`): MLflow's
     import, store creation (a new SQLite database takes seconds) and run then overlap the actors' loading,
-    not Ray's start or the check on the driver's critical path. `result()` begins it when nothing did."""
+    not Ray's start or the check on the driver's critical path. `result()` begins it when nothing did, and
+    waits for it at most `mlflow.shutdown_timeout_s` after the actors are up (MLflow's client retries a
+    request for minutes): a start not done by then is given up, a warning, and the job goes on without MLflow
+    (a run it creates later is ended FAILED). The thread is a daemon: a hanging server never holds the end."""
 
-    def __init__(self, background: ThreadPoolExecutor, plan: JobPlan):
-        self._background = background
+    def __init__(self, plan: JobPlan):
         self._plan = plan
         self._future: Future | None = None
+        self._given_up: Any = None  # the NullTracker that stands in for a start given up
+        self._lock = threading.Lock()
 
     def begin(self) -> None:
         if self._future is None:
             plan = self._plan
             tags = {"output_dir": str(plan.output_dir), "config_hash": plan.config_hash}
-            self._future = self._background.submit(_make_and_start_tracking, plan, _params(plan), tags)
+            self._future = Future()
+            threading.Thread(target=self._start, args=(plan, _params(plan), tags), name="mlflow-start",
+                             daemon=True).start()
+
+    def _start(self, plan: JobPlan, params: dict[str, Any], tags: dict[str, str]) -> None:
+        try:
+            tracker = _make_and_start_tracking(plan, params, tags)
+        except BaseException as err:  # noqa: BLE001 - handed to the waiting thread (JobInputError: exit 2)
+            self._future.set_exception(err)
+            return
+        with self._lock:
+            late = self._given_up is not None
+            self._future.set_result(tracker)
+        if late and tracker.run_id:  # the job went on without it: the run it made is not this job's record
+            _best_effort("mlflow: ending the run that started too late", tracker.fail, attempts=1)
 
     def result(self) -> Any:
         self.begin()
-        return self._future.result()
+        timeout_s = self._plan.config.mlflow.shutdown_timeout_s
+        try:
+            return self._future.result(timeout=timeout_s)
+        except FutureTimeout:
+            pass
+        with self._lock:
+            if self._future.done():
+                return self._future.result()
+            if self._given_up is None:
+                log.warning("mlflow: the run's start did not finish in %g s (mlflow.shutdown_timeout_s; the tracking "
+                            "server is slow or down): the job goes on without MLflow", timeout_s)
+                self._given_up = NullTracker()
+            return self._given_up
 
     def started_ok(self) -> bool:
         return self._future is not None and self._future.done() and self._future.exception() is None
 
 
 def _make_and_start_tracking(plan: JobPlan, params: dict[str, Any], tags: dict[str, str]) -> Any:
+    if plan.mlflow_down:  # the check found no answering server: no run (a warning said so)
+        return NullTracker()
     began = time.perf_counter()
     tracker = _start_tracking(make_tracker(plan.config.mlflow, plan), params, tags)
     if getattr(tracker, "start_s", None) is not None:

@@ -59,6 +59,7 @@ class JobPlan:
     limit_note: str = ""  # "first N of M rows (data.limit)" when data.limit left input rows out
     samples: SampleCounts | None = None  # each row's n, counted by the scan (with data.sampling_params_column)
     checked_s: float = 0.0  # seconds the config and input check took (the job's first line)
+    mlflow_down: str | None = None  # why the job goes on without MLflow (its server did not answer the check)
 
     @property
     def output_dir(self) -> str:
