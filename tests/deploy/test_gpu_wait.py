@@ -72,3 +72,26 @@ def test_on_a_real_ray_without_gpus_the_wait_ends_in_the_refusal(ray_local, monk
     monkeypatch.setattr(cluster, "GPU_POLL_S", 0.05)
     with pytest.raises(JobInputError, match="the cluster has 0 of the 1 GPU"):
         wait_for_gpus(RayConfig(address="auto", gpus_per_actor=1, actor_start_timeout_s=0.2))
+
+
+def test_a_job_joining_a_cluster_without_gpus_is_refused_after_the_wait(ray_local, tmp_path):
+    """The wait is the job's: `ray_session` joining the session's Ray by its address (another process, as a
+    submitted driver joins) with ray.gpus_per_actor=1 waits ray.actor_start_timeout_s and is refused, naming it."""
+    import subprocess
+    import sys
+
+    address = ray_local.get_runtime_context().gcs_address
+    code = ("from pipeline.generate.cluster import ray_session\n"
+            "from pipeline.generate.config import RayConfig\n"
+            "from pipeline.errors import JobInputError\n"
+            "import pipeline.generate.cluster as c\n"
+            "c.GPU_POLL_S = 0.05\n"
+            "try:\n"
+            f"    with ray_session(RayConfig(address={address!r}, gpus_per_actor=1, actor_start_timeout_s=0.5),"
+            " verbose=False):\n"
+            "        print('STARTED')\n"
+            "except JobInputError as err:\n"
+            "    print('REFUSED', err)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert "REFUSED ray.gpus_per_actor=1: the cluster has 0 of the 1 GPU(s)" in done.stdout, done.stdout + done.stderr
+    assert "STARTED" not in done.stdout
