@@ -50,7 +50,7 @@ OUTPUT_COLUMNS = ("id", "prompt", "completion", "completion_token_ids", "prompt_
 SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",
                  "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "logprobs", "logit_bias",
                  "presence_penalty", "frequency_penalty", "repetition_penalty", "structured_outputs", "guided_decoding",
-                 "allowed_token_ids")
+                 "allowed_token_ids", "bad_words")
 # known names that cannot be exact here (or are not built yet), refused with the reason (their neutral value passes)
 REFUSED_KEYS = {
     "best_of": "best_of picks among samples by score, which changes the output law (draw n samples instead)",
@@ -268,6 +268,7 @@ class RowSettings:
     min_tokens: int | None = None
     structured_outputs: Any = None  # a `spectr.structured.StructuredSpec` (vLLM's structured_outputs / guided_decoding)
     allowed_token_ids: tuple[int, ...] | None = None  # vLLM's: only these tokens may be sampled
+    bad_words: tuple[str, ...] | None = None  # vLLM's: strings the row may not produce (tokenized by the actor)
 
     def over(self, job: Any) -> RowSettings:
         """These settings with the job's value (`job_settings` of the job's `spectr.*`) wherever the row has
@@ -287,11 +288,13 @@ class RowSettings:
                      1.0 if self.repetition_penalty is None else self.repetition_penalty, self.min_tokens or 0)
         if (self.temperature, self.top_k, self.top_p) == (None, None, None) and not self.min_p \
                 and not self.logit_bias and penalties == (0.0, 0.0, 1.0, 0) and self.structured_outputs is None \
-                and not self.allowed_token_ids:
+                and not self.allowed_token_ids and not self.bad_words:
             return None
         warp = (job.temperature if self.temperature is None else self.temperature,
                 job.top_k if self.top_k is None else self.top_k, job.top_p if self.top_p is None else self.top_p,
                 self.min_p or 0.0, tuple(self.logit_bias or ()), *penalties)
+        if self.bad_words:  # strings: the actor tokenizes them as vLLM does (spectr.bad_words.bad_words_token_ids)
+            return (*warp, self.structured_outputs, tuple(self.allowed_token_ids or ()), tuple(self.bad_words))
         if self.allowed_token_ids:
             return (*warp, self.structured_outputs, tuple(self.allowed_token_ids))
         return warp if self.structured_outputs is None else (*warp, self.structured_outputs)
@@ -512,6 +515,8 @@ def row_settings(params: Any, stop: Any, params_key: str, stop_key: str) -> RowS
             settings.allowed_token_ids = tuple(_token_ids(values["allowed_token_ids"], "allowed_token_ids"))
             if not settings.allowed_token_ids:
                 raise ValueError("allowed_token_ids must not be empty (no token could be sampled)")
+        if values.get("bad_words") is not None:
+            settings.bad_words = tuple(_stop_strings(values["bad_words"], "bad_words")) or None
         settings.stop += _stop_strings(values.get("stop"), "stop")
         if "stop_token_ids" in values:
             settings.stop_token_ids = _token_ids(values["stop_token_ids"], "stop_token_ids")

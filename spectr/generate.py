@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from spectr.bad_words import bad_words_token_ids
 from spectr.batching import ContinuousBatcher, FinishedRow, known_methods
 from spectr.rows import prefill
 from spectr.settings import Settings, check_prompts
@@ -75,6 +76,7 @@ def generate(
     structured_outputs: Any = None,
     tokenizer: Any = None,
     allowed_token_ids: Sequence[int] | Sequence[Sequence[int] | None] | None = None,
+    bad_words: Sequence | None = None,
 ) -> GenerationOutput:
     """Generate up to `max_new_tokens` tokens per prompt from `target`, exactly its (warped) distribution.
 
@@ -108,7 +110,9 @@ def generate(
     draft tree (`spectr.structured`); needs `tokenizer` (the pair's Hugging Face fast tokenizer, or a
     `spectr.structured.StructuredCompiler` to share its compiled grammars across calls). allowed_token_ids (vLLM's:
     a list of ids for every row, or one list or None per prompt): only those tokens may be sampled, on both models'
-    logits.
+    logits. bad_words (vLLM's: strings, tokenized by `tokenizer` as vLLM does, or token-id sequences; one list for
+    every row or one list or None per prompt): a word's last token is refused wherever the output so far ends with
+    the rest of it, at every node of the draft tree on its own path (`spectr.bad_words`).
     """
     return _run(Generation(target, draft, prompts, method=method, num_drafts=num_drafts, draft_length=draft_length,
                            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -117,7 +121,7 @@ def generate(
                            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                            repetition_penalty=repetition_penalty, min_tokens=min_tokens,
                            structured_outputs=structured_outputs, tokenizer=tokenizer,
-                           allowed_token_ids=allowed_token_ids))
+                           allowed_token_ids=allowed_token_ids, bad_words=bad_words))
 
 
 def _run(generation: Generation) -> GenerationOutput:
@@ -168,6 +172,26 @@ def structured_specs(value, count: int, tokenizer, target) -> list[StructuredSpe
     return [None if spec is None else spec.with_compiler(compiler) for spec in specs]
 
 
+def bad_word_ids(value, count: int, tokenizer) -> list | None:
+    """`bad_words` (one list for every row, or one list or None per prompt; strings or token-id sequences) -> one
+    tuple of token-id sequences per prompt (strings tokenized as vLLM's, `spectr.bad_words.bad_words_token_ids`)."""
+    if not value:
+        return None
+    per_row = all(w is None or (isinstance(w, (list, tuple)) and not any(isinstance(t, int) for t in w))
+                  for w in value)
+    if per_row and len(value) != count:
+        raise ValueError(f"bad_words has {len(value)} entries but there are {count} prompts")
+    rows = list(value) if per_row else [value] * count
+    out = []
+    for row, words in enumerate(rows):
+        strings = [w for w in words or () if isinstance(w, str)]
+        if strings and not hasattr(tokenizer, "encode"):
+            raise ValueError(f"prompt {row}: bad_words as strings need the tokenizer (tokenizer=, with .encode)")
+        ids = bad_words_token_ids(strings, tokenizer) if strings else ()
+        out.append(ids + tuple(tuple(w) for w in words or () if not isinstance(w, str)))
+    return out if any(out) else None
+
+
 def check_batch_size(batch_size) -> None:
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
         raise ValueError(f"batch_size must be None or an int >= 1, got {batch_size!r}")
@@ -191,14 +215,15 @@ class Generation:
                  batch_size: int | None = None, pack_below: float | None = None, make_batcher=None,
                  logprobs: bool | str = False, compile: bool | str = False, min_p=0.0, logit_bias=None,
                  top_logprobs: int = 0, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
-                 min_tokens=0, structured_outputs=None, tokenizer=None, allowed_token_ids=None):
+                 min_tokens=0, structured_outputs=None, tokenizer=None, allowed_token_ids=None, bad_words=None):
         self.prompts = check_prompts(prompts)
         check_batch_size(batch_size)
         specs = structured_specs(structured_outputs, len(self.prompts), tokenizer, target)
         (temperature, top_k, top_p), warps = split_row_warps(temperature, top_k, top_p, len(self.prompts), min_p,
                                                              logit_bias, presence_penalty, frequency_penalty,
                                                              repetition_penalty, min_tokens, specs,
-                                                             allowed_token_ids)
+                                                             allowed_token_ids,
+                                                             bad_word_ids(bad_words, len(self.prompts), tokenizer))
         self.settings = Settings.from_arguments(
             self.prompts, methods=known_methods(), method=method, num_drafts=num_drafts,
             draft_length=draft_length, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from spectr.bad_words import RowBadWords
 from spectr.penalties import NEUTRAL as PENALTIES_OFF
 from spectr.penalties import NodePaths, RowPenalties, validate_penalties
 from spectr.structured import RowGrammars, StructuredSpec
@@ -62,11 +63,16 @@ class SamplingWarp:
     min_tokens: int = 0
     structured: StructuredSpec | None = None
     allowed_token_ids: tuple[int, ...] = ()  # vLLM's: only these may be sampled (empty: every token)
+    bad_words: tuple = ()  # vLLM's, as token-id sequences (`spectr.bad_words`; strings: a caller tokenizes them)
 
     def __post_init__(self) -> None:
         validate_sampling(self.temperature, self.top_k, self.top_p)
         validate_extras(self.min_p, self.logit_bias, self.allowed_token_ids)
         validate_penalties(self.presence_penalty, self.frequency_penalty, self.repetition_penalty, self.min_tokens)
+        if not isinstance(self.bad_words, tuple) or not all(
+                isinstance(w, str) or (isinstance(w, tuple) and w and all(
+                    isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in w)) for w in self.bad_words):
+            raise ValueError(f"bad_words must be strings or token-id sequences, got {self.bad_words!r}")
         if self.structured is not None and not isinstance(self.structured, StructuredSpec):
             raise ValueError(f"structured must be a spectr.structured.StructuredSpec or None, got "
                              f"{type(self.structured).__name__}")
@@ -83,7 +89,7 @@ class SamplingWarp:
     @property
     def path_dependent(self) -> bool:
         """Whether this warp has a penalty, min_tokens or a grammar (its law at a node depends on the node's path)."""
-        return self.penalty_settings != PENALTIES_OFF or self.structured is not None
+        return self.penalty_settings != PENALTIES_OFF or self.structured is not None or bool(self.bad_words)
 
     def probs(self, logits: torch.Tensor, paths=None) -> torch.Tensor:
         """Warped probabilities, float32, same shape as `logits` ([..., V]). Penalties and min_tokens are not
@@ -253,19 +259,20 @@ class RowWarps:
         self.vocab_size = vocab_size
         self.row_penalties: RowPenalties | None = None  # once a row has a penalty or min_tokens
         self.grammars: RowGrammars | None = None  # once a row has a grammar (`spectr.structured`)
+        self.bad_words: RowBadWords | None = None  # once a row has bad words (`spectr.bad_words`)
 
     @property
     def path_dependent(self) -> bool:
         """Host flag: some admitted row has a penalty, min_tokens or a grammar (`probs` needs the nodes' paths)."""
-        return self.row_penalties is not None or self.grammars is not None
+        return self.row_penalties is not None or self.grammars is not None or self.bad_words is not None
 
     @property
     def penalties(self):
         """What follows the commits (`commit(slots, emitted, lengths)`, called by the iteration): the penalties'
         counts and the grammars' matchers; None when the pool has neither."""
-        if self.grammars is None:
+        if self.grammars is None and self.bad_words is None:
             return self.row_penalties
-        return _Commits(self.row_penalties, self.grammars)
+        return _Commits(self.row_penalties, self.grammars, self.bad_words)
 
     def grammar_error(self, slot: int) -> str | None:
         """The grammar error of the row in `slot` (`spectr.structured.RowGrammars.error`), or None."""
@@ -297,6 +304,15 @@ class RowWarps:
                 self.grammars = RowGrammars(self.temperature.shape[0], self.vocab_size)
             self.grammars.set(slots.tolist() if host_slots is None else host_slots, [w.structured for w in warps],
                               stops or [[]] * len(warps))
+        if self.bad_words is not None or any(w.bad_words for w in warps):
+            if any(isinstance(word, str) for w in warps for word in w.bad_words):
+                raise ValueError("bad_words as strings need the tokenizer: give token-id sequences "
+                                 "(spectr.bad_words.bad_words_token_ids)")
+            if self.bad_words is None:
+                if self.vocab_size is None:
+                    raise ValueError("bad_words need the pool's vocab_size (RowWarps(vocab_size=...))")
+                self.bad_words = RowBadWords(self.temperature.shape[0], self.vocab_size)
+            self.bad_words.set(slots.tolist() if host_slots is None else host_slots, [w.bad_words for w in warps])
 
     def _set_penalties(self, slots: torch.Tensor, warps: list[SamplingWarp], prompts, stops) -> None:
         """Penalties and min_tokens of the new rows: their prompts (repetition) and stop tokens (min_tokens) as
@@ -319,8 +335,9 @@ class RowWarps:
             self._pending_bias = {moves.get(slot, slot): bias for slot, bias in self._pending_bias.items()}
         if self.row_penalties is not None:
             self.row_penalties.move(source, dest)
-        if self.grammars is not None:
-            self.grammars.move(*((source.tolist(), dest.tolist()) if host is None else host))
+        for rows in (self.grammars, self.bad_words):
+            if rows is not None:
+                rows.move(*((source.tolist(), dest.tolist()) if host is None else host))
 
     def probs(self, logits: torch.Tensor, paths: NodePaths | None = None) -> torch.Tensor:
         """Warped probabilities of rows [0, R) of the pool: logits [R, ..., V] -> [R, ..., V] float32.
@@ -333,8 +350,8 @@ class RowWarps:
         bias = None if self.bias is None else self.bias[:rows]
         if self.path_dependent and paths is None:
             raise ValueError("this pool has penalties, min_tokens or a grammar: probs needs the nodes' paths")
-        if self.grammars is not None:  # first of all, as vLLM's grammar bitmask: refused tokens at -inf
-            allowed = self.grammars.allowed(paths, rows, logits.device)  # [R, ..., V] or None
+        for masks in (self.grammars, self.bad_words):  # first of all, as vLLM's grammar bitmask and bad words
+            allowed = None if masks is None else masks.allowed(paths, rows, logits.device)  # [R, ..., V] or None
             if allowed is not None:
                 logits = logits.float().masked_fill(~allowed, -math.inf)
         if self.row_penalties is not None:
@@ -356,20 +373,21 @@ class RowWarps:
 
 
 class _Commits:
-    """The commit hook of a pool with grammars: the penalties' counts (if any) and the grammars' matchers."""
+    """The commit hook of a pool with grammars or bad words: the penalties' counts, the grammars' matchers, the bad
+    words' committed tails (those the pool has)."""
 
-    def __init__(self, penalties: RowPenalties | None, grammars: RowGrammars):
-        self.row_penalties, self.grammars = penalties, grammars
+    def __init__(self, *parts):
+        self.parts = [part for part in parts if part is not None]
 
     def commit(self, slots: torch.Tensor, emitted: torch.Tensor, lengths: torch.Tensor) -> None:
-        if self.row_penalties is not None:
-            self.row_penalties.commit(slots, emitted, lengths)
-        self.grammars.commit(slots, emitted, lengths)
+        for part in self.parts:
+            part.commit(slots, emitted, lengths)
 
 
 def split_row_warps(temperature, top_k, top_p, count: int, min_p=0.0, logit_bias=None, presence_penalty=0.0,
                     frequency_penalty=0.0, repetition_penalty=1.0, min_tokens=0, structured=None,
-                    allowed_token_ids=None) -> tuple[tuple[float, int, float], list[SamplingWarp] | None]:
+                    allowed_token_ids=None, bad_words=None
+                    ) -> tuple[tuple[float, int, float], list[SamplingWarp] | None]:
     """Scalars, or one value per row (lists or [N] tensors), -> (the run's warp settings, per-row warps).
 
     All scalars, no min_p, no logit_bias, no penalty and no min_tokens: (those scalars, None). Any of them per row,
@@ -391,13 +409,17 @@ def split_row_warps(temperature, top_k, top_p, count: int, min_p=0.0, logit_bias
     allowed_per_row = bool(allowed_token_ids) and all(a is None or isinstance(a, (list, tuple))
                                                       for a in allowed_token_ids)
     allowed = list(allowed_token_ids) if allowed_per_row else [allowed_token_ids] * count
+    words_per_row = bool(bad_words) and all(  # one list (or None) per row, not one list of words for every row
+        w is None or (isinstance(w, (list, tuple)) and not any(isinstance(t, int) for t in w)) for w in bad_words)
+    words = list(bad_words) if words_per_row else [bad_words] * count
     if not per_row and not min_p and not logit_bias and (presence_penalty, frequency_penalty, repetition_penalty,
                                                          min_tokens) == PENALTIES_OFF and not any(specs) \
-            and not any(allowed):
+            and not any(allowed) and not any(words):
         return (temperature, top_k, top_p), None
     lists = (("logit_bias", biases),) if isinstance(logit_bias, (list, tuple)) else ()
     lists += (("structured", specs),) if isinstance(structured, (list, tuple)) else ()
     lists += (("allowed_token_ids", allowed),) if allowed_per_row else ()
+    lists += (("bad_words", words),) if words_per_row else ()
     for name, value in (*per_row.items(), *lists):
         if len(value) != count:
             raise ValueError(f"{name} has {len(value)} entries but there are {count} prompts")
@@ -420,5 +442,6 @@ def split_row_warps(temperature, top_k, top_p, count: int, min_p=0.0, logit_bias
             raise ValueError(f"prompt {row}: structured must be a StructuredSpec or None, got {specs[row]!r}")
         warps.append(SamplingWarp(float(row_values[0]), int(row_values[1]), float(row_values[2]),
                                   float(row_values[3]), bias, *map(float, row_values[4:7]), int(row_values[7]),
-                                  specs[row], row_allowed))
+                                  specs[row], row_allowed,
+                                  tuple(w if isinstance(w, str) else tuple(w) for w in words[row] or ())))
     return (1.0, 0, 1.0), warps

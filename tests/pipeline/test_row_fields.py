@@ -100,3 +100,12 @@ def test_allowed_token_ids_ride_the_engine_warp():
                          ("12", "allowed_token_ids must be a list of token ids")):
         with pytest.raises(ValueError, match=message):
             settings({"allowed_token_ids": bad})
+
+
+def test_bad_words_ride_the_engine_warp_as_strings():
+    row = settings({"bad_words": ["foo", "bar baz"]}).over(job())
+    warp = SamplingWarp(*row.engine_warp(job()))
+    assert warp.bad_words == ("foo", "bar baz") and warp.allowed_token_ids == () and warp.structured is None
+    assert settings({"bad_words": "foo"}).bad_words == ("foo",)  # one string, as vLLM's
+    with pytest.raises(ValueError, match="bad_words must be a list of non-empty strings"):
+        settings({"bad_words": [1, 2]})
