@@ -18,7 +18,10 @@ queue, as its next attempt (a new part name: `ShardTask.fence`), when:
 - its actor's device fails whatever it runs (`ActorFault`: every row of a failed batch fails alone too,
   and so does a one-token probe): the shard goes back uncharged, and the actor is restarted at once (three
   sick actors cannot fail one healthy shard three times);
-- its actor died (`ActorDiedError`: the first shard is charged, the rest go back), or is "temporarily
+- its actor hangs (below): the actor is restarted and the shard at the head of its queue is charged one
+  attempt (a shard that hangs every actor it meets is given up after `ray.shard_attempts`), the rest go back;
+- its actor died (`ActorDiedError`: the first shard is charged, unless Ray says the actor was preempted:
+  a spot node reclaimed, a node drained; the rest go back), or is "temporarily
   unavailable" (`ActorUnavailableError`: Ray is restarting it, or its node stopped answering): every shard
   queued on it goes back, and it gets no more until it answers a ping again;
 - its actor stops answering: a busy actor is pinged every `ray.heartbeat_s` (in a concurrency group of
@@ -378,9 +381,10 @@ class ShardActorPool:
             queue.push_front(task.again())
             return
         except ActorDiedError as err:
-            self._charge(task, err)
+            if not getattr(err, "preempted", False):  # a preempted node (spot, drained) is not the shard's doing
+                self._charge(task, err)
             queue.push_front(task.again())
-            self._dead(slot, "it died")
+            self._dead(slot, "it was preempted" if getattr(err, "preempted", False) else "it died")
             return
         except RayError as err:  # ActorUnavailableError and the like: the actor may come back
             queue.push_front(task.again())
@@ -550,10 +554,19 @@ class ShardActorPool:
                 self._restart(slot, queue, f"no answer for {self._silent_s(slot, now):.0f} s")
             elif now - slot.progress_at > r.stall_timeout_s:
                 compiling = "" if slot.compiling_s is None else f", in a compile for {slot.compiling_s:.0f} s"
-                self._restart(slot, queue,
-                              f"no progress for {now - slot.progress_at:.0f} s (ray.stall_timeout_s{compiling})")
+                why = f"no progress for {now - slot.progress_at:.0f} s (ray.stall_timeout_s{compiling})"
+                self._hung(slot, why)
+                self._restart(slot, queue, why)
             elif r.shard_timeout_s is not None and slot.in_flight and now - slot.head_since > r.shard_timeout_s:
+                self._hung(slot, "it ran past ray.shard_timeout_s")
                 self._restart(slot, queue, f"shard {slot.in_flight[0][1].index} ran past ray.shard_timeout_s")
+
+    def _hung(self, slot: _Slot, why: str) -> None:
+        """The actor is restarted for hanging: its head shard (the one running longest) is charged one attempt,
+        so a shard that hangs every actor it meets is given up after `ray.shard_attempts` (the job fails naming
+        it) instead of restarting actors until none is left."""
+        if slot.in_flight:
+            self._charge(slot.in_flight[0][1], RuntimeError(f"it hung its actor: {why}"))
 
     def _give_up_start(self, slot: _Slot) -> None:
         """An actor that did not start within ray.actor_start_timeout_s (the cluster lacks room for it)."""
