@@ -220,12 +220,20 @@ def read_range(location: Location, start: int, stop: int) -> bytes:
         return f.read_at(stop - start, start)
 
 
+FILE_MODE = 0o640  # files the jobs write on local disks and NFS (they hold prompts and completions): no world read
+DIR_MODE = 0o750  # and the directories they create
+
+
 def make_dirs(location: Location) -> bool:
-    """Create a local or HDFS directory (object stores have none); True when it did not exist before."""
+    """Create a local or HDFS directory (object stores have none; a local one `DIR_MODE`); True when it did not
+    exist before."""
     if not location.renames_atomically:
         return False
     existed = location.filesystem.get_file_info(location.path).type == pafs.FileType.Directory
-    location.filesystem.create_dir(location.path, recursive=True)
+    if location.is_local:
+        os.makedirs(location.path, mode=DIR_MODE, exist_ok=True)
+    else:
+        location.filesystem.create_dir(location.path, recursive=True)
     return not existed
 
 
@@ -277,7 +285,7 @@ def temporary_name(name: str) -> str:
 def _write_local(path: Path, data: bytes) -> None:
     tmp = path.with_name(temporary_name(path.name))
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

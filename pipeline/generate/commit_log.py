@@ -49,6 +49,11 @@ COMMIT_BACKOFF_S = 1.0  # before the n-th retry of an append: n times this
 log = logging.getLogger("pipeline")
 
 
+def _open_append(path: str) -> Any:
+    """The local log for appending, created `fs.FILE_MODE` (no world read)."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, fs.FILE_MODE), "ab")
+
+
 def encode(record: dict[str, Any]) -> bytes:
     return (json.dumps(record, separators=(",", ":"), sort_keys=True) + "\n").encode()
 
@@ -61,7 +66,7 @@ class AppendLog:
         _cut_torn_tail(self.path)
         self._end = os.path.getsize(self.path) if os.path.exists(self.path) else 0  # the last whole line's end
         self._torn = False  # an append failed: part of its line may be in the file (or the buffer)
-        self._file = open(self.path, "ab")
+        self._file = _open_append(self.path)
 
     def append(self, record: dict[str, Any]) -> None:
         if self._torn:  # a retry: what the failed append left is cut off first
@@ -70,7 +75,7 @@ class AppendLog:
             except OSError:
                 pass
             os.truncate(self.path, self._end)
-            self._file = open(self.path, "ab")
+            self._file = _open_append(self.path)
         line = encode(record)
         self._torn = True
         self._file.write(line)

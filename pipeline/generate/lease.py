@@ -366,7 +366,7 @@ def _take(output: fs.Location, holder: Holder, stale: Holder | None) -> bool:
             return False
         os.unlink(tombstone)
     try:
-        fd = os.open(location.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        fd = os.open(location.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, fs.FILE_MODE)
     except FileExistsError:
         return False
     with os.fdopen(fd, "wb") as f:
