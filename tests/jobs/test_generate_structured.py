@@ -38,7 +38,7 @@ def _wired() -> bool:
     from pipeline.generate.config import SpectrConfig
     from pipeline.generate.feed import ShardFeed
 
-    return hasattr(ShardFeed, "_with_grammar") and hasattr(SpectrConfig(), "structured_outputs")
+    return hasattr(ShardFeed, "_engine_warp") and hasattr(SpectrConfig(), "structured_outputs")
 
 
 pytestmark = [
@@ -108,6 +108,7 @@ def worker_rows(tmp_path, lines: list[dict], **overrides) -> dict[str, dict]:
     from pipeline.generate.plan import prepare
     from pipeline.generate.worker import ShardGenerator, WorkerJob
 
+    tmp_path.mkdir(parents=True, exist_ok=True)
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(line) + "\n" for line in lines))
     pair = {"target": ASSETS / "models/target", "draft": ASSETS / "models/draft"}
@@ -160,3 +161,26 @@ def test_the_ray_data_stage_takes_the_key_in_its_rows_sampling_params():
     out = stage.generate(pa.Table.from_pylist(rows)).to_pylist()
     for row, kind in zip(out, KINDS):
         assert row["finish_reason"] == "stop" and valid(kind, row["generated_text"]), row
+
+
+def test_rows_with_bad_words_and_allowed_token_ids(tmp_path):
+    """vLLM's bad_words (strings, tokenized by the actor as vLLM's) and allowed_token_ids, per row, greedy: the
+    unconstrained row's first word is what the bad-words row may not produce; the allowed row samples only those."""
+    from transformers import AutoTokenizer
+
+    from spectr.bad_words import bad_words_token_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(ASSETS / "models/target")
+    text = prompts(1)[0]
+    greedy = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
+    first = worker_rows(tmp_path / "a", [{"id": "plain", "prompt": text, "params": greedy}])["plain"]
+    word = tokenizer.decode(first["completion_token_ids"][:2]).strip()
+    allowed = sorted(set(first["completion_token_ids"]))[:3] + [tokenizer.eos_token_id]
+    rows = worker_rows(tmp_path / "b", [
+        {"id": "bad", "prompt": text, "params": {**greedy, "bad_words": [word]}},
+        {"id": "allowed", "prompt": text, "params": {**greedy, "allowed_token_ids": allowed}}])
+    ids = rows["bad"]["completion_token_ids"]
+    assert rows["bad"]["error"] is None and ids != first["completion_token_ids"]
+    for sequence in bad_words_token_ids([word], tokenizer):
+        assert not any(ids[i:i + len(sequence)] == list(sequence) for i in range(len(ids)))
+    assert rows["allowed"]["error"] is None and set(rows["allowed"]["completion_token_ids"]) <= set(allowed)
