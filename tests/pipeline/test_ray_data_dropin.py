@@ -180,11 +180,14 @@ def test_the_builder_kwargs_example_runs_with_rays_columns_and_types(ray_local, 
     assert row["num_generated_tokens"] <= 100
 
 
-def check_basic_example(rows: list, count: int) -> None:
+def check_basic_example(rows: list, count: int, pair: dict) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(pair["target"])
     assert sorted(r["id"] for r in rows) == list(range(count))
     for row in rows:  # postprocess kept every column (**row) and added resp
-        assert row["resp"] == row["generated_text"] and row["generated_text"] != ""  # detokenize=False: Ray's
-        # detokenize stage (on by default) still decodes generated_text
+        # detokenize=False: Ray's detokenize stage (on by default) still decodes generated_text
+        assert row["resp"] == row["generated_text"] == tokenizer.decode(row["generated_tokens"], skip_special_tokens=True)
         assert row["prompt"] == f"system : You are a calculator user : {row['id']} ** 3 = ? assistant :"
         assert 1 <= row["num_generated_tokens"] <= 20
         check_ray_types(row)
@@ -197,7 +200,7 @@ def test_the_basic_docstring_example_runs_on_8_rows(ray_local, chat_pair, monkey
     assert "ds = ray.data.range(300)" in code
     with caplog.at_level(logging.WARNING, logger="pipeline"):
         rows = run(code.replace("ray.data.range(300)", "ray.data.range(8)"), monkeypatch)
-    check_basic_example(rows, 8)
+    check_basic_example(rows, 8, chat_pair)
     warned = [r.getMessage() for r in caplog.records if "no use in the SpecTr engine" in r.getMessage()]
     assert warned and "enable_chunked_prefill, enable_prefix_caching, max_num_batched_tokens" in warned[0]
 
@@ -205,7 +208,7 @@ def test_the_basic_docstring_example_runs_on_8_rows(ray_local, chat_pair, monkey
 @pytest.mark.slow  # its light sibling: test_the_basic_docstring_example_runs_on_8_rows
 def test_the_basic_docstring_example_runs_as_written(ray_local, chat_pair, monkeypatch):
     rows = run(ported(docstring_examples()[0], chat_pair), monkeypatch)
-    check_basic_example(rows, 300)
+    check_basic_example(rows, 300, chat_pair)
 
 
 def hf_greedy(pair: dict, messages: list, max_new_tokens: int) -> list[int]:
