@@ -313,7 +313,8 @@ def test_stage_only_sampling_keys_logprobs_and_prompt_sources(chat_pair):
         {"prompt": "the cat", "sampling_params": {**eos_first, "skip_special_tokens": False}},
         {"prompt": "the cat", "sampling_params": eos_first},
         {"prompt": "the cat", "sampling_params": {"max_tokens": 4, "seed": 1, "detokenize": False}},
-        {"prompt": "the cat", "sampling_params": {"max_tokens": 4, "seed": 1}},
+        {"prompt": "the cat", "sampling_params": {"max_tokens": 4, "seed": 1, "output_kind": 2,
+                                                  "spaces_between_special_tokens": True}},  # no token changes
         {"messages": [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "def"}],
          "sampling_params": {"max_tokens": 3, "seed": 2}},
         {"tokenized_prompt": [1, 5, 6], "sampling_params": {"max_tokens": 3, "seed": 3}},
@@ -381,5 +382,10 @@ def test_engine_kwargs_and_stage_settings_are_checked_with_reasons(chat_pair, ca
     assert any("chat_template_stage.batch_size not applied" in m for m in messages), messages
     assert any("engine_kwargs max_model_len are vLLM engine settings" in m for m in messages), messages
     assert config.chat().chat_template_kwargs == {"enable_thinking": True} and config.chat().enabled
+    from pipeline.ray_data import build_processor
+
+    runtime_env = {"env_vars": {"SPECTR_X": "1"}, "py_modules": ["pipeline"]}  # Ray's field, to the stage's actors
+    assert build_processor(stage_config(chat_pair, runtime_env=runtime_env)).stage_map_kwargs(gpus=False)[
+        "runtime_env"] == runtime_env
     assert not stage_config(chat_pair, chat_template_stage=False).chat().enabled
     assert not stage_config(chat_pair, apply_chat_template=False).chat().enabled
