@@ -124,6 +124,15 @@ def stage_settings(name: str, value: Any) -> StageSettings:
                          resources=tuple(k for k in STAGE_RESOURCE_KEYS if value.get(k) is not None))
 
 
+def stage_enabled(value: Any) -> bool:
+    """Whether one of Ray's stage config values turns its stage on (a bool, a dict or a stage config object)."""
+    if isinstance(value, bool):
+        return value
+    if hasattr(value, "model_dump"):
+        value = value.model_dump()
+    return bool(value.get("enabled", True)) if isinstance(value, dict) else bool(value)
+
+
 @dataclass(frozen=True)
 class SpecTrProcessorConfig:
     """The SpecTr stage of a Ray Data pipeline: one draft/target pair and one continuous batch per actor."""
@@ -141,6 +150,9 @@ class SpecTrProcessorConfig:
     chat_template_stage: Any = True  # Ray's: bool | dict | ray.data.llm.ChatTemplateStageConfig
     tokenize_stage: Any = True  # Ray's: True writes `tokenized_prompt`; False: rows may bring `tokenized_prompt`
     detokenize_stage: Any = True  # Ray's: True decodes generated_text from the tokens, skipping special tokens
+    prepare_multimodal_stage: Any = False  # Ray's; the engine is text-only: only off
+    placement_group_config: dict[str, Any] | None = None  # Ray's (vLLM's TP/PP workers): only None (see num_gpus)
+    dynamic_lora_loading_path: str | None = None  # Ray's (LoRA adapters): only None
     max_concurrent_batches: int = 4  # at most this many Ray Data batches per actor at once (`batches_in_flight`)
     max_tasks_in_flight_per_actor: int | None = None  # Ray's; None: `batches_in_flight()`
     max_pending_requests: int | None = None  # Ray's; the engine's rows in flight are engine_kwargs batch_size
@@ -169,6 +181,18 @@ class SpecTrProcessorConfig:
         if self.chat_template_kwargs is not None and not isinstance(self.chat_template_kwargs, dict):
             raise ValueError("SpecTrProcessorConfig: chat_template_kwargs must be a dict or None, "
                              f"got {self.chat_template_kwargs!r}")
+        refused = {
+            "prepare_multimodal_stage": (stage_enabled(self.prepare_multimodal_stage),
+                                         "multimodal rows: the SpecTr stage generates from text"),
+            "placement_group_config": (self.placement_group_config is not None,
+                                       "an actor's GPUs are num_gpus (the target split over them with engine_kwargs "
+                                       "device_map='auto'), their type accelerator_type"),
+            "dynamic_lora_loading_path": (self.dynamic_lora_loading_path is not None,
+                                          "LoRA adapters are another model than model_source's"),
+        }
+        for key, (set_, reason) in refused.items():
+            if set_:
+                raise ValueError(f"SpecTrProcessorConfig: {key}={getattr(self, key)!r} is not supported: {reason}")
         stages = {name: stage_settings(name, getattr(self, name)) for name in STAGE_CONFIG_KEYS}
         for name, stage in stages.items():
             if stage.model_source is not None and str(stage.model_source) != str(self.model_source):

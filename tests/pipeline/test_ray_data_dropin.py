@@ -368,6 +368,13 @@ def test_engine_kwargs_and_stage_settings_are_checked_with_reasons(chat_pair, ca
         stage_config(chat_pair, engine_kwargs={**base, "nope": 1})
     with pytest.raises(ValueError, match="task_type 'embed'"):
         stage_config(chat_pair, task_type="embed")
+    with pytest.raises(ValueError, match="prepare_multimodal_stage=True is not supported: multimodal rows"):
+        stage_config(chat_pair, prepare_multimodal_stage=True)
+    with pytest.raises(ValueError, match="placement_group_config=.* is not supported: an actor's GPUs are num_gpus"):
+        stage_config(chat_pair, placement_group_config={"bundles": [{"GPU": 1}]})
+    # Ray's fields at their defaults, as ported code may write them, are accepted
+    stage_config(chat_pair, prepare_multimodal_stage={"enabled": False}, placement_group_config=None,
+                 dynamic_lora_loading_path=None, log_engine_metrics=True, max_pending_requests=None)
     with pytest.raises(ValueError, match="chat_template_stage: unknown key\\(s\\) nope; known: enabled"):
         stage_config(chat_pair, chat_template_stage={"nope": 1})
     with pytest.raises(ValueError, match="tokenize_stage.model_source 'other/model' is not model_source"):
