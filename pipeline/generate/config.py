@@ -46,6 +46,7 @@ class SpectrConfig:
     top_k: int = 0
     top_p: float = 1.0
     batch_size: int = 8
+    max_row_tokens: int | None = None  # memory: a row whose prompt + max_tokens exceeds this is an error row (None: no cap)
     seed: int = 0
     max_num_drafts: int | None = None  # auto: the largest K the planner may choose (None: 8)
     max_draft_length: int | None = None  # auto: the largest L the planner may choose (None: 8)
@@ -240,6 +241,8 @@ def _check_top_level(c: GenerateConfig) -> None:
         raise out_of_range("output_dir", "a directory or null", c.output_dir)
     if not c.lease_timeout_s > 0:
         raise out_of_range("lease_timeout_s", "> 0 seconds", c.lease_timeout_s)
+    if c.spectr.max_row_tokens is not None and c.spectr.max_row_tokens < 2:
+        raise out_of_range("spectr.max_row_tokens", ">= 2 positions, or null", c.spectr.max_row_tokens)
     if c.data.max_samples is not None and c.data.max_samples < c.spectr.num_samples:
         raise out_of_range("data.max_samples", f">= spectr.num_samples ({c.spectr.num_samples}), the n of a row "
                            "without its own", c.data.max_samples)
@@ -254,6 +257,8 @@ def generation_settings(c: GenerateConfig) -> dict[str, Any]:
     """
     spectr = dataclasses.asdict(c.spectr)
     spectr.pop("batch_size")
+    if spectr["max_row_tokens"] is None:
+        spectr.pop("max_row_tokens")  # unset: the hash of output dirs written before the key
     spectr.pop("plan_cache")  # speed only: every configuration the planner may run is exact
     spectr.pop("compile")  # speed only: the same models' law (a compiled forward rounds differently, no more)
     data = dataclasses.asdict(c.data)

@@ -233,10 +233,16 @@ class ShardFeed:
             started = time.perf_counter()
             with self._cond:
                 incoming, self._incoming = list(self._incoming), deque()
+            refused = []
             for shard_run in incoming:
                 self._open.add(shard_run)
-                self._held.extend((shard_run, row) for row in shard_run.rows)
-            outcomes = self._feed()
+                for row in shard_run.rows:
+                    too_long = self._over_cap(row)
+                    if too_long:
+                        refused.append((shard_run, row, too_long))
+                    else:
+                        self._held.append((shard_run, row))
+            outcomes = refused + self._feed()
             if not outcomes and (self.batcher is None or self.batcher.idle):
                 raise RuntimeError(f"shard {mine.index} has rows that are neither held nor in the batch")
             outcomes += self._step()
@@ -251,7 +257,10 @@ class ShardFeed:
             if self._next is not None:
                 if self.batcher is not None and not self.batcher.idle:
                     break  # draining: the held rows wait for the next batcher
-                self._build(self._next)
+                refused = self._build_or_refuse(self._next)
+                if refused is not None:
+                    outcomes.append(refused)
+                    continue
             elif self.batcher is None:
                 self._build(self._first_config())
             take, grow = self._admittable()
@@ -261,6 +270,36 @@ class ShardFeed:
                 break  # every slot is taken
             outcomes += self._admit(take)
         return outcomes
+
+    def _over_cap(self, row: Row) -> Refusal | None:
+        """A row whose prompt + budget exceeds `spectr.max_row_tokens` (the memory a row may take: one such row
+        would size the whole pool, batch x positions): its error, counted as the input's."""
+        cap, needed = self.spectr.max_row_tokens, len(row.prompt) + row.budget
+        if cap is None or needed <= cap:
+            return None
+        return Refusal(f"MemoryError: the row needs {needed} positions (prompt {len(row.prompt)} + max_tokens "
+                       f"{row.budget}), over spectr.max_row_tokens={cap}")
+
+    def _build_or_refuse(self, config: EngineConfig) -> tuple[ShardRun, Row, Refusal] | None:
+        """Build the next batcher; when a pool grown for the first held row does not fit in memory, that row is
+        refused (its own error, an input failure: not its shard's charge nor its neighbours') and the pool is
+        rebuilt at its former size. None when built."""
+        former = self.config
+        try:
+            self._build(config)
+            return None
+        except Exception as err:  # noqa: BLE001 - only the allocation of a grown pool is answered here
+            grown = former is not None and config.capacity > former.capacity and self._held
+            if not grown or not _out_of_memory(err):
+                raise
+            failure = f"{type(err).__name__}: {err}"
+        shard_run, row = self._held.popleft()
+        log.warning("a pool of %d positions per row does not fit in memory (%s); the row that needs it fails alone",
+                    config.capacity, failure)
+        self._build(dataclasses.replace(config, capacity=former.capacity))
+        message = (f"MemoryError: the row needs {len(row.prompt) + row.budget} positions; a pool of "
+                   f"{self.spectr.batch_size} x {config.capacity} does not fit in memory ({failure})")
+        return shard_run, row, Refusal(message)
 
     def _admittable(self) -> tuple[list[tuple[ShardRun, Row]], EngineConfig | None]:
         """The held rows that fit the free slots, and a bigger config if the next one needs it."""
@@ -554,6 +593,11 @@ class ShardFeed:
         own = shard_run.mix or ConfigMix()
         shard_run.plan = {"method": "auto", "choice": current.label, "description": own.describe(),
                           "shares": own.shares(), **own.to_dict()}
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    """A failed allocation: torch's OutOfMemoryError (CUDA, or a CPU allocator's), or MemoryError."""
+    return isinstance(err, MemoryError) or type(err).__name__ == "OutOfMemoryError" or "out of memory" in str(err)
 
 
 def add_row(stats: dict[str, Any], row: FinishedRow) -> None:
