@@ -73,18 +73,14 @@ def generate(
     frequency_penalty: float | Sequence[float] = 0.0,
     repetition_penalty: float | Sequence[float] = 1.0,
     min_tokens: int | Sequence[int] = 0,
-    structured_outputs: Any = None,
-    tokenizer: Any = None,
-    allowed_token_ids: Sequence[int] | Sequence[Sequence[int] | None] | None = None,
-    bad_words: Sequence | None = None,
+    **row_fields: Any,
 ) -> GenerationOutput:
     """Generate up to `max_new_tokens` tokens per prompt from `target`, exactly its (warped) distribution.
 
     target, draft: Hugging Face causal LMs sharing a vocabulary (`draft` may be None for
-    "autoregressive"). prompts: list of token-id lists. method: "autoregressive",
-    "speculative" (one draft: num_drafts is taken as 1), "spectr", "specinfer", "block" (block
-    verification of one draft, num_drafts taken as 1), "traversal" (traversal verification of the K
-    drafts as one tree, `spectr.traversal`; K = 1 is block verification). The package's `spectr.generate`
+    "autoregressive"). prompts: list of token-id lists. method: "autoregressive", "speculative" (one draft:
+    num_drafts is taken as 1), "spectr", "specinfer", "block" (block verification of one draft, num_drafts taken
+    as 1), "traversal" (the K drafts verified as one tree, `spectr.traversal`; K = 1 is block). The package's `spectr.generate`
     (`spectr.api.generate`) also takes "auto", which `spectr.planner` runs; this one does not.
     max_new_tokens: an int or one int per prompt. eos_token_id: None, an int or a list of ints.
     top_k=0 / top_p=1.0 mean no truncation; temperature=0 is greedy (and drafts one path:
@@ -104,24 +100,15 @@ def generate(
     their log-probabilities, from the same law as `logprobs` (`output.top_logprobs`). presence_penalty,
     frequency_penalty, repetition_penalty and min_tokens (vLLM's; one value or one per prompt): counted, at every
     node of the draft tree, on that node's own path, on both models' logits (`spectr.penalties`). Bad input raises
-    ValueError naming the argument and, per prompt, the row. structured_outputs (vLLM's: an object with one of `json`,
-    `json_object`, `regex`, `choice`, `grammar`, or a `spectr.structured.StructuredSpec`; one for every row or one
-    (or None) per prompt): each row's output follows the target's law masked by its grammar at every node of the
-    draft tree (`spectr.structured`); needs `tokenizer` (the pair's Hugging Face fast tokenizer, or a
-    `spectr.structured.StructuredCompiler` to share its compiled grammars across calls). allowed_token_ids (vLLM's:
-    a list of ids for every row, or one list or None per prompt): only those tokens may be sampled, on both models'
-    logits. bad_words (vLLM's: strings, tokenized by `tokenizer` as vLLM does, or token-id sequences; one list for
-    every row or one list or None per prompt): a word's last token is refused wherever the output so far ends with
-    the rest of it, at every node of the draft tree on its own path (`spectr.bad_words`).
+    ValueError naming the argument and, per prompt, the row. row_fields: structured_outputs (with `tokenizer`),
+    allowed_token_ids, bad_words (vLLM's; one for every row or one per prompt), as `Generation` takes them.
     """
     return _run(Generation(target, draft, prompts, method=method, num_drafts=num_drafts, draft_length=draft_length,
                            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                            eos_token_id=eos_token_id, seed=seed, batch_size=batch_size, logprobs=logprobs,
                            compile=compile, min_p=min_p, logit_bias=logit_bias, top_logprobs=top_logprobs,
                            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                           repetition_penalty=repetition_penalty, min_tokens=min_tokens,
-                           structured_outputs=structured_outputs, tokenizer=tokenizer,
-                           allowed_token_ids=allowed_token_ids, bad_words=bad_words))
+                           repetition_penalty=repetition_penalty, min_tokens=min_tokens, **row_fields))
 
 
 def _run(generation: Generation) -> GenerationOutput:
@@ -208,6 +195,13 @@ class Generation:
     (default `ContinuousBatcher`, same arguments) lets a caller above the engine run the rows on
     another batcher with that surface (`spectr.planner.AutoBatcher`). Drive it under
     `torch.inference_mode()` with models in eval mode.
+
+    vLLM's row fields beyond the warps (each one value for every row, or one per prompt): structured_outputs (an
+    object with one of `json`, `json_object`, `regex`, `choice`, `grammar`, or a `spectr.structured.StructuredSpec`)
+    masks each row's law by its grammar at every node of the draft tree (`spectr.structured`), with `tokenizer` (the
+    pair's fast tokenizer, or a `StructuredCompiler` to share compiled grammars across calls); allowed_token_ids (a
+    list of ids) lets only those be sampled; bad_words (strings, tokenized by `tokenizer` as vLLM does, or token-id
+    sequences) refuses a word's last token wherever the output so far ends with the rest of it (`spectr.bad_words`).
     """
 
     def __init__(self, target, draft, prompts, *, method="spectr", num_drafts=4, draft_length=4,

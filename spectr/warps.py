@@ -416,10 +416,9 @@ def split_row_warps(temperature, top_k, top_p, count: int, min_p=0.0, logit_bias
                                                          min_tokens) == PENALTIES_OFF and not any(specs) \
             and not any(allowed) and not any(words):
         return (temperature, top_k, top_p), None
-    lists = (("logit_bias", biases),) if isinstance(logit_bias, (list, tuple)) else ()
-    lists += (("structured", specs),) if isinstance(structured, (list, tuple)) else ()
-    lists += (("allowed_token_ids", allowed),) if allowed_per_row else ()
-    lists += (("bad_words", words),) if words_per_row else ()
+    lists = [(name, value) for name, value, given in (
+        ("logit_bias", biases, isinstance(logit_bias, (list, tuple))), ("allowed_token_ids", allowed, allowed_per_row),
+        ("structured", specs, isinstance(structured, (list, tuple))), ("bad_words", words, words_per_row)) if given]
     for name, value in (*per_row.items(), *lists):
         if len(value) != count:
             raise ValueError(f"{name} has {len(value)} entries but there are {count} prompts")
