@@ -220,9 +220,13 @@ def eos_token_id_of(model: Any, tokenizer: Any) -> int | None:
 
 
 def check_pair(model: ModelConfig) -> tuple[Path, Path, Any]:
-    """Both directories, one vocabulary size, identical tokenizers: (target dir, draft dir, target tokenizer)."""
+    """Both directories, one vocabulary size, identical tokenizers: (target dir, draft dir, target tokenizer).
+    A feature draft (`spectr.feature_draft`: EAGLE / EAGLE-3 layouts) reads the target's tokens by construction:
+    its vocabulary and hidden size must be the target's, and it needs no tokenizer of its own."""
     target_dir = check_model_dir(model.target, "model.target", model.allow_pickle)
     draft_dir = check_model_dir(model.draft, "model.draft", model.allow_pickle)
+    if feature_draft_kind(draft_dir) is not None:
+        return target_dir, draft_dir, check_feature_draft(target_dir, draft_dir, model)
     target_vocab = vocab_size_of(target_dir, model.trust_remote_code)
     draft_vocab = vocab_size_of(draft_dir, model.trust_remote_code)
     if target_vocab != draft_vocab:
@@ -233,6 +237,37 @@ def check_pair(model: ModelConfig) -> tuple[Path, Path, Any]:
     draft_tok = load_tokenizer(draft_dir, "model.draft", model.trust_remote_code)
     check_same_tokenizer(target_tok, draft_tok, target_dir, draft_dir)
     return target_dir, draft_dir, target_tok
+
+
+def feature_draft_kind(model_dir: Path) -> str | None:
+    """"eagle" / "eagle3" for a feature draft directory, None for an ordinary causal LM."""
+    from spectr.feature_draft import feature_draft_kind as kind_of
+
+    return kind_of(model_dir)
+
+
+def check_feature_draft(target_dir: Path, draft_dir: Path, model: ModelConfig) -> Any:
+    """A feature draft against its target, from the configs: hidden size, vocabulary, layers read; returns the
+    target's tokenizer."""
+    from transformers import AutoConfig
+
+    target_config = AutoConfig.from_pretrained(str(target_dir), trust_remote_code=model.trust_remote_code)
+    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    draft = json.loads((draft_dir / "config.json").read_text())
+    kind = feature_draft_kind(draft_dir)
+    problems = []
+    if "hidden_size" in draft and int(draft["hidden_size"]) != int(text.hidden_size):
+        problems.append(f"hidden size {draft['hidden_size']} vs the target's {text.hidden_size}")
+    if "vocab_size" in draft and int(draft["vocab_size"]) != int(text.vocab_size):
+        problems.append(f"vocabulary {draft['vocab_size']} vs the target's {text.vocab_size}")
+    layers = (draft.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or []
+    outside = [i for i in layers if not 0 <= int(i) <= int(text.num_hidden_layers)]
+    if outside:
+        problems.append(f"reads target layers {outside}, outside [0, {text.num_hidden_layers}]")
+    if problems:
+        raise JobInputError(f"model.draft: {draft_dir} is a feature draft ({kind}) made for another target: "
+                            f"{'; '.join(problems)}")
+    return load_tokenizer(target_dir, "model.target", model.trust_remote_code)
 
 
 def eos_token_ids_of(model: Any, tokenizer: Any) -> list[int]:
@@ -284,6 +319,10 @@ def load_model(model_dir: str, model: ModelConfig, device: str, plan: dict[str, 
 
     hf_logging.disable_progress_bar()  # one bar per weight file per actor is noise in the job's output
     dtype = resolve_dtype(model.dtype, device)
+    if feature_draft_kind(Path(model_dir)) is not None:  # bound to its target by the engine (`bind`)
+        from spectr.feature_draft import load_feature_draft
+
+        return load_feature_draft(model_dir, None, dtype=dtype, device=device)
     loaded = AutoModelForCausalLM.from_pretrained(
         model_dir,
         dtype=dtype,

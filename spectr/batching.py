@@ -165,7 +165,7 @@ def load_models(target, draft, settings: Settings, speculative: bool | None = No
     if draft is None:
         raise ValueError(f"method {settings.method!r} needs a draft model; got draft=None")
     if feature:
-        draft_lm = FeatureDraftLM(draft)
+        draft_lm = FeatureDraftLM(draft.bind(target))
         target_lm.tap = feature_tap(target, draft.config.feature_layers)
     else:
         draft_lm = wrap_model(draft, "draft", native)

@@ -136,13 +136,14 @@ class FeatureDraftModel(nn.Module):
 
     is_feature_draft = True
 
-    def __init__(self, config: FeatureDraftConfig, embed: nn.Embedding, head: nn.Linear | None):
+    def __init__(self, config: FeatureDraftConfig, embed: nn.Embedding | None = None, head: nn.Linear | None = None):
         super().__init__()
         if config.kind not in KINDS:
             raise ValueError(f"feature draft kind must be one of {KINDS}, got {config.kind!r}")
         self.config = config
         h, d = config.hidden_size, config.head_dim
         self._shared = {"embed": embed, "head": head}  # not registered: not trained, not saved
+        self.own_embedding = False  # a published EAGLE-1 head that ships its copy of the target's embedding
         eagle3 = config.kind == EAGLE3
         feature_size = h * len(config.feature_layers)
         if eagle3:
@@ -171,6 +172,25 @@ class FeatureDraftModel(nn.Module):
         # draft id -> target id (d2t is EAGLE-3's offset form: target = draft + d2t[draft])
         self.register_buffer("d2t", torch.zeros(draft_vocab or 0, dtype=torch.int64))
         self.register_buffer("inv_freq", _inverse_frequencies(config), persistent=False)
+
+    def bind(self, target) -> FeatureDraftModel:
+        """Share `target`'s embedding (unless the head ships its own) and output layer; refuses a target whose
+        hidden size, vocabulary or layers do not fit this head (ValueError naming what differs)."""
+        embed, head, text = _target_parts(target)
+        if int(text.hidden_size) != self.config.hidden_size:
+            raise ValueError(f"the feature draft's hidden size {self.config.hidden_size} is not the target's "
+                             f"{text.hidden_size}: it was made for another target")
+        if int(head.weight.shape[0]) != self.config.vocab_size:
+            raise ValueError(f"the feature draft's vocabulary ({self.config.vocab_size}) is not the target's "
+                             f"({head.weight.shape[0]})")
+        bad = [i for i in self.config.feature_layers if not 0 <= i <= int(text.num_hidden_layers)]
+        if bad:
+            raise ValueError(f"the feature draft reads layers {bad}, outside the target's hidden states "
+                             f"[0, {text.num_hidden_layers}]")
+        if not self.own_embedding:
+            self._shared["embed"] = embed
+        self._shared["head"] = head
+        return self
 
     # -- what the engine asks ----------------------------------------------------------------
     @property
@@ -318,29 +338,33 @@ def _target_parts(target) -> tuple[nn.Embedding, nn.Linear, object]:
     return target.get_input_embeddings(), target.get_output_embeddings(), text_config
 
 
-def load_feature_draft(folder, target, dtype: torch.dtype | None = None) -> FeatureDraftModel:
-    """The feature draft in `folder` (ours, EAGLE or EAGLE-3 layout) bound to `target` (an HF causal LM: its
-    embedding and output layer are shared). Raises ValueError naming what does not fit."""
+def load_feature_draft(folder, target=None, dtype: torch.dtype | None = None, device=None) -> FeatureDraftModel:
+    """The feature draft in `folder` (ours, EAGLE or EAGLE-3 layout), bound to `target` (an HF causal LM: its
+    embedding and output layer are shared) when given, else bound by the engine to the target it is paired
+    with (`bind`). Raises ValueError naming what does not fit."""
     folder = Path(folder)
     kind = feature_draft_kind(folder)
     if kind is None:
         raise ValueError(f"{folder} is not a feature draft (no EAGLE layout found)")
     raw = json.loads((folder / "config.json").read_text())
     tensors = _weights(folder)
-    embed, head, text = _target_parts(target)
+    text = _target_parts(target)[2] if target is not None else None
+    missing = [key for key in ("hidden_size", "num_attention_heads", "vocab_size") if key not in raw]
+    if missing and text is None:
+        raise ValueError(f"{folder}: config.json lacks {missing}")
     hidden = int(raw.get("hidden_size") or text.hidden_size)
-    if hidden != int(text.hidden_size):
+    vocab = int(raw.get("vocab_size") or text.vocab_size)
+    heads = int(raw.get("num_attention_heads") or text.num_attention_heads)
+    if text is not None and hidden != int(text.hidden_size):
         raise ValueError(f"{folder}: the feature draft's hidden size {hidden} is not the target's "
                          f"{text.hidden_size}: it was made for another target")
-    vocab = int(raw.get("vocab_size") or text.vocab_size)
-    if vocab != int(head.weight.shape[0]):
-        raise ValueError(f"{folder}: the feature draft's vocabulary ({vocab}) is not the target's "
-                         f"({head.weight.shape[0]})")
-    heads = int(raw.get("num_attention_heads") or text.num_attention_heads)
-    layers = int(text.num_hidden_layers)
     eagle_config = raw.get("eagle_config") or {}
     feature_layers = eagle_config.get("eagle_aux_hidden_state_layer_ids")
-    if feature_layers is None:
+    if feature_layers is None:  # the published defaults, which need the target's depth
+        layers = int(raw.get("target_num_hidden_layers") or (text.num_hidden_layers if text is not None else -1))
+        if layers < 0:
+            raise ValueError(f"{folder}: the head does not say which target layers it reads (eagle_config."
+                             "eagle_aux_hidden_state_layer_ids); load it with its target")
         feature_layers = [2, layers // 2, layers - 3] if kind == EAGLE3 else [layers]
     draft_vocab = raw.get("draft_vocab_size")
     if draft_vocab is not None and int(draft_vocab) == vocab and "d2t" not in tensors:
@@ -356,9 +380,6 @@ def load_feature_draft(folder, target, dtype: torch.dtype | None = None) -> Feat
         rope_scaling=rope if rope.get("rope_type", rope.get("type", "default")) not in ("default", None) else None,
         draft_vocab_size=None if draft_vocab is None else int(draft_vocab),
     )
-    bad = [i for i in config.feature_layers if not 0 <= i <= layers]
-    if bad:
-        raise ValueError(f"{folder}: feature layers {bad} are outside the target's hidden states [0, {layers}]")
     renamed = {}
     for name, tensor in tensors.items():
         for prefix, new in _RENAMES.items():
@@ -367,21 +388,26 @@ def load_feature_draft(folder, target, dtype: torch.dtype | None = None) -> Feat
                 break
         renamed[name] = tensor
     own_embed = renamed.pop("embed_tokens.weight", None)
-    if own_embed is not None:  # published EAGLE-1 heads ship the target's embedding: use their copy
-        embed = nn.Embedding.from_pretrained(own_embed.to(embed.weight.dtype), freeze=True).to(embed.weight.device)
     renamed.pop("t2d", None)
     if "d2t" in renamed:
         renamed["d2t"] = renamed["d2t"].to(torch.int64)
     if kind == EAGLE and "norm.weight" in renamed:  # some EAGLE-1 exports carry an unused norm
         renamed.pop("norm.weight")
-    model = FeatureDraftModel(config, embed, head)
+    model = FeatureDraftModel(config)
     missing, unexpected = model.load_state_dict(renamed, strict=False)
     missing = [m for m in missing if m != "d2t" or draft_vocab is not None]
     if missing or unexpected:
         raise ValueError(f"{folder}: the {kind} checkpoint does not fit its config: missing {missing}, "
                          f"unexpected {unexpected}")
-    parameter = head.weight
-    return model.to(device=parameter.device, dtype=dtype or parameter.dtype).eval().requires_grad_(False)
+    if target is not None:
+        parameter = target.get_output_embeddings().weight
+        device, dtype = device or parameter.device, dtype or parameter.dtype
+    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    if own_embed is not None:  # published EAGLE-1 heads ship the target's embedding: use their copy
+        model._shared["embed"] = nn.Embedding.from_pretrained(own_embed.to(device=model.fc.weight.device,
+                                                                           dtype=model.fc.weight.dtype), freeze=True)
+        model.own_embedding = True
+    return model if target is None else model.bind(target)
 
 
 def save_feature_draft(model: FeatureDraftModel, folder, dtype: torch.dtype = torch.bfloat16) -> None:

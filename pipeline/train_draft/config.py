@@ -45,6 +45,9 @@ class DraftShape:
     num_key_value_heads: int | None = None
     tie_word_embeddings: bool = True
     init_embedding: str = "target"  # target: the target's embedding projected on its top directions | random
+    kind: str = "eagle"  # eagle (a head over the target's last hidden state) | eagle3 (three fused layers) | model
+    vocab_size: int | None = 8192  # feature drafts: the N most frequent completion tokens (null: the whole vocabulary)
+    init: str = "target"  # feature drafts: the head starts from the target's last layer | random
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,9 @@ class TrainSpec:
     save_dtype: str = "bfloat16"
     seed: int = 0
     shuffle_targets: bool = False  # negative control: the target distributions permuted across positions
+    top_k: int = 32  # feature drafts: the target's top-k law kept per position (the loss's support)
+    unroll: int = 1  # feature drafts: passes per step (2: the head also reads its own previous states)
+    regression_weight: float = 1.0  # feature drafts (eagle): weight of the hidden-state regression
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,9 @@ class DraftJobConfig:
                 "train": {k: v for k, v in asdict(self.train).items()
                           if k not in ("steps", "max_minutes", "checkpoint_every", "law_cache_gib")}}
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
+
+
+DRAFT_KINDS = ("eagle", "eagle3", "model")
 
 
 def _section(cls, raw: Any, key: str):
@@ -136,6 +145,16 @@ def draft_config_from_mapping(raw: Mapping) -> DraftJobConfig:
 
 def validate(config: DraftJobConfig) -> None:
     train, draft, data = config.train, config.draft, config.data
+    if draft.kind not in DRAFT_KINDS:
+        raise JobInputError(f"draft.kind: {draft.kind!r} is not one of {', '.join(DRAFT_KINDS)}")
+    if draft.init not in ("target", "random"):
+        raise JobInputError(f"draft.init: {draft.init!r} is not target or random")
+    if draft.vocab_size is not None and (not isinstance(draft.vocab_size, int) or draft.vocab_size < 2):
+        raise JobInputError(f"draft.vocab_size: an integer >= 2 or null, got {draft.vocab_size!r}")
+    for key, low in (("top_k", 1), ("unroll", 1)):
+        value = getattr(train, key)
+        if not isinstance(value, int) or value < low:
+            raise JobInputError(f"train.{key}: a positive integer, got {value!r}")
     if train.loss not in LOSSES:
         raise JobInputError(f"train.loss: {train.loss!r} is not one of {', '.join(LOSSES)}")
     if draft.init_embedding not in EMBEDDING_INITS:

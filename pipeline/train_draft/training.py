@@ -58,6 +58,8 @@ class DraftResult:
     train_completion_tokens: int
     compare_acceptance: float | None = None
     history: list[tuple[int, float]] = field(default_factory=list)  # (step, loss)
+    kind: str = "model"
+    second_acceptance: float | None = None  # feature drafts: at the second drafted token (the head's own features)
 
     def generate_command(self, target: str) -> str:
         return f"python -m jobs.generate model.target={target} model.draft={self.out} data.path=PROMPTS"
@@ -87,6 +89,8 @@ def run_train_draft(config: DraftJobConfig, tracker: Any = None) -> DraftResult:
 
     eos_ids = eos_token_ids_of(target, tokenizer)
     train_set, heldout_set = cached_completions(folder, target, train_prompts, heldout_prompts, config.train, eos_ids)
+    if config.draft.kind != "model":
+        return _run_feature(config, tracker, folder, target, tokenizer, train_set, heldout_set, eos_ids, device)
     # 3) the draft
     draft = build_draft(target, tokenizer, shape, config.draft.init_embedding, seed=config.train.seed).to(device)
     if tracker is not None:
@@ -95,7 +99,7 @@ def run_train_draft(config: DraftJobConfig, tracker: Any = None) -> DraftResult:
     # 4) the target's laws, once (not kept on disk: a resumed run computes them again, one pass)
     laws = _laws_in_memory(config, target, train_set, pad_id, device)
     # 5) the loop
-    loop = _train(config, folder, target, draft, train_set, laws, pad_id, device, tracker)
+    loop = _train_model(config, folder, target, draft, train_set, laws, pad_id, device, tracker)
     # 6) save, then measure the saved weights
     root = Path(config.out).expanduser()
     output.save_draft(root, draft, tokenizer, config.train.save_dtype)
@@ -111,6 +115,67 @@ def run_train_draft(config: DraftJobConfig, tracker: Any = None) -> DraftResult:
         final_loss=loop["loss"], acceptance=accepted, heldout_positions=positions,
         train_sequences=len(train_set), train_completion_tokens=train_set.completion_tokens(),
         compare_acceptance=compare, history=loop["history"],
+    )
+    output.write_json(folder / "run.json", {"run_key": config.run_key(), "config": config.to_dict(),
+                                            "result": {k: v for k, v in vars(result).items() if k != "history"}})
+    return result
+
+
+def _run_feature(config: DraftJobConfig, tracker: Any, folder: Path, target: Any, tokenizer: Any, train_set: Sequences,
+                 heldout_set: Sequences, eos_ids: list[int], device: str) -> DraftResult:
+    """Steps 3-6 for a feature draft (`pipeline.train_draft.feature`): the draft vocabulary, the target's
+    features and top-k laws from one pass, the head, the loop, the saved head and its held-out acceptance."""
+    from pipeline.train_draft import feature
+    from spectr.feature_draft import save_feature_draft
+
+    train, kind = config.train, config.draft.kind
+    vocab = int(target.get_output_embeddings().weight.shape[0])
+    draft_ids = feature.frequent_tokens(train_set, config.draft.vocab_size, vocab, eos_ids)
+    start = time.monotonic()
+    data = feature.collect(target, train_set, feature.feature_layers(target.config, kind), train.temperature,
+                           train.top_k, device)
+    log.info("the target's features and top-%d laws at %d positions (%.0f MiB) in %.0f s", train.top_k,
+             sum(len(t) for t in data.tokens), data.nbytes() / 2**20, time.monotonic() - start)
+    head = feature.build_head(target, kind, draft_ids, config.draft.init, train.seed)
+    if tracker is not None:
+        tracker.started(config, count_parameters(head), count_parameters(target), len(train_set))
+    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=train.lr,
+                                  weight_decay=train.weight_decay, betas=(0.9, 0.95))
+    generator = torch.Generator().manual_seed(train.seed)
+    index = feature.draft_index(head)
+
+    def step(rows: list[int]) -> float:
+        batch = feature.make_batch(data, rows, device, head.config.hidden_size)
+        if train.shuffle_targets:  # negative control: each position gets another position's target law
+            feature.shuffle_laws(batch, generator)
+        loss, _ = feature.head_loss(head, batch, index, train.unroll, train.regression_weight)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), train.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    loop = _train(config, folder, head, optimizer, generator, len(train_set), step, tracker)
+    root = Path(config.out).expanduser()
+    save_feature_draft(head, root, dtype=getattr(torch, train.save_dtype))
+    tokenizer.save_pretrained(root)  # the target's: the directory is self-contained (the head reads its ids)
+    from spectr.feature_draft import load_feature_draft
+
+    saved = load_feature_draft(root, target, dtype=torch.float32)
+    accepted, second, positions = feature.heldout_acceptance(target, saved, heldout_set, train.temperature, device)
+    log.info("held-out acceptance: %.3f at the first drafted token, %.3f at the second (own features)",
+             accepted, second)
+    compare = None
+    if config.compare_draft:
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_ids or [0])[0]
+        other = _load_compare_draft(config.compare_draft, device)
+        compare = heldout_acceptance(target, other, heldout_set, pad_id, config, device)[0]
+    result = DraftResult(
+        out=str(root), draft_parameters=count_parameters(head), target_parameters=count_parameters(target),
+        steps=loop["step"], train_seconds=loop["seconds"], stopped_by=loop["stopped_by"], final_loss=loop["loss"],
+        acceptance=accepted, heldout_positions=positions, train_sequences=len(train_set),
+        train_completion_tokens=train_set.completion_tokens(), compare_acceptance=compare, history=loop["history"],
+        kind=kind, second_acceptance=second,
     )
     output.write_json(folder / "run.json", {"run_key": config.run_key(), "config": config.to_dict(),
                                             "result": {k: v for k, v in vars(result).items() if k != "history"}})
@@ -154,15 +219,28 @@ def _make_optimizer(draft: Any, config: DraftJobConfig) -> torch.optim.Optimizer
                               {"params": rest, "weight_decay": 0.0}], lr=config.train.lr, betas=(0.9, 0.95))
 
 
-def _train(config, folder: Path, target, draft, train_set: Sequences, laws: TargetLaws | None, pad_id: int,
-           device: str, tracker) -> dict:
-    train = config.train
+def _train_model(config, folder: Path, target, draft, train_set: Sequences, laws: TargetLaws | None, pad_id: int,
+                 device: str, tracker) -> dict:
+    """The loop for an independent draft: the divergence at every completion position of a batch."""
     optimizer = _make_optimizer(draft, config)
-    generator = torch.Generator().manual_seed(train.seed)
-    step, seconds_before = output.load_checkpoint(folder, draft, optimizer, generator)
-    budget_s = None if train.max_minutes is None else train.max_minutes * 60.0
+    generator = torch.Generator().manual_seed(config.train.seed)
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda")
                 else contextlib.nullcontext())
+
+    def step(rows: list[int]) -> float:
+        return _train_step(config, target, draft, optimizer, train_set, laws, rows, pad_id, device, autocast,
+                           generator)
+
+    return _train(config, folder, draft, optimizer, generator, len(train_set), step, tracker)
+
+
+def _train(config, folder: Path, draft, optimizer, generator: torch.Generator, count: int, step_fn,
+           tracker) -> dict:
+    """Steps of `step_fn(rows) -> loss` over `count` sequences (`batch_rows`), warm-up then cosine by steps or
+    minutes, a progress bar, MLflow's step metrics, checkpoints in `folder` (a rerun resumes from the last)."""
+    train = config.train
+    step, seconds_before = output.load_checkpoint(folder, draft, optimizer, generator)
+    budget_s = None if train.max_minutes is None else train.max_minutes * 60.0
     state = {"step": step, "loss": float("nan"), "stopped_by": "steps", "history": []}
     start = time.monotonic()
     bar = tqdm(total=train.steps, initial=step, disable=not config.show_progress, desc="train_draft",
@@ -176,9 +254,8 @@ def _train(config, folder: Path, target, draft, train_set: Sequences, laws: Targ
         progress = max(state["step"] / train.steps, elapsed / budget_s if budget_s else 0.0)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(config, state["step"], progress)
-        rows = batch_rows(len(train_set), train.batch_size, state["step"], train.seed)
-        loss = _train_step(config, target, draft, optimizer, train_set, laws, rows, pad_id, device, autocast,
-                           generator)
+        rows = batch_rows(count, train.batch_size, state["step"], train.seed)
+        loss = step_fn(rows)
         state["step"] += 1
         state["loss"] = loss
         state["history"].append((state["step"], loss))

@@ -51,7 +51,7 @@ def compose_config(sharp_target, out: Path, *overrides: str):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(config_name="train_draft_smoke", overrides=[
             f"model.target={sharp_target['target']}", f"data.path={sharp_target['prompts']}", f"out={out}",
-            *overrides])
+            "draft.kind=model", *overrides])
 
 
 def test_smoke_trains_a_draft_the_generate_job_loads_and_the_engine_runs(sharp_target, tmp_path):
@@ -183,7 +183,7 @@ def test_steps_without_kept_laws_run_the_target_and_learn_the_same(sharp_target,
     from pipeline.train_draft import training
 
     target_passes = []  # per run: the target's forward calls during the training loop
-    loop = training._train
+    loop = training._train_model
 
     def counted_loop(config, folder, target, *args):
         count = [0]
@@ -194,7 +194,7 @@ def test_steps_without_kept_laws_run_the_target_and_learn_the_same(sharp_target,
             handle.remove()
             target_passes.append(count[0])
 
-    monkeypatch.setattr(training, "_train", counted_loop)
+    monkeypatch.setattr(training, "_train_model", counted_loop)
     kept = run(compose_config(sharp_target, tmp_path / "kept", "train.steps=3"))
     rerun = run(compose_config(sharp_target, tmp_path / "rerun", "train.steps=3", "train.law_cache_gib=0"))
     assert target_passes == [0, 3]
