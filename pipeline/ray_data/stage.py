@@ -271,7 +271,8 @@ class SpecTrStage:
             "params": [self._params(row, ask) if good else "" for row, ask, good in zip(generated, asks, ok)],
             ERROR_COLUMN: [(row["error"] or "failed") if not good else "" for row, good in zip(generated, ok)],
             "finish_reason": [row["finish_reason"] for row in generated],
-            "stop_reason": [row.get("stop_reason") for row in generated],
+            # one Arrow type for every batch: a stop token's id as text (the job's column may hold vLLM's int)
+            "stop_reason": [None if row.get("stop_reason") is None else str(row["stop_reason"]) for row in generated],
             "target_calls": [row["target_calls"] for row in generated],
             "block_efficiency": [row["block_efficiency"] for row in generated],
             "sample_index": [row["sample_index"] for row in generated],
@@ -297,7 +298,7 @@ class SpecTrStage:
         if not ask.detokenize:
             return ""
         tokens = row["completion_token_ids"]
-        stop_string = row.get("stop_reason") is not None and row["stop_reason"] != str(tokens[-1] if tokens else None)
+        stop_string = row.get("stop_reason") is not None and str(row["stop_reason"]) != str(tokens[-1] if tokens else None)
         if ask.skip_special_tokens or stop_string:  # a stop string's cut is in the completion's text
             return row["completion"]
         with self.generator._text_lock:
