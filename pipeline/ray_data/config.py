@@ -8,7 +8,8 @@ stage can honour them: `model_source`, `batch_size` (rows per Ray Data batch), `
 autoscaling pool of 1..n actors; (m, n): m..n; (n, n): fixed), `accelerator_type`, `runtime_env`,
 `max_concurrent_batches`, `max_tasks_in_flight_per_actor`, `should_continue_on_error`, the per-stage
 settings `chat_template_stage`, `tokenize_stage`, `detokenize_stage` (bool, dict, or Ray's stage config
-objects), `task_type` ("generate"), and the older `apply_chat_template` (True, as Ray's was). Plus the
+objects), `task_type` ("generate"), the older `apply_chat_template` (True, as Ray's was), and Ray's
+`prepare_multimodal_stage`, `placement_group_config`, `dynamic_lora_loading_path` at their defaults only. Plus the
 draft's directory and `engine_kwargs`: the engine's settings by the Hydra job's names (`spectr.*`: `method`,
 `num_drafts`, `draft_length`, `batch_size` rows in flight per actor, `max_num_drafts`, `max_draft_length`,
 `seed`, the row defaults `max_new_tokens`, `temperature`, `top_k`, `top_p`, ... and `compile`; `model.*`:
