@@ -1,0 +1,91 @@
+"""Structured outputs' cost (issue 50): the same rows with and without their grammars, on the embedded pair.
+
+Same prompts (the first N of assets/prompts.jsonl), seeds and budget; one third each `json` (a schema with an enum,
+a bounded integer and a bounded string), `regex` and `choice`. For each method (autoregressive, and the speculative
+ones with K drafts of L tokens) it runs the rows unconstrained and constrained, alternating, `--repeat` times, and
+prints each run's whole-run tokens per second (generated tokens / wall seconds, prefill included), block efficiency,
+mean completion length and the grammar work's share. CPU by default (`--device`).
+
+    .venv/bin/python benchmarks/bench_structured.py [--rows 96] [--batch-size 32] [--max-new-tokens 64] [--repeat 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+SCHEMA = {"type": "object", "properties": {
+    "label": {"enum": ["positive", "negative", "neutral"]},
+    "score": {"type": "integer", "minimum": 0, "maximum": 100},
+    "reason": {"type": "string", "minLength": 1, "maxLength": 24}},
+    "required": ["label", "score", "reason"], "additionalProperties": False}
+KINDS = [{"json": SCHEMA, "whitespace_pattern": "[ ]?"}, {"regex": r"[A-Z][a-z]{2,10} (is|was) [a-z]{3,12}\."},
+         {"choice": ["happy", "sad", "angry", "calm"]}]
+METHODS = [("autoregressive", 1, 1), ("spectr", 2, 4), ("block", 1, 4)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", type=int, default=96)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from spectr.generate import generate
+    from spectr.structured import RowGrammars, StructuredCompiler
+
+    tokenizer = AutoTokenizer.from_pretrained("assets/models/target")
+    target = AutoModelForCausalLM.from_pretrained("assets/models/target").to(args.device)
+    draft = AutoModelForCausalLM.from_pretrained("assets/models/draft").to(args.device)
+    lines = open("assets/prompts.jsonl").read().splitlines()[: args.rows]
+    prompts = [tokenizer(json.loads(line)["prompt"])["input_ids"] for line in lines]
+    specs = [KINDS[i % 3] for i in range(len(prompts))]
+    compiler = StructuredCompiler(tokenizer, vocab_size=target.config.vocab_size)
+    grammar_seconds = [0.0]
+    allowed = RowGrammars.allowed
+
+    def timed_allowed(self, *a, **k):
+        start = time.perf_counter()
+        try:
+            return allowed(self, *a, **k)
+        finally:
+            grammar_seconds[0] += time.perf_counter() - start
+
+    RowGrammars.allowed = timed_allowed
+    print(f"# {platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads, device "
+          f"{args.device}; {len(prompts)} rows, batch {args.batch_size}, max_new_tokens {args.max_new_tokens}")
+    results: dict[tuple, list] = {}
+    for _ in range(args.repeat):
+        for method, num_drafts, draft_length in METHODS:
+            for constrained in (False, True):
+                grammar_seconds[0] = 0.0
+                start = time.perf_counter()
+                out = generate(target, None if method == "autoregressive" else draft, prompts, method=method,
+                               num_drafts=num_drafts, draft_length=draft_length,
+                               max_new_tokens=args.max_new_tokens, eos_token_id=tokenizer.eos_token_id, seed=0,
+                               batch_size=args.batch_size, structured_outputs=specs if constrained else None,
+                               tokenizer=compiler)
+                wall = time.perf_counter() - start
+                tokens = sum(map(len, out.tokens))
+                row = (tokens / wall, out.stats.block_efficiency, tokens / len(prompts), grammar_seconds[0] / wall)
+                results.setdefault((method, num_drafts, draft_length, constrained), []).append(row)
+                print(f"{method:14s} K={num_drafts} L={draft_length} constrained={constrained!s:5s} "
+                      f"{row[0]:7.1f} tok/s  block efficiency {row[1]:.2f}  mean length {row[2]:.1f}  "
+                      f"masks {100 * row[3]:.1f}% of wall", flush=True)
+    print("# medians")
+    for (method, k, length, constrained), rows in results.items():
+        print(f"{method:14s} K={k} L={length} constrained={constrained!s:5s} "
+              f"{statistics.median(r[0] for r in rows):7.1f} tok/s  "
+              f"block efficiency {statistics.median(r[1] for r in rows):.2f}")
+
+
+if __name__ == "__main__":
+    main()
