@@ -6,7 +6,8 @@ changed (plus `draft_model_source`, and the model's name for a tiny chat model m
   `detokenize=False`, 300 rows: slow; its light sibling runs it on 8) and the `builder_kwargs` one
   (`chat_template_kwargs`, `chat_template_stage={"enabled": True}`).
 - Ray's minimal quickstart (`doc/source/data/doc_code/working-with-llms/minimal_quickstart.py`, not in the
-  installed package: `QUICKSTART` below is that file as of Ray 2.60, reproduced), and at temperature 0 the
+  installed package: `QUICKSTART` below is that file as of Ray 2.60, reproduced without the source at hand;
+  and the guide's basic example, slow), and at temperature 0 the
   tokens of Hugging Face's greedy `generate` on the chat-templated prompt (the control: at temperature 0.7
   they differ).
 - The output's columns are Ray's engine stage's (`vLLMOutputData`'s fields and the ones Ray's stage adds),
@@ -28,9 +29,12 @@ from tiny_pair_support import WORDS, build_llama, build_tokenizer
 CHAT_TEMPLATE = ("{% if enable_thinking %}think {% endif %}{% for m in messages %}{{ m['role'] }} : "
                  "{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}assistant :{% endif %}")
 EXTRA_WORDS = ("user assistant system : think What is machine learning ? Explain neural networks in one sentence . "
-               "You are a calculator ** = 2 + 3").split()
+               "You are a calculator ** = 2 + 3 bot that responds with haikus Start of the haiku Complete this for "
+               "me ...").split()
 
-# Ray 2.60's doc/source/data/doc_code/working-with-llms/minimal_quickstart.py (the part between its markers)
+# Ray 2.60's doc/source/data/doc_code/working-with-llms/minimal_quickstart.py (the part between its markers), as
+# reproduced here: the file is not in the installed package and could not be fetched on this machine
+
 QUICKSTART = '''
 import ray
 from ray.data.llm import vLLMEngineProcessorConfig, build_processor
@@ -75,16 +79,57 @@ result.show()
 '''
 
 
+# The basic example of Ray's "Working with LLMs" guide (doc_code/working-with-llms/basic_llm_example.py), reproduced
+# as QUICKSTART is
+BASIC_LLM_EXAMPLE = '''
+import ray
+from ray.data.llm import vLLMEngineProcessorConfig, build_processor
+
+config = vLLMEngineProcessorConfig(
+    model_source="unsloth/Llama-3.1-8B-Instruct",
+    engine_kwargs={
+        "enable_chunked_prefill": True,
+        "max_num_batched_tokens": 4096,
+        "max_model_len": 16384,
+    },
+    concurrency=1,
+    batch_size=64,
+)
+processor = build_processor(
+    config,
+    preprocess=lambda row: dict(
+        messages=[
+            {"role": "system", "content": "You are a bot that responds with haikus."},
+            {"role": "user", "content": row["item"]}
+        ],
+        sampling_params=dict(
+            temperature=0.3,
+            max_tokens=250,
+        )
+    ),
+    postprocess=lambda row: dict(
+        answer=row["generated_text"],
+        **row  # This will return all the original columns in the dataset.
+    ),
+)
+
+ds = ray.data.from_items(["Start of the haiku is: Complete this for me..."])
+
+ds = processor(ds)
+ds.show(limit=1)
+'''
+
+
 @pytest.fixture(scope="module")
 def chat_pair(tmp_path_factory):
     """A tiny random Llama pair with a chat template (and a template variable, `enable_thinking`), with room for
-    100 new tokens (256 positions)."""
+    the examples' 250 new tokens (512 positions)."""
     root = tmp_path_factory.mktemp("chat_pair")
     words = WORDS + EXTRA_WORDS
     tokenizer = build_tokenizer(words, root / "target", chat_template=CHAT_TEMPLATE)
     build_tokenizer(words, root / "draft", chat_template=CHAT_TEMPLATE)
-    build_llama(root / "target", len(tokenizer), hidden=32, layers=2, seed=11, max_positions=256)
-    build_llama(root / "draft", len(tokenizer), hidden=16, layers=1, seed=12, max_positions=256)
+    build_llama(root / "target", len(tokenizer), hidden=32, layers=2, seed=11, max_positions=512)
+    build_llama(root / "draft", len(tokenizer), hidden=16, layers=1, seed=12, max_positions=512)
     return {"target": root / "target", "draft": root / "draft"}
 
 
@@ -248,6 +293,19 @@ def test_rays_quickstart_runs_and_gives_hf_greedy_tokens_at_temperature_0(ray_lo
     assert [r["tokens"] for r in greedy_rows] == expected
     assert [r["response"] for r in greedy_rows] == [tokenizer.decode(t, skip_special_tokens=True) for t in expected]
     assert [r["response"] for r in rows] != [r["response"] for r in greedy_rows]  # the control
+
+
+@pytest.mark.slow  # the quickstart above is the default suite's
+def test_rays_basic_llm_example_runs(ray_local, chat_pair, monkeypatch, capsys):
+    """The guide's basic example, ported: one row, the system and user messages rendered, `answer` added."""
+    code = ported(BASIC_LLM_EXAMPLE, chat_pair)
+    exec_rows = run(code, monkeypatch, capsys)  # ds.show(limit=1) prints the row
+    assert len(exec_rows) == 1
+    row = exec_rows[0]
+    assert row["answer"] == row["generated_text"] and row["item"] == "Start of the haiku is: Complete this for me..."
+    assert row["prompt"] == ("system : You are a bot that responds with haikus. user : Start of the haiku is: "
+                             "Complete this for me... assistant :")
+    check_ray_types(row)
 
 
 def test_rays_own_build_processor_takes_the_config(chat_pair):
