@@ -33,6 +33,13 @@ from pipeline.config import DataConfig, ModelConfig, check_model
 from pipeline.generate.config import SpectrConfig, check_spectr
 
 log = logging.getLogger("pipeline")
+_warned: set[str] = set()  # warnings given in this process (a config copied by dataclasses.replace is checked again)
+
+
+def warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        log.warning(message)
 
 # engine_kwargs that are not `spectr.*` settings: the models' (`model.*`)
 MODEL_KEYS = ("dtype", "trust_remote_code", "allow_pickle", "device_map")
@@ -211,8 +218,8 @@ class SpecTrProcessorConfig:
                              f"got {max_logprobs!r}")
         resources = sorted(f"{name}.{key}" for name, stage in stages.items() for key in stage.resources)
         if resources:
-            log.warning("SpecTrProcessorConfig: %s not applied: the SpecTr actor templates, tokenizes and decodes "
-                        "its rows itself (one stage, its resources those of the actor)", ", ".join(resources))
+            warn_once(f"SpecTrProcessorConfig: {', '.join(resources)} not applied: the SpecTr actor templates, "
+                      "tokenizes and decodes its rows itself (one stage, its resources those of the actor)")
 
     def stage(self, name: str) -> StageSettings:
         """One of Ray's per-stage settings, resolved (`chat_template_stage`, `tokenize_stage`, `detokenize_stage`)."""
@@ -285,8 +292,8 @@ def check_engine_kwargs(engine_kwargs: Any) -> None:
                              "model_source, with its own tokenizer (remove it from engine_kwargs)")
     ignored = sorted(set(engine_kwargs) & set(VLLM_IGNORED))
     if ignored:
-        log.warning("SpecTrProcessorConfig: engine_kwargs %s are vLLM engine settings with no use in the SpecTr "
-                    "engine: ignored", ", ".join(ignored))
+        warn_once(f"SpecTrProcessorConfig: engine_kwargs {', '.join(ignored)} are vLLM engine settings with no use "
+                  "in the SpecTr engine: ignored")
 
 
 def missing_local_path(key: str, source: Any) -> None:

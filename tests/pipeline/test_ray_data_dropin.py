@@ -241,6 +241,9 @@ def check_basic_example(rows: list, count: int, pair: dict) -> None:
 def test_the_basic_docstring_example_runs_on_8_rows(ray_local, chat_pair, monkeypatch, caplog):
     """The light sibling of the next test: the basic example with `ray.data.range(8)` for its 300 rows. vLLM's
     engine settings are accepted with one warning naming them."""
+    import pipeline.ray_data.config as settings
+
+    monkeypatch.setattr(settings, "_warned", set())  # a warning is given once per process
     code = ported(docstring_examples()[0], chat_pair)
     assert "ds = ray.data.range(300)" in code
     with caplog.at_level(logging.WARNING, logger="pipeline"):
@@ -440,6 +443,9 @@ def test_engine_kwargs_and_stage_settings_are_checked_with_reasons(chat_pair, ca
     config = stage_config(chat_pair, engine_kwargs={**{k: v for k, v in base.items() if k != "batch_size"},
                                                     "max_num_seqs": 5, "tensor_parallel_size": 1})
     assert config.spectr_config().batch_size == 5
+    import pipeline.ray_data.config as settings
+
+    settings._warned.clear()  # a warning is given once per process
     with caplog.at_level(logging.WARNING, logger="pipeline"):
         config = stage_config(chat_pair, chat_template_stage=ChatTemplateStageConfig(
             batch_size=16, chat_template_kwargs={"enable_thinking": True}), engine_kwargs={**base, "max_model_len": 9})
