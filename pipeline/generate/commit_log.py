@@ -12,6 +12,14 @@ the segment plus the new one, at most `SEGMENT_RECORDS`), so a commit costs one 
 reads one object per `SEGMENT_RECORDS` shards. A run's segments sort after every earlier run's, and a later
 record for a shard (a retried one) wins.
 
+Fencing: a run's first record is its fence (`fenced`: `"fence": true`, its `run` the lease token); after it,
+records of any other run (a late append of a job that lost the lease) are ignored by every reader; a
+compaction keeps only records that count, unmarked. The driver reads the lease right
+before each append (`Lease.confirm`), and a local log checks that its path still names the file it appends to:
+after another job's compaction the old holder's append raises (`CommitLogReplaced`) instead of going to the
+replaced file. (On object stores each run writes its own segments: there the lease read before each append is
+the fence.)
+
 `compact_commit_log` (a resumed job, under its lease, before it appends) keeps only each shard's last
 record, so the log a resume reads is bounded by the number of shards however often they were redone: the
 file is rewritten whole (temporary name + rename), the segments are replaced by compacted ones of a newer run
@@ -39,6 +47,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from pipeline import fs
+from pipeline.errors import JobFailedError
 
 COMMITS_FILE = "_commits.jsonl"
 COMMITS_DIR = "_commits"
@@ -47,6 +56,11 @@ _SEGMENT = re.compile(r"^seg-(\d{6,})-(\d{6,})\.jsonl$")
 COMMIT_BACKOFF_S = 1.0  # before the n-th retry of an append: n times this
 
 log = logging.getLogger("pipeline")
+
+
+class CommitLogReplaced(JobFailedError):
+    """The local log this job appends to was rewritten or removed by another job (its compaction, after it took
+    the directory over): this job no longer holds the directory, and appends nothing more."""
 
 
 def _open_append(path: str) -> Any:
@@ -76,12 +90,24 @@ class AppendLog:
                 pass
             os.truncate(self.path, self._end)
             self._file = _open_append(self.path)
+        self._check_same_file()
         line = encode(record)
         self._torn = True
         self._file.write(line)
         self._file.flush()
         os.fsync(self._file.fileno())
         self._torn, self._end = False, self._end + len(line)
+
+    def _check_same_file(self) -> None:
+        """The path still names the file this log appends to: another job's compaction (a takeover) replaces
+        it, and an append to the replaced file would be lost without a word."""
+        try:
+            same = os.stat(self.path).st_ino == os.fstat(self._file.fileno()).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:
+            raise CommitLogReplaced(f"commit log: {self.path} was rewritten or removed by another job (it took the "
+                                    "directory over); this job stops without writing _SUCCESS")
 
     def close(self) -> None:
         self._file.close()
@@ -187,12 +213,14 @@ class CommitWriter:
 
     def _append(self, record: dict[str, Any]) -> None:
         for attempt in range(self.attempts):
-            if self.check is not None:
-                self.check()  # never commit into a directory another job has taken over
             try:
+                if self.check is not None:
+                    self.check()  # never commit into a directory another job has taken over
                 self.commits.append(record)
                 return
-            except Exception as err:  # noqa: BLE001 - retried, then raised
+            except JobFailedError:  # the lease lost, the log replaced: not retried
+                raise
+            except Exception as err:  # noqa: BLE001 - retried (a lease that cannot be read: unknown), then raised
                 if attempt + 1 == self.attempts:
                     raise
                 log.warning("commit log: appending shard %s's record failed (%s: %s); retrying",
@@ -218,7 +246,8 @@ def compact_commit_log(output: fs.Location) -> int:
     dropped = total - len(last)
     if not dropped:
         return 0
-    lines = [encode(record) for record in last.values()]
+    # every kept record counts: its fence mark goes (a superseded fence must not hide a later run's records)
+    lines = [encode({k: v for k, v in record.items() if k != "fence"}) for record in last.values()]
     if output.is_local:
         fs.write_bytes(output.child(COMMITS_FILE), b"".join(lines))
         return dropped
@@ -262,8 +291,24 @@ def _cut_torn_tail(path: str) -> None:
             os.fsync(f.fileno())
 
 
+def fenced(record: dict[str, Any]) -> dict[str, Any]:
+    """A run's first record (its `run` the run's lease token) marked as its fence: after it, records of any
+    other run (a late append of a job that lost the lease) are ignored."""
+    return {**record, "fence": True}
+
+
 def read_commit_records(output: fs.Location) -> Iterator[dict[str, Any]]:
-    """Every readable record, oldest first: `_commits.jsonl`, then the segments in name order."""
+    """Every readable record, oldest first: `_commits.jsonl`, then the segments in name order. After a run's
+    fence (`fenced`), a record of another run is ignored; records before any fence (older logs) count."""
+    fence: Any = None
+    for record in _all_records(output):
+        if record.get("fence"):
+            fence = record.get("run")
+        if fence is None or record.get("run", fence) == fence:
+            yield record
+
+
+def _all_records(output: fs.Location) -> Iterator[dict[str, Any]]:
     log = output.child(COMMITS_FILE)
     if fs.exists(log):
         yield from _records(fs.read_bytes(log))

@@ -28,6 +28,7 @@ from pipeline.generate.cluster import actor_resources, ray_session
 from pipeline.generate.commit_log import (
     CommitWriter,
     compact_commit_log,
+    fenced,
     open_commit_log,
     read_commit_records,
 )
@@ -462,11 +463,16 @@ def _run_shards(
     bar = ProgressBar(plan.output_rows, plan.state.rows_done, config.progress, hooks.on_progress if hooks else None)
     run.generation_started = time.perf_counter()
     # appended on a thread of its own (a slow store never holds the scheduling thread), under the lease
-    commits = CommitWriter(open_commit_log(plan.output), check=plan.lease.check)
+    commits = CommitWriter(open_commit_log(plan.output), check=plan.lease.confirm)  # the lease read before each append
+    unfenced = [True]  # until the run's first record, its fence (`commit_log.fenced`), is submitted
     live = tracker.live_metrics([plan.state.earlier_stats], started=run.generation_started)
 
     def on_result(result: ShardResult) -> None:
-        commits.submit(_commit_record(result, plan.lease.holder.token), result)
+        record = _commit_record(result, plan.lease.holder.token)
+        if unfenced:
+            record = fenced(record)
+            unfenced.clear()
+        commits.submit(record, result)
 
     def committed(result: ShardResult) -> None:  # its record is in the log: the shard is done
         plan.state.done[result.index] = 1

@@ -320,6 +320,12 @@ class Lease:
                 "without writing _SUCCESS"
             )
 
+    def confirm(self) -> None:
+        """`check`, then read the lease itself (right before a commit): LeaseLostError when another job holds it
+        now, LeaseUnknownError when it cannot be read (the caller retries)."""
+        self.check()
+        check_holder(self.output, self.holder.token)
+
     def release(self) -> None:
         """Stop the heartbeat and delete the lease if it is still ours; remove a directory we created that
         is empty again (a job that could not start leaves nothing behind)."""
