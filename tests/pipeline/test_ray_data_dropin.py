@@ -393,6 +393,11 @@ def test_stage_only_sampling_keys_logprobs_and_prompt_sources(chat_pair):
     assert out[3]["generated_text"] == stage.generator.tokenizer.decode(out[3]["generated_tokens"],
                                                                         skip_special_tokens=True) != ""
     assert out[4]["prompt"] == "user : the cat assistant : def"  # continued, no new generation prompt
+    # one batch, two tokenizations: the plain prompt with the tokenizer's BOS (Ray's tokenize stage), the rendered
+    # chat prompt without (its template writes its own, as apply_chat_template(tokenize=True))
+    tok = stage.generator.tokenizer
+    assert out[3]["prompt_token_ids"] == tok("the cat")["input_ids"] and out[3]["prompt_token_ids"][0] == 1
+    assert out[4]["prompt_token_ids"] == tok(out[4]["prompt"], add_special_tokens=False)["input_ids"]
     assert out[5]["prompt_token_ids"] == [1, 5, 6] and "tokenized_prompt" not in output_columns(stage)
     lp = out[6]["logprobs"]
     assert len(lp) == out[6]["num_generated_tokens"] == 5
