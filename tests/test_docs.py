@@ -182,3 +182,22 @@ def test_a_key_added_to_conf_without_a_line_is_named(tmp_path):
     text = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
     added = set(undocumented(text, config_keys(tmp_path / "conf"))) - set(undocumented(text, config_keys()))
     assert sorted(added) == ["spectr.brand_new_key", "spectr.new_section", "spectr.new_section.inner_key"]
+
+
+# -- the README's first override example does something under the default method (auto) --------------------------
+
+IGNORED_UNDER_AUTO = {"spectr.num_drafts", "spectr.draft_length"}  # a fixed method's K and L: auto picks its own
+
+
+def overrides_without_effect(example: str) -> list[str]:
+    """The overrides of an `ARGS="..."` example; empty when one of them changes something under method=auto."""
+    keys = [word.split("=", 1)[0] for word in example.split()]
+    return [] if any(key not in IGNORED_UNDER_AUTO for key in keys) else keys
+
+
+def test_the_readmes_first_override_changes_something_under_auto():
+    example = re.search(r'ARGS="([^"]+)"', README.read_text(encoding="utf-8")).group(1)
+    assert "spectr.method" not in example  # the example runs under the default method, auto
+    assert overrides_without_effect(example) == [], f"README's first override example {example!r} does nothing " \
+        "under spectr.method=auto (num_drafts / draft_length are a fixed method's)"
+    assert overrides_without_effect("spectr.num_drafts=8") == ["spectr.num_drafts"]  # the control: the old example
