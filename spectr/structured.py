@@ -201,13 +201,21 @@ class StructuredCompiler:
 
 
 def bits_to_bool(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """llguidance's bitmask [N, ceil(V' / 32)] int32 (bit j of word w: token 32 w + j) -> [N, vocab_size] bool
-    (tokens past the mask's vocabulary: refused)."""
-    shifts = torch.arange(32, dtype=torch.int32)
-    bits = ((bitmask[:, :, None] >> shifts) & 1).reshape(bitmask.shape[0], -1).bool()  # [N, 32 W]
-    if bits.shape[1] >= vocab_size:
-        return bits[:, :vocab_size]
-    return torch.cat([bits, bits.new_zeros(bits.shape[0], vocab_size - bits.shape[1])], 1)
+    """llguidance's bitmask [..., ceil(V' / 32)] int32 (bit j of word w: token 32 w + j) -> [..., vocab_size] bool
+    (tokens past the mask's vocabulary: refused), on the bitmask's device."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = ((bitmask[..., None] >> shifts) & 1).reshape(*bitmask.shape[:-1], -1).bool()  # [..., 32 W]
+    if bits.shape[-1] >= vocab_size:
+        return bits[..., :vocab_size]
+    return torch.cat([bits, bits.new_zeros(*bits.shape[:-1], vocab_size - bits.shape[-1])], -1)
+
+
+def bool_to_bits(mask: torch.Tensor, words: int) -> torch.Tensor:
+    """[V] bool -> [words] int32, llguidance's layout (the inverse of `bits_to_bool`)."""
+    padded = torch.zeros(words * 32, dtype=torch.int64)
+    padded[: mask.shape[0]] = mask.to(torch.int64)
+    packed = (padded.view(words, 32) << torch.arange(32, dtype=torch.int64)).sum(1)  # [W] in [0, 2^32)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 
 
 @dataclass
@@ -217,9 +225,10 @@ class _Row:
     matcher: Any
     compiler: StructuredCompiler
     stops: frozenset
-    stop_mask: torch.Tensor  # [V] bool, host
+    stop_bits: torch.Tensor  # [W] int32, host: the row's stop tokens
+    eos_bits: torch.Tensor  # [W] int32, host: the grammar's own EOS and the row's stop tokens
     generated: int = 0
-    masks: dict = field(default_factory=dict)  # path -> [V] bool (None: unmasked), until the next commit
+    masks: dict = field(default_factory=dict)  # path -> [W] int32 allowed bits (None: unmasked), until the commit
     error: str | None = None
 
 
@@ -229,6 +238,7 @@ class RowGrammars:
     def __init__(self, num_slots: int, vocab_size: int):
         self.rows: list[_Row | None] = [None] * num_slots
         self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32  # the bitmask's width
         self.errors: dict[int, str] = {}  # slot -> the row's grammar error (kept until the slot is set again)
 
     @property
@@ -248,9 +258,11 @@ class RowGrammars:
                                  "(spectr.generate(..., tokenizer=...), or StructuredSpec.with_compiler)")
             stop_set = frozenset(int(t) for t in row_stops if 0 <= int(t) < self.vocab_size)
             stop_mask = torch.zeros(self.vocab_size, dtype=torch.bool)
-            if stop_set:
-                stop_mask[list(stop_set)] = True
-            self.rows[slot] = _Row(spec.compiler.matcher(spec), spec.compiler, stop_set, stop_mask)
+            stop_mask[list(stop_set)] = True
+            eos_mask = stop_mask.clone()
+            eos_mask[[t for t in spec.compiler.eos_tokens if 0 <= t < self.vocab_size]] = True
+            self.rows[slot] = _Row(spec.compiler.matcher(spec), spec.compiler, stop_set,
+                                   bool_to_bits(stop_mask, self.words), bool_to_bits(eos_mask, self.words))
 
     def move(self, sources: Sequence[int], dests: Sequence[int]) -> None:
         for source, dest in zip(sources, dests):
@@ -284,49 +296,54 @@ class RowGrammars:
         else:
             host_tokens = host_tokens.cpu().tolist()
             depth = [[paths.depth] * nodes for _ in grammar_rows]
-        allowed = torch.ones(rows, nodes, self.vocab_size, dtype=torch.bool)
+        bitmask = torch.full((rows, nodes, self.words), -1, dtype=torch.int32)  # all allowed
         for i, slot in enumerate(grammar_rows):
             for n in range(nodes):
-                mask = self._node_mask(slot, tuple(host_tokens[i][n][: depth[i][n]]))
-                if mask is not None:
-                    allowed[slot, n] = mask
-        return allowed.reshape(rows, *node_shape, self.vocab_size).to(device)
+                bits = self._node_bits(slot, tuple(host_tokens[i][n][: depth[i][n]]))
+                if bits is not None:
+                    bitmask[slot, n] = bits
+        # one copy of the bitmask (V / 32 words per node), expanded on the device
+        return bits_to_bool(bitmask.to(device), self.vocab_size).reshape(rows, *node_shape, self.vocab_size)
 
     def _node_mask(self, slot: int, path: tuple[int, ...]) -> torch.Tensor | None:
-        """[V] bool after the row's committed tokens + `path`, cached until the next commit; None: unmasked (a
-        path the output never takes)."""
+        """[V] bool after the row's committed tokens + `path`; None: unmasked (a path the output never takes)."""
+        bits = self._node_bits(slot, path)
+        return None if bits is None else bits_to_bool(bits, self.vocab_size)
+
+    def _node_bits(self, slot: int, path: tuple[int, ...]) -> torch.Tensor | None:
+        """[W] int32 allowed bits after the row's committed tokens + `path`, cached until the next commit."""
         row = self.rows[slot]
         if path in row.masks:
             return row.masks[path]
-        mask = self._compute(slot, row, path)
-        row.masks[path] = mask
-        return mask
+        bits = self._compute(slot, row, path)
+        row.masks[path] = bits
+        return bits
 
     def _compute(self, slot: int, row: _Row, path: tuple[int, ...]) -> torch.Tensor | None:
         if row.error is not None:  # the row errs: it may only end (on a stop token, else anything)
-            return row.stop_mask if row.stops else None
+            return row.stop_bits if row.stops else None
         matcher = row.matcher
         if any(t in row.stops for t in path) or matcher.validate_tokens(list(path)) < len(path):
             return None  # after the row's end, or a path no masked draft takes (padding): never in the output
         if path and not matcher.consume_tokens(list(path)):
             return None
         words = (row.compiler.vocab_size + 31) // 32
-        bitmask = torch.empty(1, words, dtype=torch.int32)
-        matcher.unsafe_compute_mask_ptr(bitmask.data_ptr(), words * 4)
+        grammar = torch.zeros(max(words, self.words), dtype=torch.int32)  # the tokenizer's vocabulary's words
+        matcher.unsafe_compute_mask_ptr(grammar.data_ptr(), words * 4)
         accepting = matcher.is_accepting()
         if path:
             matcher.rollback(len(path))
-        grammar = bits_to_bool(bitmask, self.vocab_size)[0]  # [V]
-        for token in row.compiler.eos_tokens:  # the grammar's own EOS: replaced by the row's stop tokens
-            if 0 <= token < self.vocab_size:
-                grammar[token] = False
-        mask = (grammar & ~row.stop_mask) | (row.stop_mask if accepting else torch.zeros_like(row.stop_mask))
-        if not bool(mask.any()):
+        grammar = grammar[: self.words]  # tokens past the model's vocabulary dropped
+        if self.vocab_size % 32:  # and the last word's bits past it
+            grammar[-1] &= (1 << (self.vocab_size % 32)) - 1
+        # the grammar's own EOS is replaced by the row's stop tokens, allowed exactly where the grammar accepts
+        bits = (grammar & ~row.eos_bits) | (row.stop_bits if accepting else 0)
+        if not bool((bits != 0).any()):
             if path:
                 return None  # a dead end below the root: if a row ever commits into it, the commit errs
             row.error = self.errors[slot] = NO_STOP if accepting else DEAD_END
-            return row.stop_mask if row.stops else None
-        return mask
+            return row.stop_bits if row.stops else None
+        return bits
 
     # -- the commits --------------------------------------------------------------------------------------------
     def commit(self, slots: torch.Tensor, emitted: torch.Tensor, lengths: torch.Tensor) -> None:

@@ -190,8 +190,8 @@ def test_every_method_follows_the_masked_target_law(pair, compiler, endless_law,
 def test_negative_control_masks_from_the_committed_tokens_only_are_rejected(pair, compiler, endless_law,
                                                                           monkeypatch, method, num_drafts,
                                                                           draft_length):
-    committed_only = RowGrammars._node_mask
-    monkeypatch.setattr(RowGrammars, "_node_mask", lambda self, slot, path: committed_only(self, slot, ()))
+    committed_only = RowGrammars._node_bits
+    monkeypatch.setattr(RowGrammars, "_node_bits", lambda self, slot, path: committed_only(self, slot, ()))
     assert chi_square_pvalue(sample(pair, compiler, method, num_drafts, draft_length), endless_law) < REJECT_P
 
 
