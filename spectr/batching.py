@@ -146,7 +146,10 @@ def known_methods() -> list[str]:
 
 def wrap_model(model, role: str, native: bool = False) -> HFCausalLM:
     """The engine's view of an HF model: `NativeCausalLM` (compilable) when `native` and the model is of
-    the Llama / Qwen2 family (`spectr.native`), else `HFCausalLM` (eager HF forward)."""
+    the Llama / Qwen2 family (`spectr.native`), else `HFCausalLM` (eager HF forward); a feature draft's
+    `FeatureDraftLM` (unbound: its vocabulary and limits only)."""
+    if getattr(model, "is_feature_draft", False):
+        return FeatureDraftLM(model, role=role)
     if native and native_supported(model) is None:
         return NativeCausalLM(model, role=role)
     return HFCausalLM(model, role=role)

@@ -480,12 +480,11 @@ class ShardFeed:
     # -- the pool -----------------------------------------------------------------------------------
     def _first_config(self) -> EngineConfig:
         """The first batcher: sized for the first shard's rows (method=auto: K and L are its bounds)."""
-        from spectr.batching import model_limit
-        from spectr.hf import HFCausalLM
+        from spectr.batching import model_limit, wrap_model
 
         s = self.spectr
         first = [row for shard_run, row in self._held if shard_run is self._held[0][0]]
-        self._limit = model_limit([HFCausalLM(self.target, role="target"), HFCausalLM(self.draft, role="draft")])
+        self._limit = model_limit([wrap_model(self.target, "target"), wrap_model(self.draft, "draft")])
         fits = [r for r in first if self._limit is None or len(r.prompt) + r.budget <= self._limit]
         budget = max([r.budget for r in fits] + [self.max_budget or 0], default=1)
         capacity = self._capacity(max((len(r.prompt) for r in fits), default=1) + budget)
