@@ -39,8 +39,10 @@ ESTALE) is retried and then "unknown" (`LeaseUnknownError`), never "lost": the h
 beat (its holder stops only when it could not confirm its lease for `lease_timeout_s`, after which another
 job may have judged it stale), and a worker's shard that meets it goes back uncharged.
 
-Not exclusive: a local heartbeat reads, then rewrites the file; a taker can only act on a lease stale for
-`lease_timeout_s`, so only a holder frozen that long (then `LeaseLostError` at its next check) can race it.
+On local disks and NFS the heartbeat's read-check-write and a taker's move-and-create run under an fcntl lock
+(`.lease.lock`): a compare-and-swap, so a holder that stalled mid-heartbeat cannot overwrite the lease of a job
+that took over (the taker waits for the lock, then sees the counter moved); where the filesystem has no locks
+the rename checks alone remain, and only a holder frozen for `lease_timeout_s` mid-write could race a taker.
 
 Workers check the lease too (`check_holder`, right before each part is written): a worker of a job that lost
 the directory writes no part.
@@ -50,6 +52,7 @@ Not here: what the job writes under the lease (`pipeline.generate.output`, `pipe
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -57,6 +60,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from typing import Any
@@ -277,7 +281,7 @@ class Lease:
             if current is not None:
                 log.warning("taking over the stale lease of %s (its heartbeat stood still for %.0f s)",
                             current.describe(), stale_after_s(current, timeout_s))
-            taken = store.take(holder, current) if store is not None else _take(output, holder, current)
+            taken = store.take(holder, current) if store is not None else _take(output, holder, current, timeout_s)
             if taken:
                 with _sightings_lock:
                     _sightings.pop(output.uri, None)
@@ -293,25 +297,37 @@ class Lease:
     def _beat(self) -> None:
         while not self._stop.wait(self.timeout_s / HEARTBEATS_PER_TIMEOUT):
             try:
-                current = read_holder(self.output)
-                if current is not None and current.token == UNREADABLE:
-                    raise LeaseUnknownError("it holds no lease (empty or torn)")
-                if current is None or current.token != self.holder.token:
-                    self.lost_to = current.describe() if current else "nobody (the lease was deleted)"
+                if self.store is None:  # local / NFS: read, check and write under the lease lock (a CAS)
+                    with _locked(self.output, self.timeout_s / HEARTBEATS_PER_TIMEOUT) as locked:
+                        if not locked:
+                            raise LeaseUnknownError("the lease lock stayed busy (a taker holds it)")
+                        if not self._beat_once():
+                            return
+                elif not self._beat_once():
                     return
-                fresh = replace(self.holder, heartbeat=time.time(), beat=self.holder.beat + 1)
-                if self.store is not None and not self.store.replace(fresh):
-                    current = read_holder(self.output)  # someone wrote the lease since our last write
-                    self.lost_to = current.describe() if current else "nobody (the lease was deleted)"
-                    return
-                if self.store is None:
-                    fs.write_bytes(self.output.child(LEASE_NAME), fresh.encode())
-                self.holder, self._confirmed = fresh, time.monotonic()
             except Exception as err:  # noqa: BLE001 - a missed heartbeat is retried; staleness takes minutes
                 log.warning("lease heartbeat on %s failed: %s", self.output.uri, err)
                 if time.monotonic() - self._confirmed > self.timeout_s:  # others may have judged it stale
                     self.lost_to = f"unknown: no heartbeat for lease_timeout_s={self.timeout_s:g} s ({err})"
                     return
+
+    def _beat_once(self) -> bool:
+        """One heartbeat: False when the lease is no longer ours (`lost_to` says whose it is)."""
+        current = read_holder(self.output)
+        if current is not None and current.token == UNREADABLE:
+            raise LeaseUnknownError("it holds no lease (empty or torn)")
+        if current is None or current.token != self.holder.token:
+            self.lost_to = current.describe() if current else "nobody (the lease was deleted)"
+            return False
+        fresh = replace(self.holder, heartbeat=time.time(), beat=self.holder.beat + 1)
+        if self.store is not None and not self.store.replace(fresh):
+            current = read_holder(self.output)  # someone wrote the lease since our last write
+            self.lost_to = current.describe() if current else "nobody (the lease was deleted)"
+            return False
+        if self.store is None:
+            fs.write_bytes(self.output.child(LEASE_NAME), fresh.encode())
+        self.holder, self._confirmed = fresh, time.monotonic()
+        return True
 
     def check(self) -> None:
         if self.lost_to is not None:
@@ -333,12 +349,16 @@ class Lease:
         if self._thread is not None:
             self._thread.join(timeout=30)
         try:
-            current = read_holder(self.output)
-            if current is not None and current.token == self.holder.token:
-                if self.store is not None:
+            if self.store is not None:
+                current = read_holder(self.output)
+                if current is not None and current.token == self.holder.token:
                     self.store.delete()
-                else:
-                    fs.delete(self.output.child(LEASE_NAME))
+            else:
+                with _locked(self.output, self.timeout_s) as locked:
+                    current = read_holder(self.output)
+                    if locked and current is not None and current.token == self.holder.token:
+                        fs.delete(self.output.child(LEASE_NAME))
+                        fs.delete(self.output.child(LOCK_NAME))  # no takers wait on a directory with no lease
             if self.created_dir and self.output.is_local and not os.listdir(self.output.path):
                 os.rmdir(self.output.path)
         except OSError as err:
@@ -351,9 +371,54 @@ class Lease:
         self.release()
 
 
-def _take(output: fs.Location, holder: Holder, stale: Holder | None) -> bool:
-    """One attempt to create our lease on a local disk or NFS in place of `stale` (None: no lease).
-    False: try again."""
+LOCK_NAME = ".lease.lock"  # local disks and NFS: held around every read-then-write of the lease
+
+
+@contextlib.contextmanager
+def _locked(output: fs.Location, wait_s: float) -> Iterator[bool]:
+    """Hold the output directory's lease lock (an fcntl lock on `LOCK_NAME`: NFS v4 and local disks) while the
+    block reads and writes the lease, so that a heartbeat's read-check-write is a compare-and-swap against
+    takers (and takers against each other). Yields False when the lock stayed busy for `wait_s` (the caller
+    acts as if it lost the race: it tries again later). Where the filesystem has no locks (ENOLCK), a warning
+    and the block runs unlocked (the rename checks remain)."""
+    import errno
+    import fcntl
+
+    fd = os.open(os.path.join(output.path, LOCK_NAME), os.O_RDWR | os.O_CREAT, fs.FILE_MODE)
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                locked = True
+                break
+            except OSError as err:
+                if err.errno not in (errno.EAGAIN, errno.EACCES):
+                    log.warning("output_dir %s: no file locks here (%s); the lease is written without one",
+                                output.uri, err)
+                    locked = None
+                    break
+                if time.monotonic() >= deadline:
+                    yield False
+                    return
+                time.sleep(0.02)
+        try:
+            yield True
+        finally:
+            if locked:
+                fcntl.lockf(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def _take(output: fs.Location, holder: Holder, stale: Holder | None, wait_s: float = 10.0) -> bool:
+    """One attempt to create our lease on a local disk or NFS in place of `stale` (None: no lease), under the
+    lease lock. False: try again."""
+    with _locked(output, wait_s) as locked:
+        return locked and _take_unlocked(output, holder, stale)
+
+
+def _take_unlocked(output: fs.Location, holder: Holder, stale: Holder | None) -> bool:
     location = output.child(LEASE_NAME)
     if stale is not None:
         tombstone = f"{location.path}.stale-{holder.token}"

@@ -73,3 +73,77 @@ def test_a_lease_unreadable_for_lease_timeout_s_stops_its_holder(tmp_path):
     finally:
         lease.release()
         os.rmdir(tmp_path / "_lease.json")
+
+
+# A holder in another process (file locks are per process) whose heartbeat stalls between reading the lease
+# and writing the next beat once `<markers>/armed` exists: its write blocks until `<markers>/go` exists, as a
+# process paused by the kernel or a hung NFS write would.
+STALLING_HOLDER = """
+import os, sys, time
+from pipeline import fs
+from pipeline.generate import lease as leases
+out, markers = sys.argv[1], sys.argv[2]
+real_write = fs.write_bytes
+def write_bytes(target, data):
+    if target.name == "_lease.json" and os.path.exists(f"{markers}/armed") and not os.path.exists(f"{markers}/go"):
+        open(f"{markers}/stalled", "w").close()
+        while not os.path.exists(f"{markers}/go"):
+            time.sleep(0.01)
+    real_write(target, data)
+fs.write_bytes = write_bytes
+lease = leases.Lease.acquire(fs.resolve(out, "output_dir"), timeout_s=0.6)
+print(lease.holder.token, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_holder_stalled_mid_heartbeat_cannot_overwrite_a_taker(tmp_path):
+    """A second job judges the stalled holder's lease stale meanwhile. Whatever the timing, the end has one
+    holder: the lease names the taker and it holds on, or the taker was refused and the lease names the holder.
+    Before the fix (a read, then a blind write) the taker took the lease, the stalled write put the old
+    holder's back, and the taker learnt it lost while the old holder ran on."""
+    import subprocess
+    import sys
+    import threading
+    from pathlib import Path
+
+    from pipeline.errors import JobInputError
+
+    root = Path(__file__).resolve().parents[3]
+    out, markers = tmp_path / "out", tmp_path / "markers"
+    out.mkdir()
+    markers.mkdir()
+    process = subprocess.Popen([sys.executable, "-c", STALLING_HOLDER, str(out), str(markers)],
+                               stdout=subprocess.PIPE, text=True, cwd=root)
+    outcome: list = []
+    try:
+        token = process.stdout.readline().strip()
+        assert token, "the holder process did not take the lease"
+        (markers / "armed").touch()
+        deadline = time.monotonic() + 30
+        while not (markers / "stalled").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert (markers / "stalled").exists()
+
+        def take() -> None:
+            try:
+                outcome.append(Lease.acquire(location(out), timeout_s=0.6))
+            except JobInputError as err:
+                outcome.append(err)
+
+        taker = threading.Thread(target=take)
+        taker.start()
+        time.sleep(1.5)  # the taker has judged the lease stale by now (0.6 s of watching)
+        (markers / "go").touch()
+        taker.join(60)
+        time.sleep(0.6)  # a few heartbeats of whoever holds it
+        second = outcome[0]
+        holder = read_holder(location(out)).token
+        if isinstance(second, Lease):
+            assert holder == second.holder.token and second.lost_to is None, (holder, second.lost_to)
+            second.release()
+        else:
+            assert holder == token and "being written by another job" in str(second)
+    finally:
+        process.kill()
+        process.wait()

@@ -175,7 +175,8 @@ def test_two_takers_of_one_stale_local_lease_exactly_one_wins(tmp_path):
     first, second = leases.this_holder("first", time.time()), leases.this_holder("second", time.time())
     assert leases._take(out, first, stale) is True
     assert leases._take(out, second, stale) is False
-    assert read_holder(out).token == "first" and sorted(p.name for p in tmp_path.iterdir()) == ["_lease.json"]
+    assert read_holder(out).token == "first" and sorted(p.name for p in tmp_path.iterdir()) == [
+        ".lease.lock", "_lease.json"]  # the lease lock stays while a lease is held (#52: the heartbeat's CAS)
 
 
 @pytest.fixture(scope="module")
