@@ -77,7 +77,9 @@ class StructuredSpec:
             return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
         text = self.text
         if "::=" in text:  # GBNF (llama.cpp's, as vLLM's xgrammar backend reads it): llguidance converts it
-            text = llguidance.gbnf_to_lark(text)
+            from llguidance.gbnf_to_lark import gbnf_to_lark
+
+            text = gbnf_to_lark(text)
         return llguidance.LLMatcher.grammar_from_lark(text)
 
     def check(self) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,6 +36,7 @@ LENGTH = 3
 SAMPLES = 3000
 ACCEPT_P = 1e-3
 REJECT_P = 1e-6
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 ENDLESS = {"regex": "(ab|ba|c)*"}  # never completes: every row runs its 3 tokens (no EOS needed)
 
 
@@ -79,6 +81,7 @@ def test_parse_reads_vllms_keys():
                                                                             '"integer"}}, "type": "object"}'})
     assert parse_structured({"json_object": True}).kind == "json_object"
     assert parse_structured({"grammar": 'start: "yes" | "no"'}).kind == "grammar"
+    assert parse_structured({"grammar": 'root ::= "yes" | "no"'}).kind == "grammar"  # GBNF, converted
     assert parse_structured({"json": schema, "whitespace_pattern": " ?"}).whitespace_pattern == " ?"
 
 
@@ -89,6 +92,7 @@ def test_parse_reads_vllms_keys():
     ({"json": '{"type": "object"'}, "json is not a JSON schema"),
     ({"json": {"type": "objekt"}}, "invalid json"),
     ({"grammar": "start: undefined_rule"}, "invalid grammar"),
+    ({"grammar": 'root ::= ("a"'}, "invalid grammar"),
     ({"choice": []}, "choice must be a non-empty list of strings"),
     ({"json_object": "yes"}, "json_object must be true"),
     (["regex"], "expected an object"),
@@ -263,3 +267,33 @@ def test_rows_without_a_grammar_build_no_grammar_state(pair):
     batcher.admit([PROMPT, PROMPT], max_new_tokens=3, warps=[SamplingWarp(0.7), SamplingWarp(1.0, top_k=3)])
     list(batcher.finished())
     assert batcher.row_warps.grammars is None and batcher.row_warps.penalties is None
+
+
+# --- the other kinds, on the embedded pair's tokenizer ---------------------------------------------------------
+
+
+@pytest.mark.skipif(not (PROJECT_ROOT / "assets/models/target/config.json").exists(), reason="no embedded pair")
+def test_json_object_lark_and_gbnf_rows_on_the_embedded_pair():
+    """json_object (any JSON object, compact), a Lark grammar and a GBNF one (converted): every row that stops is
+    valid; the kinds share one compiler (one compilation each)."""
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root = PROJECT_ROOT / "assets/models"
+    tokenizer = AutoTokenizer.from_pretrained(root / "target")
+    target, draft = (AutoModelForCausalLM.from_pretrained(root / name) for name in ("target", "draft"))
+    kinds = [{"json_object": True, "disable_any_whitespace": True}, {"grammar": 'start: "yes" | "no" | "maybe"'},
+             {"grammar": 'root ::= "red" | "green" ("ish")?'}]
+    compiler = StructuredCompiler(tokenizer, vocab_size=target.config.vocab_size)
+    prompts = [tokenizer(text)["input_ids"] for text in ("def f(x):", "import os", "class A:")]
+    out = generate(target, draft, prompts * 2, method="spectr", num_drafts=2, draft_length=3, max_new_tokens=40,
+                   eos_token_id=tokenizer.eos_token_id, seed=1, structured_outputs=kinds * 2, tokenizer=compiler)
+    checks = [lambda t: isinstance(json.loads(t), dict), lambda t: t in ("yes", "no", "maybe"),
+              lambda t: t in ("red", "green", "greenish")]
+    stopped = 0
+    for row, tokens in enumerate(out.tokens):
+        if tokens and tokens[-1] == tokenizer.eos_token_id:
+            stopped += 1
+            assert checks[row % 3](tokenizer.decode(tokens[:-1])), tokenizer.decode(tokens)
+    assert stopped >= 4 and compiler.compiled == 3
