@@ -342,8 +342,9 @@ class RowWarps:
     def probs(self, logits: torch.Tensor, paths: NodePaths | None = None) -> torch.Tensor:
         """Warped probabilities of rows [0, R) of the pool: logits [R, ..., V] -> [R, ..., V] float32.
 
-        paths: each node's draft tokens (`spectr.penalties.NodePaths`), needed when `path_dependent`: the logit
-        bias, then the penalties and min_tokens with the node's path counts, then the other warps."""
+        paths: each node's draft tokens (`spectr.penalties.NodePaths`), needed when `path_dependent`: the grammar
+        and bad-words masks of the node's path (`spectr.structured`, `spectr.bad_words`), the logit bias (with
+        allowed_token_ids), then the penalties and min_tokens with the node's path counts, then the other warps."""
         rows = logits.shape[0]
         if self._pending_bias:
             self._fold_bias(logits.shape[-1], logits.device)
