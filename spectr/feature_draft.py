@@ -338,17 +338,8 @@ def _target_parts(target) -> tuple[nn.Embedding, nn.Linear, object]:
     return target.get_input_embeddings(), target.get_output_embeddings(), text_config
 
 
-def load_feature_draft(folder, target=None, dtype: torch.dtype | None = None, device=None) -> FeatureDraftModel:
-    """The feature draft in `folder` (ours, EAGLE or EAGLE-3 layout), bound to `target` (an HF causal LM: its
-    embedding and output layer are shared) when given, else bound by the engine to the target it is paired
-    with (`bind`). Raises ValueError naming what does not fit."""
-    folder = Path(folder)
-    kind = feature_draft_kind(folder)
-    if kind is None:
-        raise ValueError(f"{folder} is not a feature draft (no EAGLE layout found)")
-    raw = json.loads((folder / "config.json").read_text())
-    tensors = _weights(folder)
-    text = _target_parts(target)[2] if target is not None else None
+def _read_config(folder: Path, kind: str, raw: dict, has_d2t: bool, text) -> FeatureDraftConfig:
+    """The head's config from its config.json (`text`: the target's config, for what the file leaves out)."""
     missing = [key for key in ("hidden_size", "num_attention_heads", "vocab_size") if key not in raw]
     if missing and text is None:
         raise ValueError(f"{folder}: config.json lacks {missing}")
@@ -358,8 +349,7 @@ def load_feature_draft(folder, target=None, dtype: torch.dtype | None = None, de
     if text is not None and hidden != int(text.hidden_size):
         raise ValueError(f"{folder}: the feature draft's hidden size {hidden} is not the target's "
                          f"{text.hidden_size}: it was made for another target")
-    eagle_config = raw.get("eagle_config") or {}
-    feature_layers = eagle_config.get("eagle_aux_hidden_state_layer_ids")
+    feature_layers = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if feature_layers is None:  # the published defaults, which need the target's depth
         layers = int(raw.get("target_num_hidden_layers") or (text.num_hidden_layers if text is not None else -1))
         if layers < 0:
@@ -367,10 +357,10 @@ def load_feature_draft(folder, target=None, dtype: torch.dtype | None = None, de
                              "eagle_aux_hidden_state_layer_ids); load it with its target")
         feature_layers = [2, layers // 2, layers - 3] if kind == EAGLE3 else [layers]
     draft_vocab = raw.get("draft_vocab_size")
-    if draft_vocab is not None and int(draft_vocab) == vocab and "d2t" not in tensors:
+    if draft_vocab is not None and int(draft_vocab) == vocab and not has_d2t:
         draft_vocab = None
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    config = FeatureDraftConfig(
+    return FeatureDraftConfig(
         kind=kind, hidden_size=hidden, num_attention_heads=heads,
         num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
         head_dim=int(raw.get("head_dim") or hidden // heads),
@@ -380,6 +370,19 @@ def load_feature_draft(folder, target=None, dtype: torch.dtype | None = None, de
         rope_scaling=rope if rope.get("rope_type", rope.get("type", "default")) not in ("default", None) else None,
         draft_vocab_size=None if draft_vocab is None else int(draft_vocab),
     )
+
+
+def load_feature_draft(folder, target=None, dtype: torch.dtype | None = None, device=None) -> FeatureDraftModel:
+    """The feature draft in `folder` (ours, EAGLE or EAGLE-3 layout), bound to `target` (an HF causal LM: its
+    embedding and output layer are shared) when given, else bound by the engine to the target it is paired
+    with (`bind`). Raises ValueError naming what does not fit."""
+    folder = Path(folder)
+    kind = feature_draft_kind(folder)
+    if kind is None:
+        raise ValueError(f"{folder} is not a feature draft (no EAGLE layout found)")
+    tensors = _weights(folder)
+    text = _target_parts(target)[2] if target is not None else None
+    config = _read_config(folder, kind, json.loads((folder / "config.json").read_text()), "d2t" in tensors, text)
     renamed = {}
     for name, tensor in tensors.items():
         for prefix, new in _RENAMES.items():
@@ -395,7 +398,7 @@ def load_feature_draft(folder, target=None, dtype: torch.dtype | None = None, de
         renamed.pop("norm.weight")
     model = FeatureDraftModel(config)
     missing, unexpected = model.load_state_dict(renamed, strict=False)
-    missing = [m for m in missing if m != "d2t" or draft_vocab is not None]
+    missing = [m for m in missing if m != "d2t" or config.draft_vocab_size is not None]
     if missing or unexpected:
         raise ValueError(f"{folder}: the {kind} checkpoint does not fit its config: missing {missing}, "
                          f"unexpected {unexpected}")
