@@ -445,6 +445,10 @@ class ContinuousBatcher:
         self._compile_base = compile_seconds_so_far()
         for model in models:
             model.set_compiled(compiled)  # may refuse (ValueError): then nothing is decided, nothing half set
+        draft_cache = getattr(self.rows.drafter, "cache", None)
+        for model, cache in ((self.target, self.target_cache), (self.draft, draft_cache)):
+            if compiled and isinstance(model, NativeCausalLM) and cache is not None:
+                model.take_pool(cache.rows)  # the model's static pool, before any view of the cache is taken
         self.compiled = self.loop.compiled = self.stats.compiled = compiled
 
     # -- admission -----------------------------------------------------------------------
