@@ -54,6 +54,7 @@ COMMITS_DIR = "_commits"
 SEGMENT_RECORDS = 256
 _SEGMENT = re.compile(r"^seg-(\d{6,})-(\d{6,})\.jsonl$")
 COMMIT_BACKOFF_S = 1.0  # before the n-th retry of an append: n times this
+APPEND_TIMEOUT_S = 600.0  # an append (a local write and fsync, an upload) that has not returned by then: the job fails
 
 log = logging.getLogger("pipeline")
 
@@ -61,6 +62,10 @@ log = logging.getLogger("pipeline")
 class CommitLogReplaced(JobFailedError):
     """The local log this job appends to was rewritten or removed by another job (its compaction, after it took
     the directory over): this job no longer holds the directory, and appends nothing more."""
+
+
+class CommitTimeout(JobFailedError):
+    """An append to the commit log did not return within its limit (`CommitWriter.timeout_s`)."""
 
 
 def _open_append(path: str) -> Any:
@@ -146,9 +151,12 @@ class CommitWriter:
     check, is raised by the next `submit`, `committed` or `flush`; nothing after it is appended."""
 
     def __init__(self, commits: AppendLog | SegmentLog, check: Callable[[], None] | None = None,
-                 attempts: int = fs.BEST_EFFORT_ATTEMPTS, backoff_s: float | None = None):
+                 attempts: int = fs.BEST_EFFORT_ATTEMPTS, backoff_s: float | None = None,
+                 timeout_s: float = APPEND_TIMEOUT_S):
         self.commits, self.check, self.attempts = commits, check, attempts
         self.backoff_s = COMMIT_BACKOFF_S if backoff_s is None else backoff_s
+        self.timeout_s = timeout_s  # one append's limit: a hung filesystem (an NFS hard mount) fails the job
+        self._busy_since = 0.0
         self._pending: deque[tuple[dict[str, Any], Any]] = deque()
         self._done: list[Any] = []
         self._error: BaseException | None = None
@@ -172,9 +180,12 @@ class CommitWriter:
             return done
 
     def flush(self) -> list[Any]:
-        """Wait until every submitted record is appended (or one failed for good); then `committed()`."""
+        """Wait until every submitted record is appended (or one failed for good, or one append ran past
+        `timeout_s`); then `committed()`."""
         with self._changed:
-            self._changed.wait_for(lambda: self._error is not None or not (self._pending or self._busy))
+            while not self._changed.wait_for(lambda: self._error is not None or not (self._pending or self._busy),
+                                             timeout=1.0):
+                self._raise()
         return self.committed()
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -187,6 +198,11 @@ class CommitWriter:
         self.commits.close()
 
     def _raise(self) -> None:
+        """Under the lock: the append's failure, or one that has not returned for `timeout_s`."""
+        if self._error is None and self._busy and time.monotonic() - self._busy_since > self.timeout_s:
+            self._error = CommitTimeout(f"commit log: an append has not returned for {self.timeout_s:g} s (a hung "
+                                        "filesystem or store?); the job stops without _SUCCESS (re-run to resume)")
+            self._pending.clear()
         if self._error is not None:
             raise self._error
 
@@ -197,7 +213,7 @@ class CommitWriter:
                 if self._closed:
                     return
                 record, item = self._pending.popleft()
-                self._busy = True
+                self._busy, self._busy_since = True, time.monotonic()
             try:
                 self._append(record)
             except BaseException as err:  # noqa: BLE001 - raised on the job's thread

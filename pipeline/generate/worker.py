@@ -22,10 +22,12 @@ same way without being generated. This class does not talk to MLflow.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,6 +87,31 @@ def with_plan(schema: Any, plan: dict[str, Any] | None) -> Any:
     import json
 
     return schema.with_metadata({**(schema.metadata or {}), PLAN_METADATA_KEY: json.dumps(plan).encode()})
+
+
+IO_TICK_S = 1.0  # while a worker's read or write runs, one tick of progress (pipeline.busy) this often
+IO_LIMIT_S = 600.0  # an I/O call that has not returned after this long no longer counts: a hang, restarted
+
+
+@contextlib.contextmanager
+def io_progress() -> Iterator[None]:
+    """A slow read or write (a row group from a far store, the lease check, a part upload) is work, not a hang:
+    while the block runs, a daemon thread ticks the stall watchdog's progress (`pipeline.busy.advance`) every
+    `IO_TICK_S`, for at most `IO_LIMIT_S` (a call hung past that is left to the watchdog: the actor is
+    restarted, its shards re-queued)."""
+    done = threading.Event()
+
+    def tick() -> None:
+        deadline = time.monotonic() + IO_LIMIT_S
+        while not done.wait(IO_TICK_S) and time.monotonic() < deadline:
+            busy.advance()
+
+    thread = threading.Thread(target=tick, name="io-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
 
 
 def first_errors(rows: list[dict[str, Any]]) -> list[list[Any]]:
@@ -209,19 +236,20 @@ class ShardGenerator:
             raise RuntimeError(
                 "ShardGenerator.generate_shard needs a `job` (at construction or with the shard)"
             )
-        with self._text_lock:
+        with self._text_lock, io_progress():
             shard = load_shard(task, job.source, self.tokenizer, job.data, self.spectr.seed, self.cache)
         self._shard_steps += 1
         self.feed.max_budget = job.source.max_budget  # the pool is sized for the input's largest budget
         self.feed.pair_key, self.feed.warm_states = job.plan_pair, job.plan_states  # method=auto: warm start
         result = self(shard)
         output = fs.resolve(job.output_uri, "output_dir")
-        if job.lease_token:  # a late writer of a job that no longer holds the directory writes nothing
-            check_holder(output, job.lease_token)
         schema = with_plan(job.schema, result.plan)  # method=auto: the plan that generated this shard
-        result.file, result.bytes = write_shard(
-            output, task.index, result.rows, schema, job.part_digits, task.fence
-        )  # named for the attempt: a late writer never replaces the part the commit log names
+        with io_progress():  # a slow store's check and upload are work for the stall watchdog
+            if job.lease_token:  # a late writer of a job that no longer holds the directory writes nothing
+                check_holder(output, job.lease_token)
+            result.file, result.bytes = write_shard(
+                output, task.index, result.rows, schema, job.part_digits, task.fence
+            )  # named for the attempt: a late writer never replaces the part the commit log names
         self._shard_steps += 1
         result.rows, result.attempt = None, task.attempt  # the driver gets statistics only
         return result

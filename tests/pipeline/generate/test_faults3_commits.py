@@ -74,3 +74,30 @@ def test_the_lease_is_read_right_before_each_append(tmp_path):
     finally:
         lease.release()
     assert list(read_commit_records(out)) == []
+
+
+def test_an_append_that_never_returns_fails_the_job_after_its_limit():
+    """The log's file system hangs (an NFS hard mount whose server went away; injected: an append that blocks
+    until the test ends). Before, the job's end waited on it for ever; now `flush` raises once the append ran
+    past the writer's limit."""
+    import threading
+
+    from pipeline.generate.commit_log import CommitTimeout
+
+    release = threading.Event()
+
+    class HungLog:
+        def append(self, record):
+            release.wait(60)
+
+        def close(self):
+            pass
+
+    writer = CommitWriter(HungLog(), timeout_s=0.3)
+    try:
+        writer.submit(record(0, "a"), "shard 0")
+        with pytest.raises(CommitTimeout, match="has not returned for 0.3 s"):
+            writer.flush()
+    finally:
+        release.set()
+        writer.close()
