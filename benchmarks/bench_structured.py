@@ -77,9 +77,12 @@ def main() -> None:
                 tokens = sum(map(len, out.tokens))
                 row = (tokens / wall, out.stats.block_efficiency, tokens / len(prompts), grammar_seconds[0] / wall)
                 results.setdefault((method, num_drafts, draft_length, constrained), []).append(row)
+                st = out.stats  # other: prefill and admission, outside the iterations' phases
                 print(f"{method:14s} K={num_drafts} L={draft_length} constrained={constrained!s:5s} "
                       f"{row[0]:7.1f} tok/s  block efficiency {row[1]:.2f}  mean length {row[2]:.1f}  "
-                      f"masks {100 * row[3]:.1f}% of wall", flush=True)
+                      f"masks {100 * row[3]:.1f}% of wall  (s: draft {st.draft_seconds:.1f} target "
+                      f"{st.target_seconds:.1f} selection {st.selection_seconds:.1f} other {st.other_seconds:.1f}; "
+                      f"iterations {st.iterations})", flush=True)
     print("# medians")
     for (method, k, length, constrained), rows in results.items():
         print(f"{method:14s} K={k} L={length} constrained={constrained!s:5s} "
