@@ -385,7 +385,8 @@ def _worker_job(plan: JobPlan, schema: Any) -> WorkerJob:
     pair = plan_cache.pair_key(plan)
     states = plan_cache.load_states(plan, pair) if plan.config.spectr.method == "auto" else {}
     return WorkerJob(plan.config.data, plan.source, plan.output.uri, plan.manifest.part_digits, schema, pair, states,
-                     plan.config.spectr, lease_token=plan.lease.holder.token if plan.lease is not None else "")
+                     plan.config.spectr, lease_token=plan.lease.holder.token if plan.lease is not None else "",
+                     model_fingerprints=plan.model_fingerprints)
 
 
 def _generate(

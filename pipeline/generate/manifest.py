@@ -42,6 +42,9 @@ class Manifest:
     id_kind: str = "int"
     shard_size: int | None = None  # rows per shard (None in manifests older than shard_size=null)
     samples_per_shard: int | None = None  # samples of each prompt per shard (None: all of them; `ShardLayout`)
+    # {role: {file: sha256}} covering every tensor (`pipeline.hashing.tensor_fingerprint`), not in the config hash:
+    # the pair every actor must have loaded (None: a manifest written before it)
+    model_fingerprints: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -54,6 +57,7 @@ class Manifest:
             "id_kind": self.id_kind,
             "shard_size": self.shard_size,
             **({"samples_per_shard": self.samples_per_shard} if self.samples_per_shard else {}),
+            **({"model_fingerprints": self.model_fingerprints} if self.model_fingerprints else {}),
         }
 
     @classmethod
@@ -67,6 +71,7 @@ class Manifest:
             id_kind=str(raw.get("id_kind", "int")),
             shard_size=raw.get("shard_size"),
             samples_per_shard=raw.get("samples_per_shard"),
+            model_fingerprints=raw.get("model_fingerprints"),
         )
 
     def save(self, output: fs.Location) -> None:

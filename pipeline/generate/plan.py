@@ -35,7 +35,7 @@ from pipeline.generate.shards import (
     part_digits,
     shard_layout,
 )
-from pipeline.hashing import stable_hash
+from pipeline.hashing import stable_hash, tensor_fingerprint
 from pipeline.readers import limit_note, scan_source
 from pipeline.redact import redacted
 from pipeline.row_columns import SampleCounts
@@ -58,6 +58,7 @@ class JobPlan:
     run_tag: str = field(default_factory=lambda: uuid.uuid4().hex[:8])  # fences this run's part names
     limit_note: str = ""  # "first N of M rows (data.limit)" when data.limit left input rows out
     samples: SampleCounts | None = None  # each row's n, counted by the scan (with data.sampling_params_column)
+    model_fingerprints: dict[str, Any] = field(default_factory=dict)  # {role: tensor_fingerprint}: the actors check
     checked_s: float = 0.0  # seconds the config and input check took (the job's first line)
     mlflow_down: str | None = None  # why the job goes on without MLflow (its server did not answer the check)
 
@@ -148,10 +149,10 @@ def prepare(config: GenerateConfig) -> JobPlan:
 
     settings = generation_settings(config)
     settings["inputs"] = listing.identity()
-    settings["models"] = {
-        role: models.model_identity(models.check_model_dir(path, f"model.{role}", config.model.allow_pickle))
-        for role, path in (("target", config.model.target), ("draft", config.model.draft))
-    }
+    model_dirs = {role: models.check_model_dir(path, f"model.{role}", config.model.allow_pickle)
+                  for role, path in (("target", config.model.target), ("draft", config.model.draft))}
+    settings["models"] = {role: models.model_identity(path) for role, path in model_dirs.items()}
+    fingerprints = {role: tensor_fingerprint(path) for role, path in model_dirs.items()}
     settings = redacted(settings)  # _manifest.json holds them; a changed password is the same input and models
     config_hash = stable_hash(settings)
     output = fs.resolve(config.output_dir or f"runs/generate-{config_hash[:12]}", "output_dir")
@@ -184,16 +185,32 @@ def prepare(config: GenerateConfig) -> JobPlan:
     shards = layout.num_shards
     if existing is not None:
         _check_same_plan(existing, listing.path, output, source.num_rows, shards, samples)
+        _check_same_models(existing, fingerprints, config, output)
     manifest = existing or Manifest(
         config_hash, settings, source.num_rows, shards, part_digits(shards), source.id_kind, layout.shard_size,
-        samples_per_shard=layout.samples_per_shard if samples > 1 else None,
+        samples_per_shard=layout.samples_per_shard if samples > 1 else None, model_fingerprints=fingerprints,
     )
     if existing is not None:
         state = load_state(output, shards, config.retry_failed)
     else:
         state = OutputState(done=bytearray(shards))
     return JobPlan(config, output, config_hash, settings, source, manifest, existing is not None, state,
-                   limit_note=limit_note(config.data, listing, source.num_rows), samples=counts)
+                   limit_note=limit_note(config.data, listing, source.num_rows), samples=counts,
+                   model_fingerprints=fingerprints)
+
+
+def _check_same_models(existing: Manifest, fingerprints: dict[str, Any], config: GenerateConfig,
+                       output: fs.Location) -> None:
+    """Resume: every tensor of the pair is the one the directory was started with (the config hash's identity
+    samples large files only)."""
+    for role, before in (existing.model_fingerprints or {}).items():
+        now = fingerprints.get(role, {})
+        changed = sorted(name for name in set(before) | set(now) if before.get(name) != now.get(name))
+        if changed:
+            raise JobInputError(
+                f"model.{role}: the model at {getattr(config.model, role)} changed since {output.uri} was started "
+                f"({', '.join(changed[:3])}: tensors differ); restore it to resume, or choose another output_dir"
+            )
 
 
 def _check_same_plan(existing: Manifest, path: str, output: fs.Location, rows: int, shards: int, samples: int) -> None:

@@ -73,6 +73,12 @@ class WorkerJob:
     plan_states: dict[str, Any] = field(default_factory=dict)  # method=auto: cached chooser states by entry key
     spectr: SpectrConfig | None = None  # the job's engine settings: an actor built for another (kept) takes them
     lease_token: str = ""  # the job's lease: a part is written only while the job holds the directory ('' no check)
+    model_fingerprints: dict[str, Any] = field(default_factory=dict)  # {role: tensor_fingerprint} of the plan's pair
+
+
+class ModelMismatch(RuntimeError):
+    """The pair this actor loaded is not the one the job was planned with (another copy on this node, or files
+    rewritten since): it generates nothing."""
 
 
 PLAN_METADATA_KEY = b"spectr.plan"
@@ -171,11 +177,40 @@ class ShardGenerator:
         plan = models.target_plan(model.target, model, gpus)
         if plan is not None:
             log.info("model.device_map=auto: the target is split over the actor's %d GPUs", gpus)
+        before = self._fingerprints(model)
         self.target = models.load_model(model.target, model, device, plan=plan)
         self.draft = models.load_model(model.draft, model, device)
+        after = self._fingerprints(model)  # the same before and after: the files loaded are these
+        self.model_fingerprints = after if after == before else {"changed while loading": True}
+        self._models_checked: Any = None  # the WorkerJob whose fingerprints this pair matched
         self.eos_token_id = models.eos_token_ids_of(self.target, self.tokenizer)  # every EOS id
         self._new_feed(spectr)
         self.startup = {"load_s": time.time() - init_started}  # torch, the stack's imports, the pair's load
+
+    @staticmethod
+    def _fingerprints(model: ModelConfig) -> dict[str, Any]:
+        from pipeline import models
+        from pipeline.hashing import tensor_fingerprint
+
+        return {role: tensor_fingerprint(models.check_model_dir(path, f"model.{role}", model.allow_pickle))
+                for role, path in (("target", model.target), ("draft", model.draft))}
+
+    def _check_models(self, job: WorkerJob) -> None:
+        """Raise ModelMismatch unless the pair loaded here is the job's, tensor for tensor (once per job)."""
+        if not job.model_fingerprints or self._models_checked is job:
+            return
+        import socket
+
+        for role, wanted in job.model_fingerprints.items():
+            here = self.model_fingerprints.get(role)
+            if here != wanted:
+                files = sorted(n for n in set(wanted) | set(here or {}) if (here or {}).get(n) != wanted.get(n))
+                why = "its files changed while it loaded" if "changed while loading" in self.model_fingerprints \
+                    else f"files that differ: {', '.join(files[:3])}"
+                raise ModelMismatch(f"model.{role}: the model this actor loaded on host {socket.gethostname()} is not "
+                                    f"the one the job was planned with ({why}); every node needs the same copy, "
+                                    "unchanged while the job runs")
+        self._models_checked = job
 
     def _new_feed(self, spectr: SpectrConfig) -> None:
         """One continuous batch (one cache pool) for every shard this actor holds, built at the first shard."""
@@ -236,6 +271,7 @@ class ShardGenerator:
             raise RuntimeError(
                 "ShardGenerator.generate_shard needs a `job` (at construction or with the shard)"
             )
+        self._check_models(job)  # no row from a pair other than the plan's
         with self._text_lock, io_progress():
             shard = load_shard(task, job.source, self.tokenizer, job.data, self.spectr.seed, self.cache)
         self._shard_steps += 1
