@@ -97,7 +97,9 @@ def test_a_server_that_refuses_the_credentials_is_a_config_error(stub, tiny_pair
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("stub", ["hang", "hang-after-check"], indirect=True)
+# the check's hang in a whole job is slow (the check's own answer: the first test above; a server that is not
+# there at all: test_generate_mlflow_server.py); the run's creation hanging is the default suite's
+@pytest.mark.parametrize("stub", [pytest.param("hang", marks=pytest.mark.slow), "hang-after-check"], indirect=True)
 def test_a_server_that_hangs_at_the_start_leaves_the_job_to_finish_without_mlflow(
     stub, tiny_pair, prompts_jsonl, tmp_path, ray_local, caplog
 ):
