@@ -24,7 +24,9 @@ layer is one gather and one scatter per group (per device, never per layer). `le
 caller's index tensors live on `device` (the engine's device, the first group's); a group on
 another device gets its own copy of the index tensors (one `.to` per group, a no-op on one device). A finished row's slot is reset (`reset_rows`: its length
 goes to 0, and its entries are zeroed only on request), never compacted by copying the
-buffer. Every attention layer must share one (KV heads, head dim, dtype); a model whose
+buffer. A cache may instead borrow a larger, longer-lived pool (`adopt`: the compiled engine's static pool, one
+per model for the process): its buffers are then views of the pool's first rows and slots. Every attention layer
+must share one (KV heads, head dim, dtype); a model whose
 layers differ is refused with a ValueError naming the layer. A forward attends a view
 `[..., :view_length, :]` with view_length = max committed length + new tokens: one host int
 per forward, known without a device sync.
@@ -66,6 +68,7 @@ class RowKVCache:
         # layer i -> (its group, its index in the group's buffer)
         self._layer_at = [(g, i - a) for g, (a, b, _) in enumerate(self.groups) for i in range(a, b)]
         self.buffers: list[torch.Tensor | None] = [None] * len(self.groups)  # per group [layers in g, 2, B, H, C, D]
+        self.pool: tuple[torch.Tensor, ...] | None = None  # the whole buffers `buffers` are views of (`adopt`)
         self.lengths = torch.zeros(batch_size, dtype=torch.int64, device=self.device)  # [B]
         self._write_slots: torch.Tensor | None = None  # [B, T]
         self._write_index: torch.Tensor | None = None  # [B, H, T, D]
@@ -131,6 +134,20 @@ class RowKVCache:
         for g, (start, stop, device) in enumerate(self.groups):
             shape = (stop - start, 2, self.batch_size, heads, self.capacity, head_dim)
             self.buffers[g] = torch.zeros(shape, dtype=keys.dtype, device=device)
+        self.pool = tuple(self.buffers)
+
+    def adopt(self, pool: Sequence[torch.Tensor]) -> None:
+        """Take storage from a larger pool (per group [layers in g, 2, P >= B, H, C' >= capacity, D]): the buffers
+        become views of its first B rows and `capacity` slots, zeroed; `pool` keeps the whole tensors (what a
+        compiled core reads, so that every cache lent the same pool calls it with the same tensors)."""
+        for (start, stop, _), buffer in zip(self.groups, pool):
+            if buffer.shape[0] != stop - start or buffer.shape[2] < self.batch_size or buffer.shape[4] < self.capacity:
+                raise ValueError(f"a pool buffer of shape {tuple(buffer.shape)} cannot hold layers [{start}, {stop}) "
+                                 f"of {self.batch_size} rows x {self.capacity} slots")
+        self.pool = tuple(pool)
+        self.buffers = [b[:, :, : self.batch_size, :, : self.capacity] for b in self.pool]
+        for buffer in self.buffers:
+            buffer.zero_()
 
     def write(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store one layer's new keys/values [B, H, T, D]; return the attended views [B, H, view_length, D]."""

@@ -36,18 +36,20 @@ candidates included; a size of 1, one row or one new token, gets graphs of its o
 for why sizes of 1 are not traced like the others). Its inputs have
 one layout whatever the call: the pool's whole buffer (rows and view are sliced inside the graph,
 so a narrower iteration changes no stride) and fresh contiguous tensors (no aliasing, no expanded
-strides). On CUDA it uses `mode="reduce-overhead"` (CUDA graphs, recorded per concrete shape), marks
-the pool buffer a static address (read in place, never copied into the graph; one pool per model and
-shape, reused by the next batcher once the last is gone), and pads the view length to a multiple of
-`CUDA_VIEW_BUCKET` slots (masked columns), the new tokens to `width_bucket` widths (pads in front, writing
-nowhere) and the batcher pads the rows to powers of 2, so that the number of recordings per configuration
-is bounded: |row buckets| x |width buckets| x |view buckets| (`CUDA_SHAPE_RULES`); its outputs are cloned (a later replay
+strides). Its KV pool is the model's *static pool* (`StaticPool`, `ModelState`: one per model for the process,
+sized by `reserve_pool` or grown to the larger of what batchers need, lent to one cache at a time), so every
+batcher, `generate` call and shard calls the core with the same pool tensors. On CUDA it uses
+`mode="reduce-overhead"` (CUDA graphs, recorded per concrete shape), marks the pool a static address (read in
+place, never copied into the graph), and pads the view length to `view_bucket` (masked columns), the new tokens
+to `width_bucket` widths (pads in front, writing nowhere) and the batcher pads the rows to powers of 2, so that
+the number of recordings per pool is bounded: |row buckets| x |width buckets| x |view buckets| (`CUDA_SHAPE_RULES`); its outputs are cloned (a later replay
 overwrites the graph's output memory). On the CPU, inductor's options are `CPU_VARIANTS[CPU_VARIANT]`:
 frozen weights (constants of the graph, prepacked; the engine runs in inference mode, where freezing
 applies) and, per the measurements, inductor's own GEMM template for the linears over a few tokens. On
 the CPU the compiled core multiplies by copies of its own (`LINEAR_LAYOUT`: fused q|k|v and gate|up, [K, N]
-contiguous, and oneDNN-packed over 2..32 rows: a verify that reads the weights about once). Compiled calls are guarded (`NativeCausalLM`): one that raises, or a first forward of a new shape
-class that disagrees with HF's eager forward (`SELF_CHECK`), falls back to eager for good, loudly.
+contiguous, and oneDNN-packed over 2..32 rows: a verify that reads the weights about once). Compiled calls are guarded (`NativeCausalLM`): one that raises, or a shape class's first call or first
+replay whose logits or written keys/values disagree with HF's eager forward (`SELF_CHECK`), falls back to eager
+for good, loudly; a CUDA-side fault raises `DeviceFault` instead (nothing runs on a poisoned context).
 Prefill (a forward over a `RowView`: newly admitted rows)
 always runs eager, so a new prompt length never compiles a graph. `compiled=False` runs the HF
 model itself (`HFCausalLM.forward`), bit for bit the engine's eager path.
@@ -61,6 +63,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import logging
 import warnings
 import weakref
 
@@ -73,6 +76,7 @@ from spectr.selection import get_token_selector
 from spectr.sequence import SEQUENCE_RULES, select_tree
 from spectr.split import layer_groups, moved
 
+LOG = logging.getLogger(__name__)
 NATIVE_MODEL_TYPES = ("llama", "qwen2")
 NATIVE_ROPE_TYPES = ("default", "linear", "llama3")  # a fixed inv_freq (dynamic / yarn-style ones: HF's path)
 CUDA_VIEW_BUCKET = 64  # on CUDA the attended view is padded to a multiple of this (fewer CUDA graphs)
@@ -390,28 +394,111 @@ def split_pattern(allowed: torch.Tensor, write_slots: torch.Tensor) -> tuple[tor
     return cache_part, new_part
 
 
-# Per HF model: its NativeCore and (backend, variant, attention, kmajor, weights' versions, compiled core), shared by
-# every NativeCausalLM over it, so that a new batcher over the same model (a worker rebuilding its pool, a test)
-# reuses the graphs already compiled.
+class StaticPool:
+    """A model's KV pool under compile: per group of layers one buffer [layers in g, 2, rows, Hkv, capacity, D],
+    allocated once and lent to one cache at a time (`RowKVCache.adopt`: the cache's buffers become views of its
+    first rows and slots). The compiled core always reads the whole buffers, so every batcher, `generate` call,
+    shard or Ray Data batch over the model calls it with the same tensors: one address (CUDA graphs replay
+    instead of re-recording) and one shape (no new graph). `generation` counts the pools the model has had."""
+
+    def __init__(self, key: tuple, buffers: tuple, rows: int, capacity: int, generation: int):
+        self.key, self.buffers, self.rows, self.capacity, self.generation = key, buffers, rows, capacity, generation
+        self.holder = None  # a weak reference to the cache that holds the pool now
+        self.graph_bound: int | None = None  # under the CUDA shape rules: the graph shapes it can record (logged)
+
+    def fits(self, key: tuple, rows: int, capacity: int) -> bool:
+        return self.key == key and rows <= self.rows and capacity <= self.capacity
+
+    def free(self) -> bool:
+        return self.holder is None or self.holder() is None
+
+
+class ModelState:
+    """What every `NativeCausalLM` over one HF model shares (so that a new batcher over the model, a second
+    `generate` call, a worker rebuilding its batcher, reuses it): the core and its compiled function, the static
+    pool, the self-check's record of the shape classes it compared (a class is checked once per model and
+    compiled function, not once per batcher), and the concrete shapes the compiled core ran."""
+
+    def __init__(self, core: NativeCore):
+        self.core = core
+        self.compiled: tuple | None = None  # (backend, variant, attention, kmajor, versions, compiled function)
+        self.pool: StaticPool | None = None
+        self.pools_allocated = 0  # pools this model has had (a pool grows only when a batcher needs more)
+        self.reserved = (0, 0)  # (rows, capacity) that `reserve_pool` asked for
+        self.calls: dict = {}  # (compiled key, shape class) -> compiled calls so far (the self-check's counter)
+        self.graph_shapes: set = set()  # (pool generation, B, T, S, last_only) the compiled core ran with
+
+    def key(self) -> tuple | None:
+        return None if self.compiled is None else self.compiled[:5]
+
+
+# Per HF model: its `ModelState`, shared by every NativeCausalLM over it.
 _CORES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# Per HF model, on CUDA: the last pool buffers its compiled core read (shape key, buffers, a weak reference to the
-# cache that holds them). CUDA graphs read the pool at a static address; a new batcher of the same shape (a second
-# `spectr.generate` call) takes the same buffers while no live cache holds them, so its graphs replay instead of
-# being recorded (and compiled) again for new addresses.
-_STATIC_POOLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+# The static pool's sizes: rows rounded up to a power of 2, slots to `POOL_SLOT_BUCKET` x a width bucket (at most
+# 1.5x the slots asked for), so that a handful of sizes serves a job of varied prompts and budgets; a pool is
+# replaced only by a larger one (in each dimension the larger of the two), so a process has a few pools at most.
+POOL_SLOT_BUCKET = 64
+
+
+def pool_size(rows: int, capacity: int) -> tuple[int, int]:
+    """The (rows, slots) a static pool for `rows` rows of `capacity` slots is allocated with."""
+    return 1 << max(rows - 1, 0).bit_length(), POOL_SLOT_BUCKET * width_bucket(-(-capacity // POOL_SLOT_BUCKET))
+
+
+def reserve_pool(model, rows: int, capacity: int) -> None:
+    """Size `model`'s static pool (compiled mode) for at least `rows` rows of `capacity` slots, before any batcher
+    needs it: an actor that knows its configuration (batch size, the longest prompt + budget it allows, the widest
+    tree: a batcher's capacity is max_length + 2 + K x L) reserves once, and every batcher after takes the same
+    pool. Allocated at the next compiled forward that needs a pool."""
+    if rows < 1 or capacity < 1:
+        raise ValueError(f"reserve_pool needs rows and capacity >= 1, got {rows}, {capacity}")
+    state = _CORES.get(model)
+    if state is None:
+        state = _CORES[model] = ModelState(NativeCore(model))
+    state.reserved = (max(state.reserved[0], rows), max(state.reserved[1], capacity))
+
+
+def model_state(model) -> ModelState | None:
+    """`model`'s shared state (None before a `NativeCausalLM` or `reserve_pool` saw it): its pool, its graphs."""
+    return _CORES.get(model)
+
 
 # The CUDA shape rules (rows padded to a power of 2 by the batcher, new tokens to `width_bucket`, the view to
-# `CUDA_VIEW_BUCKET`, pooled static buffers): "auto" applies them on CUDA; True everywhere (tests count the shapes
-# a CUDA run would record on the CPU).
+# `view_bucket`): "auto" applies them on CUDA; True everywhere (tests count the shapes a CUDA run would record on
+# the CPU).
 CUDA_SHAPE_RULES = "auto"
 
-# The self-check of the compiled core: the first compiled forward of each new shape class (a new graph, or on CUDA a
-# new recorded shape) is compared with HF's eager forward on the same inputs; logits further apart than
-# atol + rtol * max |eager logit| (by dtype) send the model back to eager (`compile_fallbacks`). Costs one eager
-# forward per shape class: a handful per model and job (docs/compile.md).
+# The self-check of the compiled core: per model and compiled function, each shape class (a new graph, or on CUDA
+# a new recorded shape) is compared with HF's eager forward on the same inputs twice: at its first compiled call
+# and at its first replay (`REPLAY_CALL`: under CUDA graph trees the first call runs eagerly to warm up and the
+# second records, so the third is the first replay of the recorded graph). Compared: the logits and the new
+# keys/values the forward writes; further apart than atol + rtol * max |eager| (by dtype) sends the model back to
+# eager (`compile_fallbacks`). Costs two eager forwards per shape class and model: a handful per process.
 SELF_CHECK = True
 SELF_CHECK_TOLERANCE = {torch.float64: (1e-6, 1e-6), torch.float32: (1e-3, 1e-3)}
-SELF_CHECK_LOW_PRECISION = (0.1, 0.05)  # bfloat16 / float16
+SELF_CHECK_LOW_PRECISION = (0.1, 0.05)  # bfloat16 / float16 (docs/compile.md#the-self-check)
+REPLAY_CALL = {"cuda": 3}  # by device type; 2 elsewhere (the second call runs the compiled code once more)
+# Test-only: a function (logits, new_kv) -> (logits, new_kv) applied to the compiled core's outputs on every
+# call of a shape class from its first replay on: a recorded graph that replays wrong (tests/spectr/test_static_pool.py).
+REPLAY_HOOK = None
+
+# CUDA-side faults: after one the CUDA context is poisoned (every later call fails too), so the compiled core's
+# guard does not answer it eagerly: it raises `DeviceFault` and the caller (the job's actor) is sick.
+DEVICE_FAULT_MARKERS = ("CUDA error", "device-side assert", "illegal memory access", "an illegal instruction",
+                        "unspecified launch failure", "CUBLAS_STATUS_EXECUTION_FAILED", "misaligned address")
+
+
+class DeviceFault(RuntimeError):
+    """A CUDA-side fault (device assert, illegal address) inside the compiled core: the device is unusable."""
+
+
+def is_device_fault(error: BaseException) -> bool:
+    """Whether `error` is a CUDA-side fault (the context is poisoned: nothing on the device may run after it)."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(error, accelerator_error):
+        return True
+    return isinstance(error, RuntimeError) and any(m in str(error) for m in DEVICE_FAULT_MARKERS)
 
 
 def shape_rules(device: torch.device) -> bool:
@@ -428,21 +515,55 @@ def width_bucket(new: int) -> int:
     return power * 3 // 4 if new <= power * 3 // 4 else power
 
 
-def logits_mismatch(compiled: torch.Tensor, eager: torch.Tensor) -> str | None:
-    """None when the compiled logits agree with the eager ones within the dtype's tolerance, else what differs."""
+def view_bucket(view: int, capacity: int) -> int:
+    """The padded view length under the CUDA shape rules: `CUDA_VIEW_BUCKET` x `width_bucket` of the view in
+    units of CUDA_VIEW_BUCKET (64, 128, 192, 256, 384, 512, ...: at most 1.5x the slots, 2 log2 sizes), at most the
+    pool's `capacity`."""
+    return min(CUDA_VIEW_BUCKET * width_bucket(-(-view // CUDA_VIEW_BUCKET)), capacity)
+
+
+def graph_classes(batch_size: int, max_new: int, capacity: int) -> tuple[int, int, int]:
+    """The shape classes (rows x new tokens x view) a compiled core can record under the CUDA shape rules for a
+    batcher of `batch_size` rows whose forwards take at most `max_new` new tokens, over a pool of `capacity` slots:
+    (row classes, width classes, view classes); their product (x 2: a last-only call is a class of its own) bounds
+    the graphs of the process per pool. Enumerated up front, so a job's compile and recording cost is known."""
+    rows = {min(batch_size, 1 << (top - 1).bit_length()) for top in range(1, batch_size + 1)}
+    widths = {width_bucket(new) for new in range(1, max_new + 1)}
+    views = {view_bucket(view, capacity) for view in range(1, capacity + 1)}
+    return len(rows), len(widths), len(views)
+
+
+def tensor_mismatch(what: str, compiled: torch.Tensor, eager: torch.Tensor) -> str | None:
+    """None when `compiled` agrees with `eager` within the dtype's tolerance, else what differs (one host read)."""
     atol, rtol = SELF_CHECK_TOLERANCE.get(eager.dtype, SELF_CHECK_LOW_PRECISION)
     if compiled.shape != eager.shape:
-        return f"logits of shape {tuple(compiled.shape)} against eager {tuple(eager.shape)}"
+        return f"{what} of shape {tuple(compiled.shape)} against eager {tuple(eager.shape)}"
     finite = torch.isfinite(eager)
     if not torch.equal(finite, torch.isfinite(compiled)):
-        return "non-finite logits where eager's are finite (or the reverse)"
+        return f"non-finite {what} where eager's are finite (or the reverse)"
     if not bool(finite.any()):
         return None
     a, b = compiled.float()[finite], eager.float()[finite]
-    worst, scale = float((a - b).abs().max()), float(b.abs().max())  # one read, once per shape class
+    worst, scale = float((a - b).abs().max()), float(b.abs().max())  # one read, twice per shape class
     if worst > atol + rtol * scale:
-        return f"logits differ from eager by up to {worst:.3g} (tolerance {atol + rtol * scale:.3g} for {eager.dtype})"
+        return f"{what} differ from eager by up to {worst:.3g} (tolerance {atol + rtol * scale:.3g} for {eager.dtype})"
     return None
+
+
+def logits_mismatch(compiled: torch.Tensor, eager: torch.Tensor) -> str | None:
+    """None when the compiled logits agree with the eager ones within the dtype's tolerance, else what differs."""
+    return tensor_mismatch("logits", compiled, eager)
+
+
+def written_kv(buffers, write_slots: torch.Tensor, like) -> tuple[torch.Tensor, ...]:
+    """The keys/values a forward wrote at write_slots [B, T]: per group [n, 2, B, Hkv, T, D] read from `buffers`
+    (per group [n, 2, B, Hkv, C, D]), shaped as `like` (the compiled core's new_kv)."""
+    out = []
+    for buffer, kv in zip(buffers, like):
+        slots = moved(write_slots, buffer.device)
+        index = slots[None, None, :, None, :, None].expand(kv.shape)
+        out.append(buffer[:, :, : kv.shape[2]].gather(4, index))
+    return tuple(out)
 
 
 def weight_versions(model) -> tuple[int, ...]:
@@ -454,24 +575,31 @@ def weight_versions(model) -> tuple[int, ...]:
 class NativeCausalLM(HFCausalLM):
     """An `HFCausalLM` whose forward runs `NativeCore` (compiled or not); see the module docstring.
 
-    Compiled, a call that raises or whose first forward of a new shape class disagrees with the eager one
-    (`SELF_CHECK`) is answered by HF's eager forward, and the model stays eager from then on: one warning
-    naming the error, `compile_fallbacks` += 1 (the batcher adds it to `GenerationStats.compile_fallbacks`)."""
+    Compiled, a call that raises or that the self-check (`SELF_CHECK`: a shape class's first call and first
+    replay) finds apart from the eager forward is answered by HF's eager forward, and the model stays eager from
+    then on: one warning naming the error, `compile_fallbacks` += 1 (the batcher adds it to
+    `GenerationStats.compile_fallbacks`). A CUDA-side fault raises `DeviceFault` instead (no eager answer on a
+    poisoned context)."""
 
     def __init__(self, model, role: str = "model", compiled: bool = False):
         super().__init__(model, role)
         reason = native_supported(model)
         if reason is not None:
             raise ValueError(f"{self.description} cannot run the native forward: {reason}")
-        self.core, self._compiled_core = _CORES.get(model, (NativeCore(model), None))
-        _CORES[model] = (self.core, self._compiled_core)
+        self.state = _CORES.get(model)
+        if self.state is None:
+            self.state = _CORES[model] = ModelState(NativeCore(model))
+        self.core = self.state.core
         self.cuda = self.device.type == "cuda"
         self.compile_fallbacks = 0  # compiled calls answered by the eager forward (the model is eager since)
         self.fallback_error: str | None = None
-        self.shape_classes: set = set()  # shape classes the compiled core ran (and the self-check passed)
-        self.shapes: set = set()  # concrete (B, T, S) the compiled core was called with
+        self.shapes: set = set()  # concrete (B, T, S) the compiled core was called with (by this wrapper)
         self.compiled = False
         self.set_compiled(compiled)
+
+    @property
+    def _compiled_core(self) -> tuple | None:
+        return self.state.compiled
 
     def set_compiled(self, compiled: bool, variant: str | None = None) -> None:
         """Switch between the compiled core (built on first use) and HF's eager forward. `variant`: on the
@@ -491,20 +619,20 @@ class NativeCausalLM(HFCausalLM):
         self.compiled = bool(compiled)  # after the checks: a refused call changes nothing
         if not self.compiled:
             return
+        state = self.state
         versions = weight_versions(self.model)
-        if self._compiled_core is not None and self._compiled_core[4] != versions:
+        if state.compiled is not None and state.compiled[4] != versions:
             self.core.packed = None  # copies of the old weights: rebuilt below, and the graphs with them
-            self._compiled_core = None
+            state.compiled = None
         if layout == "kmajor":
             self.core.pack()
         else:
             self.core.packed = None
         key = (COMPILE_BACKEND, "cuda" if self.cuda else variant, ATTENTION, self.core.packed is not None, versions)
-        if self._compiled_core is None or self._compiled_core[:5] != key:
+        if state.compiled is None or state.compiled[:5] != key:
             compiled = torch.compile(self.core, fullgraph=True, dynamic=False, backend=COMPILE_BACKEND,
                                      **compile_options(self.cuda, variant))
-            self._compiled_core = (*key, compiled)  # (backend, variant, attention, kmajor, versions, compiled)
-        _CORES[self.model] = (self.core, self._compiled_core)
+            state.compiled = (*key, compiled)  # (backend, variant, attention, kmajor, versions, compiled)
 
     def forward(self, input_ids, position_ids, allowed, cache, write_slots, last_only: bool = False):
         """Same contract as `HFCausalLM.forward`; compiled: the native core (eager for row subsets: prefill),
@@ -515,13 +643,18 @@ class NativeCausalLM(HFCausalLM):
         if isinstance(cache.rows, RowView):  # prefill of newly admitted rows: always eager
             return self.native_forward(*args)
         try:
-            logits, new_kv, fresh = self._run_compiled(*args)
+            logits, new_kv, check = self._run_compiled(*args)
         except Exception as error:  # noqa: BLE001 - any failure of the compiler or its code: eager, loudly
+            if is_device_fault(error):  # the context is poisoned: no eager answer, the caller is sick
+                raise DeviceFault(f"the compiled {self.description} hit a CUDA-side fault; the device is unusable "
+                                  f"until the process restarts ({type(error).__name__}: {error})") from error
             self._fall_back(f"{type(error).__name__}: {error}")
             return super().forward(*args)
-        if fresh and SELF_CHECK:
+        if check and SELF_CHECK:
             eager = super().forward(*args)  # writes its own keys/values at the same slots
-            problem = logits_mismatch(logits, eager)
+            problem = logits_mismatch(logits, eager) or next(
+                (p for p in map(functools.partial(tensor_mismatch, "keys/values"), new_kv,
+                                written_kv(cache.rows.buffers, write_slots, new_kv)) if p is not None), None)
             if problem is not None:
                 self._fall_back(f"self-check failed: {problem}")
                 return eager
@@ -537,33 +670,62 @@ class NativeCausalLM(HFCausalLM):
                       RuntimeWarning, stacklevel=3)
 
     def _prepare(self, rows, write_slots, view: int):
-        """Declare the forward to the cache and allocate its buffers on first use (pooled under the CUDA rules)."""
+        """Declare the forward to the cache and give it buffers on first use: compiled, the model's static pool."""
         rows.begin_forward(write_slots, view)
         base = rows.cache if isinstance(rows, RowView) else rows
         if base.buffers[0] is None:
             sample = torch.empty(1, self.core.kv_heads, 1, self.core.head_dim, dtype=self.dtype, device=self.device)
-            if self.compiled and shape_rules(self.device):
+            if self.compiled:
                 self._adopt_static_pool(base.root, sample)
             else:
                 base._allocate(sample)
         return base
 
     def _adopt_static_pool(self, cache, sample) -> None:
-        """Under the CUDA rules: the buffers of this model's last pool of the same shape when no live cache holds
-        them (zeroed), else new ones, which become the model's pool."""
-        key = (cache.batch_size, cache.capacity, cache.groups, sample.dtype)
-        held = _STATIC_POOLS.get(self.model)
-        if held is not None and held[0] == key and held[2]() is not None:
-            gc.collect()  # a dropped batcher lives in reference cycles until collected (once per new batcher)
-        if held is not None and held[0] == key and held[2]() is None:
-            cache.buffers = list(held[1])
-            for buffer in cache.buffers:
-                buffer.zero_()
-        else:
-            cache._allocate(sample)
-            for buffer in cache.buffers:
-                torch._dynamo.mark_static_address(buffer)  # CUDA graphs read it in place, never copy it
-        _STATIC_POOLS[self.model] = (key, tuple(cache.buffers), weakref.ref(cache))
+        """Lend the model's static pool to `cache` (its buffers become views of the pool's first rows and slots,
+        zeroed there). A new pool is allocated only when there is none, or the held one is too small (then the
+        larger of the two in each dimension, and of `reserve_pool`'s sizes), or a live cache still holds it."""
+        state = self.state
+        key = (cache.groups, sample.dtype, sample.shape[1], sample.shape[3])
+        pool = state.pool
+        if pool is not None and pool.fits(key, cache.batch_size, cache.capacity) and not pool.free():
+            gc.collect()  # a dropped batcher may live in reference cycles until collected
+        if pool is None or not pool.fits(key, cache.batch_size, cache.capacity) or not pool.free():
+            rows, capacity = pool_size(max(cache.batch_size, state.reserved[0]), max(cache.capacity, state.reserved[1]))
+            if pool is not None and pool.key == key and pool.free():  # grow: never below the held one
+                rows, capacity = max(rows, pool.rows), max(capacity, pool.capacity)
+            buffers = []
+            for start, stop, device in cache.groups:
+                shape = (stop - start, 2, rows, sample.shape[1], capacity, sample.shape[3])
+                buffer = torch.zeros(shape, dtype=sample.dtype, device=device)
+                if shape_rules(self.device):
+                    torch._dynamo.mark_static_address(buffer)  # CUDA graphs read it in place, never copy it
+                buffers.append(buffer)
+            state.pools_allocated += 1
+            pool = state.pool = StaticPool(key, tuple(buffers), rows, capacity, state.pools_allocated)
+            if shape_rules(self.device):
+                classes = graph_classes(cache.batch_size, cache.capacity, capacity)
+                bound = 2 * classes[0] * classes[1] * classes[2]
+                pool.graph_bound = bound
+                LOG.info("spectr: %s: static pool %d of %d rows x %d slots; at most %d CUDA graph shapes (%d row x %d "
+                         "width x %d view classes x last-only)", self.description, pool.generation, rows, capacity,
+                         bound, *classes)
+        cache.adopt(pool.buffers)
+        pool.holder = weakref.ref(cache)
+
+    def take_pool(self, cache) -> None:
+        """Compiled: move `cache` (a `RowKVCache`, root of its rows) onto the model's static pool now, its content
+        so far (rows prefilled before the compile decision) copied over; a no-op when it is already there, or
+        eager. The batcher calls it once, when it decides to compile, before any view of the cache is taken."""
+        if not self.compiled or (self.state.pool is not None and cache.pool is self.state.pool.buffers):
+            return
+        held = None if cache.buffers[0] is None else list(cache.buffers)
+        with torch.inference_mode():  # as every forward of the engine (the pool's buffers are inference tensors)
+            sample = torch.empty(1, self.core.kv_heads, 1, self.core.head_dim, dtype=self.dtype, device=self.device)
+            self._adopt_static_pool(cache, sample)
+            if held is not None:
+                for buffer, old in zip(cache.buffers, held):
+                    buffer.copy_(old)
 
     def native_forward(self, input_ids, position_ids, allowed, cache, write_slots, last_only: bool = False):
         """The native core over `cache`, eager (a row subset: a gathered copy of its slots), then one scatter of
@@ -583,12 +745,13 @@ class NativeCausalLM(HFCausalLM):
         return logits
 
     def _run_compiled(self, input_ids, position_ids, allowed, cache, write_slots, last_only):
-        """The compiled core over the whole pool's buffer (one static input; the rows are its first B) ->
-        (logits [B, T, V], new keys/values per group [n, 2, B, Hkv, T, D], whether this call opened a new shape
-        class). Under the CUDA rules the new tokens are padded in front to `width_bucket` (the pads write
-        nowhere, attend slot 0 and are attended by nobody) and the view to a multiple of `CUDA_VIEW_BUCKET`."""
+        """The compiled core over the whole static pool (the same tensors for the model's life; the rows are its
+        first B) -> (logits [B, T, V], new keys/values per group [n, 2, B, Hkv, T, D], whether the self-check
+        compares this call: its shape class's first call or first replay). Under the CUDA rules the new tokens are
+        padded in front to `width_bucket` (the pads write nowhere, attend slot 0 and are attended by nobody) and
+        the view to `view_bucket`."""
         base = self._prepare(cache.rows, write_slots, allowed.shape[-1])
-        pools = tuple(base.root.buffers)  # per group [n, 2, P, Hkv, C, D]: the same tensors for the batcher's life
+        pools = tuple(base.root.pool)  # per group [n, 2, P, Hkv, C, D]: the static pool's buffers
         slots = torch.stack([input_ids, position_ids.expand_as(write_slots), write_slots])  # [3, B, T] fresh
         allowed = allowed.contiguous()
         batch, new, view = allowed.shape
@@ -596,7 +759,7 @@ class NativeCausalLM(HFCausalLM):
         rules = shape_rules(self.device)
         if rules:
             padded_new = width_bucket(new)
-            padded_view = min(-(-view // CUDA_VIEW_BUCKET) * CUDA_VIEW_BUCKET, base.capacity)
+            padded_view = view_bucket(view, pools[0].shape[4])
             pad = padded_new - new
             if pad:  # pads first: the last new token stays last (last_only)
                 filler = torch.stack([torch.zeros_like(write_slots[:, :1]), torch.zeros_like(write_slots[:, :1]),
@@ -620,18 +783,25 @@ class NativeCausalLM(HFCausalLM):
             torch._dynamo.mark_dynamic(allowed, dim)  # B, T, S
         for pool in pools:
             for dim in (2, 4):
-                torch._dynamo.mark_dynamic(pool, dim)  # P, C: batchers of other sizes share the graphs
+                torch._dynamo.mark_dynamic(pool, dim)  # P, C: pools of other sizes share the graphs
+        state = self.state
         compiled_before = compile_seconds_so_far()
         with _shape_config():
-            logits, new_kv = self._compiled_core[-1](slots, pools, allowed, last_only, self._compiled_core[2])
+            logits, new_kv = state.compiled[-1](slots, pools, allowed, last_only, state.compiled[2])
         if self.cuda:  # the graph's output memory is reused by the next replay
             logits, new_kv = logits.clone(), tuple(kv.clone() for kv in new_kv)
         if padded_new != new:
             logits = logits if last_only else logits[:, padded_new - new:]
             new_kv = tuple(kv[:, :, :, :, padded_new - new:] for kv in new_kv)
-        fresh = shape_class not in self.shape_classes or compile_seconds_so_far() != compiled_before
-        self.shape_classes.add(shape_class)
-        return logits, new_kv, fresh
+        generation = 0 if state.pool is None or pools[0] is not state.pool.buffers[0] else state.pool.generation
+        counted = (state.key(), generation if rules else 0, shape_class)
+        calls = state.calls[counted] = 1 if compile_seconds_so_far() != compiled_before else \
+            state.calls.get(counted, 0) + 1  # a new graph: its first call again
+        state.graph_shapes.add((generation, batch, padded_new, allowed.shape[-1], last_only))
+        replay = REPLAY_CALL.get(self.device.type, 2)
+        if REPLAY_HOOK is not None and calls >= replay:
+            logits, new_kv = REPLAY_HOOK(logits, new_kv)
+        return logits, new_kv, calls in (1, replay)
 
 
 def compile_options(cuda: bool, variant: str) -> dict:
