@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.errors import JobInputError
+from spectr.structured import ALIASES as STRUCTURED_KEYS
 
 BIAS_LIMIT = 100.0  # vLLM clamps each logit_bias value to [-100, 100] (spectr.warps.BIAS_LIMIT)
 
@@ -525,7 +526,7 @@ def row_settings(params: Any, stop: Any, params_key: str, stop_key: str) -> RowS
                 setattr(settings, key, _flag(values[key], key))
         if "logit_bias" in values:
             settings.logit_bias = _bias(values["logit_bias"])
-        given = [k for k in ("structured_outputs", "guided_decoding") if values.get(k) is not None]
+        given = [k for k in STRUCTURED_KEYS if values.get(k) is not None]
         if len(given) > 1:
             raise ValueError("structured_outputs and guided_decoding (its older name) may not both be set")
         if given:

@@ -20,10 +20,12 @@ kept. A path through a stop token or one the grammar refuses never reaches the o
 masked laws; such nodes are padding, or follow the end of the row): its law is left unmasked.
 
 Cost: only rows with a grammar are read back (their nodes' paths, once per `allowed` call, and their kept tokens
-once per commit); a pool without a grammar has no `RowGrammars` at all.
+once per commit); masks stay llguidance bitmasks (V / 32 int32 words per node) until one copy per call, expanded
+on the device; a pool without a grammar has no `RowGrammars` at all.
 
 A grammar with no allowed token at a row's committed state (a dead end), or a kept token the matcher refuses, is the
-row's error (`RowGrammars.error`); that row then may only end. This module masks logits; it does not sample.
+row's error (`RowGrammars.error`, `RowWarps.grammar_error(slot)` for the batcher that retires it); that row then may
+only end. This module masks logits; it does not sample.
 """
 
 from __future__ import annotations
