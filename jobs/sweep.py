@@ -3,7 +3,8 @@
 Registered in conf/generate.yaml (`hydra.callbacks.mlflow_sweep`); it acts only in a multirun:
 
 - `on_multirun_start`: the parent run (`pipeline.generate.sweep.SweepRun`) with the sweep's overrides as
-  params, and `<sweep dir>/_mlflow_sweep.json`, from which every cell nests its run under it;
+  params, and `<sweep dir>/_mlflow_sweep.json`, from which every cell nests its run under it (a server that
+  does not answer within `mlflow.shutdown_timeout_s`, or answers 5xx: no parent run, a warning);
 - `on_job_start`: masks the credentials in Hydra's `multirun.yaml` (saved by the sweeper before the first
   cell, with the whole config), mode 0o640;
 - `on_job_end`: records each cell's exit code (its overrides as the report prints them: redacted) (the cell returns it; it never calls `sys.exit`, which
@@ -19,6 +20,7 @@ Not here: the cells themselves (`jobs.generate`).
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -32,6 +34,7 @@ from pipeline.config import MlflowConfig, build_section, check_mlflow
 from pipeline.generate.keep import SWEEP_KEEPER
 from pipeline.generate.sweep import SweepRun
 from pipeline.redact import redact
+from pipeline.tracking import reachable
 
 
 def redact_file(path: Path) -> None:
@@ -67,6 +70,10 @@ class SweepCallback(Callback):
             MlflowConfig, OmegaConf.to_container(config.mlflow, resolve=True), prefix="mlflow"
         )
         check_mlflow(mlflow)
+        down = reachable(mlflow, timeout_s=mlflow.shutdown_timeout_s)  # a 4xx raises: the sweep's config error
+        if down:  # as a job does: no parent run, a warning (each cell checks for itself)
+            print(f"warning: mlflow: {down}; the sweep goes on without a parent run", file=sys.stderr)
+            mlflow = dataclasses.replace(mlflow, enabled=False)
         overrides, swept = parse_overrides(list(config.hydra.overrides.task))
         overrides = {key: redact(value) for key, value in overrides.items()}
         self.sweep = SweepRun(mlflow, config.hydra.sweep.dir)

@@ -114,3 +114,24 @@ def test_a_server_that_hangs_at_the_start_leaves_the_job_to_finish_without_mlflo
     assert report.exit_code == 0 and (out / "_SUCCESS").exists() and report.run_id is None
     said = "no MLflow server answers" if stub.mode == "hang" else "the run's start did not finish in 1 s"
     assert said in caplog.text and "the job goes on without MLflow" in caplog.text
+
+
+def test_a_sweep_whose_server_does_not_answer_runs_its_cells_without_a_parent_run(tmp_path, ray_local):
+    """Nothing listens at the URI: the sweep's parent run is skipped with a warning (before: the sweep's start
+    retried it for minutes and then failed), and every cell runs (here each fails at once: its input is
+    missing)."""
+    import subprocess
+    import sys
+
+    from conftest import free_port
+    from test_generate_sweep import sweep_env
+
+    missing = [tmp_path / "missing-a.jsonl", tmp_path / "missing-b.jsonl"]
+    command = [
+        sys.executable, "-m", "jobs.generate", "-m", f"data.path={missing[0]},{missing[1]}", "progress=false",
+        f"mlflow.tracking_uri=http://127.0.0.1:{free_port()}", "mlflow.shutdown_timeout_s=2",
+        f"ray.address={ray_local.get_runtime_context().gcs_address}", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=tmp_path, env=sweep_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "sweep: 2 cell(s), 2 failed" in done.stdout, (done.stdout + done.stderr)[-3000:]
+    assert "the sweep goes on without a parent run" in done.stderr
