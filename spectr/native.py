@@ -111,6 +111,10 @@ CPU_VARIANT = "plain"
 # is not measured yet, and the GPU speed check times both (docs/compile.md#attention).
 ATTENTIONS = ("masked", "flex")
 ATTENTION = "masked"
+# Prefill (eager, a row subset: newly admitted prompts) attends through `scaled_dot_product_attention` with the
+# pattern as a boolean mask: the masked form materialises a [B, H, T, S] float32 score matrix, O(T^2) per head,
+# where a long prompt runs out of memory that HF's sdpa path would not. "masked" keeps the old form.
+PREFILL_ATTENTION = "sdpa"
 
 # How the compiled core multiplies by its linear weights. "module": the HF modules themselves (`F.linear`, weight
 # [N, K]). "kmajor": the core's own copies, made when it first compiles, transposed to [K, N] contiguous and fused
@@ -257,7 +261,7 @@ class NativeCore(torch.nn.Module):
     def forward(self, slots, pools, allowed, last_only: bool = False, attention: str = "masked"):
         """slots [3, B, T] (input ids, positions, write slots); pools: per group of layers [n, 2, P >= B, Hkv,
         C >= S, D] (the cache rows [0, B) and slots [0, S) are attended); allowed [B, T, S] bool; attention:
-        one of `ATTENTIONS`. Returns logits [B, T, V] ([B, 1, V] with last_only) on the slots' device and the
+        one of `ATTENTIONS`, or "sdpa" (eager prefill, `PREFILL_ATTENTION`). Returns logits [B, T, V] ([B, 1, V] with last_only) on the slots' device and the
         new keys/values, per group [n, 2, B, Hkv, T, D] on the group's device."""
         _, batch, _ = slots.shape
         input_ids, positions, write_slots = slots[0], slots[1], slots[2]  # [B, T] each
@@ -272,7 +276,8 @@ class NativeCore(torch.nn.Module):
             hidden, cos, sin = moved(hidden, device), moved(cos, device), moved(sin, device)
             cache_allowed, new_allowed = moved(cache_allowed, device), moved(new_allowed, device)
             kv = pool[:, :, :batch, :, : allowed.shape[-1]]  # [n, 2, B, Hkv, S, D] a view
-            block = _block_mask(cache_allowed, new_allowed) if attention == "flex" else None
+            block = _block_mask(cache_allowed, new_allowed) if attention == "flex" else \
+                ("sdpa" if attention == "sdpa" else None)
             hidden, new_kv = self._group(start, stop, hidden, kv, cos, sin, cache_allowed, new_allowed, block)
             stored.append(new_kv)
         if last_only:
@@ -307,7 +312,9 @@ class NativeCore(torch.nn.Module):
             value = value.to(kv.dtype)
             stored.append(torch.stack([key, value]))  # [2, B, Hkv, T, D]
             local = index - start
-            if block is None:
+            if block == "sdpa":
+                mixed = self._attend_sdpa(query, kv[local, 0], kv[local, 1], key, value, cache_allowed, new_allowed)
+            elif block is None:
                 mixed = self._attend(query, kv[local, 0], kv[local, 1], key, value, cache_allowed, new_allowed)
             else:
                 mixed = self._attend_flex(query, kv[local, 0], kv[local, 1], key, value, block)
@@ -344,6 +351,19 @@ class NativeCore(torch.nn.Module):
         mixed = mixed.reshape(batch, self.heads, new, dim).transpose(1, 2)  # [B, T, Hq, D]
         return mixed.reshape(batch, new, self.heads * dim).to(query.dtype)
 
+
+    def _attend_sdpa(self, query, cache_keys, cache_values, keys, values, cache_allowed, new_allowed):
+        """`_attend` by `scaled_dot_product_attention` over the cache view joined with the new tokens, the pattern
+        as a boolean mask [B, 1, T, S+T] (prefill: no [B, H, T, S] score matrix is materialised; on CUDA a fused
+        kernel) -> [B, T, Hq * D]."""
+        batch, _, new, dim = query.shape
+        all_keys = torch.cat([cache_keys, keys], 2)  # [B, Hkv, S+T, D]
+        all_values = torch.cat([cache_values, values], 2)
+        mask = torch.cat([cache_allowed, new_allowed], -1)[:, None]  # [B, 1, T, S+T]
+        mixed = torch.nn.functional.scaled_dot_product_attention(
+            query.to(all_keys.dtype), all_keys, all_values, attn_mask=mask, scale=self.scaling,
+            enable_gqa=self.heads != self.kv_heads)  # [B, Hq, T, D]
+        return mixed.transpose(1, 2).reshape(batch, new, self.heads * dim).to(query.dtype)
 
     def _attend_flex(self, query, cache_keys, cache_values, keys, values, block):
         """`_attend` by FlexAttention over the cache view joined with the new tokens (one copy of the view's
@@ -738,7 +758,7 @@ class NativeCausalLM(HFCausalLM):
         slots = torch.stack([input_ids, position_ids.expand_as(write_slots), write_slots])  # [3, B, T] fresh
         pools = tuple(b[:, :, :, :, :view].index_select(2, moved(rows.rows, b.device)) for b in buffers) \
             if subset else tuple(buffers)
-        logits, new_kv = self.core(slots, pools, allowed, last_only)
+        logits, new_kv = self.core(slots, pools, allowed, last_only, PREFILL_ATTENTION if subset else "masked")
         for buffer, group_kv in zip(buffers, new_kv):  # one scatter per group (per device)
             rows_here = moved(rows.rows, buffer.device) if subset else None
             _store(buffer, group_kv, moved(write_slots, buffer.device), rows_here)

@@ -115,11 +115,13 @@ def test_a_healthy_compiled_core_passes_its_self_check_twice_per_shape_class_and
         warnings.simplefilter("error")
         out = greedy(pair, "speculative", True)
         first = len(checks)
-        again = greedy(pair, "speculative", True)
+        again = greedy(pair, "speculative", True)  # a class seen once so far has its first replay here
+        second = len(checks)
+        greedy(pair, "speculative", True)
     assert out.stats.compile_fallbacks == again.stats.compile_fallbacks == 0 and out.stats.compiled
     # shape classes on the CPU: (one row?, one new token?, last token only?) per model: a handful, not per call
-    assert 1 <= first <= 16 < out.stats.iterations * 2
-    assert len(checks) == first  # the second call's classes were checked by the first
+    assert 1 <= first <= second <= 16  # at most 2 x (2 x 2 x 2) per model, whatever the iterations
+    assert len(checks) == second  # every class had its first call and first replay: the third call checks none
 
 
 @pytest.mark.parametrize("new,bucket", [(1, 1), (2, 2), (3, 3), (4, 4), (5, 6), (6, 6), (7, 8), (9, 12), (13, 16),
@@ -226,13 +228,13 @@ def test_under_the_cuda_rules_a_new_batcher_takes_the_models_static_pool_once_th
     first, tokens = batcher()
     address = first.target_cache.rows.buffer.data_ptr()
     second, again = batcher()  # the first still alive: its pool is not shared
-    pooled = second.target_cache.rows.buffer
-    assert pooled.data_ptr() != address  # the pool is now the second's
+    pooled = second.target_cache.rows.buffer.data_ptr()
+    assert pooled != address  # the pool is now the second's
     assert again == tokens
     del first, second
     third, once_more = batcher()
-    assert third.target_cache.rows.buffer is pooled
+    assert third.target_cache.rows.buffer.data_ptr() == pooled  # views of the same pool
     assert once_more == tokens
     del third
     fourth, _ = batcher()
-    assert fourth.target_cache.rows.buffer is pooled
+    assert fourth.target_cache.rows.buffer.data_ptr() == pooled

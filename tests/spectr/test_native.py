@@ -366,3 +366,30 @@ def test_a_refused_compile_leaves_the_batcher_undecided(monkeypatch):
         batcher.step()
     assert batcher.compiled is None and not batcher.target.compiled
     assert batcher.snapshot().compile_seconds == 0.0
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "masked"])
+@torch.inference_mode()
+def test_prefill_attends_through_sdpa_and_equals_the_hf_path(monkeypatch, attention):
+    """Prefill (a row subset, eager) attends through scaled_dot_product_attention with the pattern as a mask, one
+    call per layer, not a materialised [B, H, T, S] score matrix; its logits and cache entries are HF's. The
+    control ("masked", the old form) makes no such call."""
+    monkeypatch.setattr(native, "PREFILL_ATTENTION", attention)
+    model = tiny_model("qwen2", vocab_size=64, num_layers=2, init_std=0.2, seed=5, num_kv_heads=2)
+    native_lm, hf_lm = NativeCausalLM(model), HFCausalLM(model)
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    prompts, rows = [[3, 17, 42, 8, 1, 9, 9], [9, 2, 5]], torch.tensor([2, 0])
+    caches = []
+    for lm, forward in ((native_lm, native_lm.native_forward), (hf_lm, hf_lm.forward)):
+        cache = lm.new_cache(3, 16)
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                            lambda *a, native_call=lm is native_lm, **k: calls.append(native_call) or sdpa(*a, **k))
+        monkeypatch.setattr(lm, "forward", forward)
+        prefill(lm, cache, prompts, torch.device("cpu"), rows=rows)
+        caches.append(cache)
+    assert calls.count(True) == (2 if attention == "sdpa" else 0)  # one per layer of the native core
+    for layer in range(2):
+        for row in (0, 2):
+            for ours, theirs in zip(caches[0].rows.committed(layer, row), caches[1].rows.committed(layer, row)):
+                torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
