@@ -115,7 +115,7 @@ def test_pool_sizes_and_the_enumerated_graph_classes():
     assert (rows, widths, views) == (5, 8, 8)  # {1,2,4,8,16} x {1,2,3,4,6,8,12,16} x 64 x the same
 
 
-@pytest.mark.parametrize("part", ["logits", "keys/values"])
+@pytest.mark.parametrize("part", [pytest.param("logits", marks=pytest.mark.slow), "keys/values"])  # 5 s each
 def test_a_wrong_replay_is_caught_by_the_self_check_and_answered_eagerly(pair, monkeypatch, part):
     """A compiled core whose replays go wrong (the test-only REPLAY_HOOK: from each shape class's first replay
     on, the logits flipped, or the keys/values it writes shifted) passes its first call's check but not its
@@ -129,7 +129,7 @@ def test_a_wrong_replay_is_caught_by_the_self_check_and_answered_eagerly(pair, m
     assert out.stats.compile_fallbacks >= 1
 
 
-@pytest.mark.parametrize("part", ["logits", "keys/values"])
+@pytest.mark.parametrize("part", [pytest.param("logits", marks=pytest.mark.slow), "keys/values"])
 def test_control_without_the_self_check_a_wrong_replay_changes_the_tokens(pair, monkeypatch, part):
     monkeypatch.setattr(native, "COMPILE_BACKEND", "eager")
     monkeypatch.setattr(native, "REPLAY_HOOK", wrong_replay(part))
@@ -170,3 +170,31 @@ def wrong_replay(part: str):
 def greedy(target, draft, compile):
     return spectr.generate(target, draft, PROMPTS, method="speculative", draft_length=3, max_new_tokens=10,
                            temperature=0.0, compile=compile)
+
+
+@pytest.mark.slow  # 8 s; the CPU-path pool test above stays in the default suite
+def test_under_the_cuda_rules_the_shapes_of_three_calls_stay_within_the_enumerated_classes(pair, monkeypatch):
+    """Under the CUDA shape rules (counted on the CPU), three calls of other lengths on one pool: no graph is traced
+    after the first call, and every concrete shape the core ran with (a CUDA graph recording on a GPU) is one of
+    the classes `graph_classes` enumerated for the pool up front."""
+    counter = CompileCounter()
+    monkeypatch.setattr(native, "COMPILE_BACKEND", counter)
+    monkeypatch.setattr(native, "CUDA_SHAPE_RULES", True)
+    target, draft = pair
+    graphs = []
+    for prompts, budget in calls(seed=5):
+        out = spectr.generate(target, draft, prompts, method="spectr", num_drafts=2, draft_length=3,
+                              max_new_tokens=budget, batch_size=4, seed=1, compile=True)
+        assert out.stats.compile_fallbacks == 0
+        graphs.append(counter.frame_count)
+    assert graphs[1] == graphs[2] == graphs[0]
+    for model in (target, draft):
+        state = native.model_state(model)
+        pool = state.pool
+        rows, widths, views = native.graph_classes(4, 2 * 3 + 2, pool.capacity)
+        assert state.pools_allocated == 1 and pool.graph_bound is not None
+        shapes = {shape[1:] for shape in state.graph_shapes}  # (B, T, S, last only)
+        assert len(shapes) <= pool.graph_bound and len(shapes) <= 2 * rows * widths * views
+        assert {b for b, _, _, _ in shapes} <= {1, 2, 4}
+        assert {t for _, t, _, _ in shapes} <= {native.width_bucket(t) for t in range(1, 2 * 3 + 3)}
+        assert {s for _, _, s, _ in shapes} <= {native.view_bucket(v, pool.capacity) for v in range(1, pool.capacity + 1)}
