@@ -24,13 +24,19 @@ per-iteration times include the prefill, and no TorchFunctionMode is wrapped aro
 For the run the selection compiles from the first iteration (`SELECTION_COMPILE_AFTER = 0`), as in a long
 job's steady state (these runs are shorter than the engine's 64 eager iterations).
 
+Compile once, time warm: every compiled run makes one untimed call of the timed length first (its `warmup_s`,
+and `compile_s`: the seconds of that call spent compiling, apart), so that its graphs are compiled and recorded
+before any timing starts; every compiled run of the script reads one static KV pool per model, reserved at the
+start for the plan's largest configuration (`reserve_pools`), so no group interleaves runs that need different
+pools and no graph is re-recorded for a new pool address.
+
 The time budget (`--budget-s`, counted from the script's start) is checked between units, never inside one:
 a unit starts only while time is left, and at least as much as the last unit of its kind took (the first
-of a kind: as much as the longest unit so far); otherwise it is recorded as "skipped". Writes `speed.json`
+of a kind: its GPU estimate, `SPEED_ESTIMATES_S`); otherwise it is recorded as "skipped". Writes `speed.json`
 and `speed.md` to `--out` after every unit. Exit status 0 unless the script itself crashed (a unit that
 raises is recorded as an error row; speed is measured, not checked: `scripts/gpu_exactness.py` is the
 check). `--smoke` runs the same units on the CPU with a tiny Llama, the compiled ones with dynamo's "eager"
-backend, in about a minute.
+backend, on the simulated GPU budget clock (as gpu_exactness.py's).
 
 Imports only torch, transformers, `spectr`, the standard library and its companion `gpu_exactness.py`
 (the unit runner), and builds its models in-script.
@@ -99,8 +105,14 @@ FULL = Plan(name="full", speed_shape=LLAMA_1B, draft_layers=2, speed_batches=(1,
 SMOKE = Plan(name="smoke", speed_shape=TINY_LLAMA, draft_layers=1, speed_batches=(1, 2), prompt_lengths=(8, 24),
              speed_new_tokens=10, sync_new_tokens=6, grid_drafts=(2,), grid_lengths=(2, 4),
              headline_spectr=(2, 2), headline_length=2, repeats=1)
-BUDGET_S = 300.0  # with gpu_exactness.py's 220 s: 520 s of a 10-minute window, the rest for a last unit's overrun
-SMOKE_BUDGET_S = 110.0
+BUDGET_S = 210.0  # with gpu_exactness.py's 230 s and 40 s of overrun: 8 minutes of an H100 (docs/testing.md)
+SMOKE_BUDGET_S = BUDGET_S  # on the simulated GPU clock (--clock gpu-estimate, the default with --smoke)
+# Expected GPU seconds per unit kind from a cold process (UNMEASURED: no GPU has run this yet). Basis: a compiled
+# run's warm-up compiles the ~1.1B target's and its draft's core graphs (a handful per model, each an assumed 5 to
+# 10 s of inductor + Triton on an H100) and records their CUDA graphs; a timed run of 64 new tokens is about a
+# second. Replace them with the `seconds` and the rows' `compile_s` of the first GPU run.
+SPEED_ESTIMATES_S = {"startup": 20.0, "headline vs HF": 40.0, "headline exact": 60.0, "per batch": 20.0,
+                     "per batch, compiling": 30.0, "assisted": 15.0, "grid": 10.0, "auto": 20.0, "attention": 40.0}
 
 
 # ---------------------------------------------------------------------------------------
@@ -369,7 +381,7 @@ def measure_group(pair, prompts, group: tuple[SpeedRun, ...], plan: Plan, device
         if run.compiled or run.kind == "hf_static":
             warm = attempt(run)
             if warm is not None:
-                warmup[run] = warm["wall_s"]
+                warmup[run] = (warm["wall_s"], getattr(warm.get("stats"), "compile_seconds", None))
     for _ in range(repeats):
         for run in (r for r in group if r not in errors):
             result = attempt(run)
@@ -385,7 +397,7 @@ def measure_group(pair, prompts, group: tuple[SpeedRun, ...], plan: Plan, device
         except Exception as error:
             row = dict(name=run.name, kind=run.kind, batch=run.batch, compiled=run.compiled,
                        error=errors.get(run) or shared.describe(error))
-        row["warmup_s"] = warmup.get(run)
+        row["warmup_s"], row["compile_s"] = warmup.get(run, (None, None))  # the compile time apart from the run's
         rows.append(row)
     return rows
 
@@ -492,7 +504,20 @@ def build_pair(plan: Plan, device: torch.device) -> tuple[tuple, dict]:
                   f"HF init std 0.02); draft ({parameter_count(draft) / 1e6:,.1f}M params) = the target's first "
                   f"{plan.draft_layers} layer(s) with its embedding, final norm and head, so acceptance is "
                   "high and unlike a trained pair's")
+    reserve_pools(plan, target, draft)
     return (target, draft), models
+
+
+def reserve_pools(plan: Plan, target, draft) -> None:
+    """One static KV pool per model for the whole run, sized for the plan's largest configuration (batch, longest
+    prompt + new tokens, widest tree): every compiled run of every unit reads the same pool, so no group
+    interleaves runs that need different pools and no CUDA graph is re-recorded for a new pool address."""
+    import spectr.native as native
+
+    widest = max(max(plan.grid_drafts) * max(plan.grid_lengths), plan.headline_spectr[0] * plan.headline_spectr[1])
+    capacity = plan.prompt_lengths[1] + plan.speed_new_tokens + 2 + widest
+    for model in (target, draft):
+        native.reserve_pool(model, rows=max(plan.speed_batches), capacity=capacity)
 
 
 # ---------------------------------------------------------------------------------------
@@ -577,7 +602,7 @@ def markdown_rows(rows: list[dict]) -> list[str]:
     lines = []
     for r in rows:
         if "error" in r:
-            lines.append([r["batch"], r["name"], "error: " + r["error"][:80]] + [None] * 13)
+            lines.append([r["batch"], r["name"], "error: " + r["error"][:80]] + [None] * 14)
             continue
         breakdown = r.get("per_iteration_ms")
         split = "/".join(f"{breakdown[p]:.1f}" for p in ("draft", "target", "selection", "other")) if breakdown else None
@@ -585,13 +610,13 @@ def markdown_rows(rows: list[dict]) -> list[str]:
                       r.get("vs_hf_static_compiled"), r.get("speedup_vs_our_autoregressive"),
                       r.get("speedup_vs_our_compiled_autoregressive"), r.get("compiled_vs_eager"),
                       r.get("block_efficiency"), r.get("iteration_ms"), split, r.get("host_syncs_per_iteration"),
-                      r.get("cuda_syncs_per_iteration"), r.get("peak_memory_mib"), r.get("warmup_s"),
+                      r.get("cuda_syncs_per_iteration"), r.get("peak_memory_mib"), r.get("warmup_s"), r.get("compile_s"),
                       r.get("compile_fallbacks")])
     flex = [f"- B={r['batch']} {r['name']}: flex / masked attention {r['flex_vs_masked']:.2f}x"
             for r in rows if r.get("flex_vs_masked") is not None]
     return table(["B", "run", "tokens/s", "vs HF", "vs HF static+compile", "vs our AR", "vs our compiled AR",
                   "compiled vs eager", "block eff.", "iter ms", "draft/target/select/other ms", "host syncs/iter",
-                  "CUDA syncs/iter", "peak MiB", "warm-up s", "compile fallbacks"], lines) + ([""] + flex if flex else [])
+                  "CUDA syncs/iter", "peak MiB", "warm-up s", "compile s", "compile fallbacks"], lines) + ([""] + flex if flex else [])
 
 
 def markdown(results: dict) -> str:
@@ -648,14 +673,16 @@ def main(argv: list[str] | None = None, *, started: float | None = None) -> int:
                    plan=asdict(args.plan), sampling="temperature 1, top_k 0, top_p 1, no EOS", units=[])
     runner = UnitRunner(out=args.out, stem="speed", budget_s=args.budget_s, results=results,
                         summarize=summarizer(list(args.plan.speed_batches)), render=markdown, prefix=PREFIX,
-                        started=STARTED if started is None else started)
+                        started=STARTED if started is None else started, simulate=args.clock == "gpu-estimate",
+                        startup_s=SPEED_ESTIMATES_S["startup"])
     units = shared.select_units(speed_units(args.plan, auto_available(), tuple(spectr.known_methods())), args.only)
     pair, results["models"] = build_pair(args.plan, device) if units else ((None, None), {})
     log(PREFIX, f"{results['environment']['device_name']}, torch {torch.__version__}, transformers "
         f"{transformers.__version__}, budget {args.budget_s:.0f} s; {results['models'].get('description')}")
     state = SpeedState(pair=pair, plan=args.plan, device=device)
     with shared.compiled_engine(args.compile_backend):
-        runner.run_all([Unit(u.name, u.kind, functools.partial(measure_unit, state, u)) for u in units])
+        runner.run_all([Unit(u.name, u.kind, functools.partial(measure_unit, state, u), SPEED_ESTIMATES_S[u.kind])
+                        for u in units])
     runner.write()
     print(markdown(results), flush=True)
     log(PREFIX, f"done in {runner.elapsed():.0f} s; results in {args.out}")

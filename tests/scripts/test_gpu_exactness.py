@@ -1,11 +1,13 @@
 """scripts/gpu_exactness.py in its smoke mode: the units the GPU runs, on the CPU with tiny models.
 
 The default suite runs a light smoke run once, in-process (float32: autoregressive compiled, greedy on
-Llama, speculative eager), and checks what it wrote; unit tests cover the time budget (a spent budget skips
-and records every unit as skipped, a unit longer than the time left is not begun, the results are
-rewritten after every unit), the negative control (rejected; a control that is not rejected fails its
-case) and a compiled case that fell back to eager failing. The whole smoke run, every unit, as the GPU
-machine runs it (a subprocess), is marked slow (about a minute).
+Llama eager, speculative eager), and checks what it wrote; unit tests cover the order of the units (compiled
+greedy vs HF, then compiled fp32 traversal and spectr, then the rest), the time budget (a spent budget skips every
+unit, in order, and the verdict is INCOMPLETE; under a too-small budget on the simulated GPU clock the smoke run
+runs only what fits and ends INCOMPLETE; a unit longer than the time left is not begun; the results are rewritten
+after every unit), the verdict's rules (FAILED beats INCOMPLETE; a skip of the rest still passes), the negative
+control (rejected; a control that is not rejected fails its case) and a compiled case that fell back to eager
+failing. The whole smoke run, every unit, as the GPU machine runs it (a subprocess), is marked slow.
 """
 
 from __future__ import annotations
@@ -27,8 +29,17 @@ from spectr.selection import TOKEN_SELECTORS
 from spectr.sequence import SEQUENCE_RULES
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_exactness.py"
-LIGHT = "float32 autoregressive compiled,greedy llama,float32 speculative eager"
-LIGHT_UNITS = ["chi-square float32 autoregressive compiled", "greedy llama", "chi-square float32 speculative eager"]
+LIGHT = "float32 autoregressive compiled,eager greedy llama,float32 speculative eager"
+LIGHT_UNITS = ["chi-square float32 autoregressive compiled", "eager greedy llama",
+               "chi-square float32 speculative eager"]
+# the whole check's units, in order: (1) compiled greedy vs HF, (2) compiled fp32 traversal and spectr, (3) the rest
+ORDER = (["compiled greedy llama", "compiled greedy qwen2", "chi-square float32 traversal compiled",
+          "chi-square float32 spectr compiled"]
+         + [f"chi-square float32 {m} compiled" for m in ["autoregressive"] + [m for m in spectr.known_methods()
+                                                                         if m not in ("spectr", "traversal",
+                                                                                      "autoregressive")]]
+         + ["bf16 compiled self-check margins", "eager greedy llama", "eager greedy qwen2", "eager greedy gpt_neox"]
+         + [f"chi-square float32 {m} eager" for m in spectr.known_methods()])
 
 
 def load_script():
@@ -47,13 +58,14 @@ def light(tmp_path_factory):
 def test_the_light_smoke_run_passes_in_order_and_writes_json_and_markdown(light):
     results = light["results"]
     assert light["code"] == 0, results["summary"]
-    assert results["summary"]["passed"] and results["summary"]["complete"]
+    assert results["summary"]["verdict"] == "PASSED" and results["summary"]["complete"]
     assert [u["name"] for u in results["units"]] == LIGHT_UNITS  # compiled first, then greedy, then eager
     assert all(u["status"] == "passed" and u["seconds"] > 0 for u in results["units"])
     env = results["environment"]
     assert env["compile_backend"] == "eager" and env["known_methods"] == spectr.known_methods()
     markdown = (light["out"] / "exactness.md").read_text()
     assert "**PASSED**" in markdown and "## Chi-square" in markdown and "## Greedy" in markdown
+    assert all(u["compile_s"] >= 0 and u["charged_s"] > 0 for u in results["units"])  # smoke: the GPU clock
 
 
 def test_the_cases_pass_their_controls_are_rejected_and_compiled_cases_record_fallbacks(light):
@@ -71,16 +83,53 @@ def test_the_cases_pass_their_controls_are_rejected_and_compiled_cases_record_fa
     assert {c["method"] for c in greedy["cases"] if c["equal"]} == set(spectr.known_methods())
 
 
-def test_a_spent_budget_skips_every_unit_and_is_no_failure(tmp_path):
+def test_a_spent_budget_skips_every_unit_in_order_and_the_verdict_is_incomplete(tmp_path):
     gpu_exactness = load_script()
     code = gpu_exactness.main(["--smoke", "--budget-s", "0", "--out", str(tmp_path)])
     results = json.loads((tmp_path / "exactness.json").read_text())
     units = results["units"]
-    assert code == 0 and results["summary"]["passed"] and not results["summary"]["complete"]
-    assert len(units) == 2 * 2 * len(spectr.known_methods()) + len(gpu_exactness.GREEDY_ARCHS)
+    assert code == 3 and results["summary"]["verdict"] == "INCOMPLETE" and not results["summary"]["passed"]
+    assert [u["name"] for u in units] == ORDER
     assert all(u["status"] == "skipped" and "budget of 0 s spent" in u["reason"] for u in units)
-    assert units[0]["name"] == "chi-square float32 spectr compiled"
-    assert f"{len(units)} skipped for time" in (tmp_path / "exactness.md").read_text()
+    markdown = (tmp_path / "exactness.md").read_text()
+    assert "**INCOMPLETE**" in markdown and f"{len(units)} SKIPPED" in markdown and "**PASSED**" not in markdown
+
+
+def test_the_smoke_run_under_a_too_small_budget_runs_what_fits_in_order_and_ends_incomplete(tmp_path):
+    """On the simulated GPU clock (the smoke default: startup + each run unit's GPU estimate) a budget of 25 s
+    leaves 10 s after the startup: the units estimated above that are SKIPPED (the compiled greedy and compiled
+    chi-square units the verdict needs among them), the first that fits runs and passes, and the verdict is
+    INCOMPLETE, never PASSED. Deterministic: no wall time is read for the budget."""
+    gpu_exactness = load_script()
+    estimates = gpu_exactness.GPU_ESTIMATES_S
+    budget = estimates["startup"] + estimates["greedy"]
+    code = gpu_exactness.main(["--smoke", "--budget-s", str(budget), "--out", str(tmp_path)])
+    results = json.loads((tmp_path / "exactness.json").read_text())
+    units = results["units"]
+    assert [u["name"] for u in units] == ORDER
+    assert [u["group"] for u in units] == sorted(u["group"] for u in units) and units[3]["group"] == 2
+    ran = [u["name"] for u in units if u["status"] != "skipped"]
+    assert ran == ["eager greedy llama"] and units[ORDER.index("eager greedy llama")]["status"] == "passed"
+    summary = results["summary"]
+    assert summary["verdict"] == "INCOMPLETE" and code == 3
+    assert summary["skipped_needed_for_verdict"] == ORDER[:4]
+    assert "its GPU estimate is 60 s" in units[0]["reason"]
+    assert "SKIPPED" in (tmp_path / "exactness.md").read_text()
+
+
+def test_the_verdict_failed_beats_incomplete_and_a_skip_of_the_rest_still_passes():
+    gpu_exactness = load_script()
+
+    def verdict(*units):
+        return gpu_exactness.summarize([dict(name=f"u{i}", group=g, status=s) for i, (g, s) in enumerate(units)])[
+            "verdict"]
+
+    assert verdict((1, "passed"), (2, "passed"), (3, "skipped")) == "PASSED"
+    assert verdict((1, "passed"), (2, "skipped"), (3, "passed")) == "INCOMPLETE"
+    assert verdict((1, "skipped"), (2, "passed")) == "INCOMPLETE"
+    assert verdict((1, "skipped"), (3, "failed")) == "FAILED"
+    assert verdict((1, "passed"), (2, "error")) == "FAILED"
+    assert gpu_exactness.EXIT_CODES == {"PASSED": 0, "FAILED": 1, "INCOMPLETE": 3}
 
 
 def test_a_unit_longer_than_the_time_left_is_not_begun_and_results_are_written_after_every_unit(tmp_path):
@@ -210,14 +259,13 @@ def test_the_whole_smoke_run_as_the_gpu_machine_runs_it(tmp_path):
     run = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     results = json.loads((tmp_path / "exactness.json").read_text())
-    assert results["summary"]["passed"] and results["summary"]["complete"]
-    names = {u["name"] for u in results["units"]}
-    methods = spectr.known_methods()
-    assert names == ({f"chi-square {d} {m} {mode}" for d in ("float32", "bfloat16") for m in methods
-                      for mode in ("compiled", "eager")} | {f"greedy {a}" for a in ("llama", "qwen2", "gpt_neox")})
-    assert [u["name"] for u in results["units"][:2]] == ["chi-square float32 spectr compiled",
-                                                         "chi-square bfloat16 spectr compiled"]
+    assert results["summary"]["verdict"] == "PASSED" and results["summary"]["complete"]
+    assert [u["name"] for u in results["units"]] == ORDER
     for unit in results["units"]:
         if unit["name"].endswith(" compiled"):
             assert unit["compiled"] is True and unit["compile_fallbacks"] == 0, unit
+        if unit["name"].startswith("compiled greedy"):
+            assert all(c["compiled"] and c["compile_fallbacks"] == 0 and c["equal"] for c in unit["cases"]), unit
+    bf16 = results["units"][ORDER.index("bf16 compiled self-check margins")]
+    assert bf16["comparisons"] > 0 and bf16["margin_max"] < 1
     assert "**PASSED**" in run.stdout and (tmp_path / "exactness.md").exists()
