@@ -42,12 +42,13 @@ def _slow_first_write(generator, limit_s: float | None) -> None:
         worker.IO_LIMIT_S = limit_s
 
 
+@pytest.mark.slow  # a whole job; the default suite's sibling: tests/pipeline/generate/test_faults3_io.py
 def test_a_slow_part_write_is_not_taken_for_a_hang(tiny_pair, prompts_jsonl, tmp_path, ray_local):
     first, written, joined = run_with(tiny_pair, prompts_jsonl, tmp_path / "out", _slow_first_write, None)
     assert written == {first} and not joined
 
 
-@pytest.mark.slow  # a whole job with a restart; the light test above is the fix's
+@pytest.mark.slow  # a whole job with a restart: the control of the test above
 def test_a_write_hung_past_the_limit_is_still_restarted(tiny_pair, prompts_jsonl, tmp_path, ray_local):
     first, written, joined = run_with(tiny_pair, prompts_jsonl, tmp_path / "out", _slow_first_write, 0.0)
     assert joined and written - {first}
