@@ -56,6 +56,22 @@ def test_the_light_smoke_run_measures_the_headline_and_writes_json_and_markdown(
     assert best["ratio"] == pytest.approx(best["best_tokens_per_s"] / best["autoregressive_tokens_per_s"])
     markdown = (light["out"] / "speed.md").read_text()
     assert "## Headline" in markdown and "Best exact method at B=1: ours speculative L=2" in markdown
+    compiled = [r for u in results["units"] for r in u["rows"] if r.get("compiled") and r["kind"] == "ours"]
+    assert compiled and all(r["warmup_s"] > 0 and r["compile_s"] >= 0 for r in compiled)  # compile time apart
+
+
+def test_one_pool_per_model_is_reserved_for_the_plans_largest_configuration():
+    """Every compiled run of the script reads one static pool per model, sized up front for the plan's largest
+    batch, prompt + new tokens and tree, so no timed run waits for a new pool (and on CUDA a re-recording)."""
+    import spectr.native as native
+
+    gpu_speed = load_script()
+    plan = gpu_speed.SMOKE
+    (target, draft), _ = gpu_speed.build_pair(plan, torch.device("cpu"))
+    widest = max(max(plan.grid_drafts) * max(plan.grid_lengths), plan.headline_spectr[0] * plan.headline_spectr[1])
+    capacity = plan.prompt_lengths[1] + plan.speed_new_tokens + 2 + widest
+    for model in (target, draft):
+        assert native.model_state(model).reserved == (max(plan.speed_batches), capacity)
 
 
 def test_rows_have_throughput_costs_syncs_and_ratios(light):
