@@ -74,7 +74,13 @@ class RowKVCache:
         self._write_index: torch.Tensor | None = None  # [B, H, T, D]
         self._write_rows: torch.Tensor | None = None  # [R] or None (all rows)
         self._view_length = 0
-        self.root = self  # the cache whose buffer this one's rows are (itself; `prefix` keeps its parent's)
+        self._parent: RowKVCache | None = None  # `prefix`: the cache whose buffer this one's rows are
+
+    @property
+    def root(self) -> RowKVCache:
+        """The cache whose buffer this one's rows are: itself, or a prefix's parent (no self-reference: a dropped
+        cache is freed at once, not by the cycle collector, so its pool is free for the next batcher)."""
+        return self if self._parent is None else self._parent
 
     @property
     def batch_size(self) -> int:
@@ -229,6 +235,7 @@ class RowKVCache:
         every in-place write (forwards, keep_path, advance) lands in this cache. Needs the buffer."""
         part = object.__new__(RowKVCache)
         part.__dict__.update(self.__dict__)
+        part._parent = self.root
         part.buffers = [b[:, :, :count] for b in self.buffers]  # per group [layers in g, 2, count, H, capacity, D]
         part.lengths = self.lengths[:count]  # [count]
         part._write_slots = part._write_index = part._write_rows = None

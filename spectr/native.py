@@ -709,7 +709,7 @@ class NativeCausalLM(HFCausalLM):
         key = (cache.groups, sample.dtype, sample.shape[1], sample.shape[3])
         pool = state.pool
         if pool is not None and pool.fits(key, cache.batch_size, cache.capacity) and not pool.free():
-            gc.collect()  # a dropped batcher may live in reference cycles until collected
+            gc.collect()  # only when a dropped cache sits in someone's reference cycle (the engine's hold none)
         if pool is None or not pool.fits(key, cache.batch_size, cache.capacity) or not pool.free():
             rows, capacity = pool_size(max(cache.batch_size, state.reserved[0]), max(cache.capacity, state.reserved[1]))
             if pool is not None and pool.key == key and pool.free():  # grow: never below the held one

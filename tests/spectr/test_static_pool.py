@@ -198,3 +198,20 @@ def test_under_the_cuda_rules_the_shapes_of_three_calls_stay_within_the_enumerat
         assert {b for b, _, _, _ in shapes} <= {1, 2, 4}
         assert {t for _, t, _, _ in shapes} <= {native.width_bucket(t) for t in range(1, 2 * 3 + 3)}
         assert {s for _, _, s, _ in shapes} <= {native.view_bucket(v, pool.capacity) for v in range(1, pool.capacity + 1)}
+
+
+def test_a_finished_generate_call_frees_the_pool_without_the_cycle_collector(pair, monkeypatch):
+    """The caches hold no reference cycle (a cache's root is itself without a self-reference), so the pool is free
+    for the next batcher as soon as a `generate` call returns: no `gc.collect()` per batcher."""
+    monkeypatch.setattr(native, "COMPILE_BACKEND", "eager")
+    target, draft = pair
+    import gc
+
+    gc.disable()
+    try:
+        for _ in range(2):
+            greedy(target, draft, True)
+            assert native.model_state(target).pool.free() and native.model_state(draft).pool.free()
+    finally:
+        gc.enable()
+    assert native.model_state(target).pools_allocated == 1
