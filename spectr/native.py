@@ -516,7 +516,7 @@ class DeviceFault(RuntimeError):
 def is_device_fault(error: BaseException) -> bool:
     """Whether `error` is a CUDA-side fault (the context is poisoned: nothing on the device may run after it)."""
     accelerator_error = getattr(torch, "AcceleratorError", None)
-    if accelerator_error is not None and isinstance(error, accelerator_error):
+    if isinstance(error, DeviceFault) or (accelerator_error is not None and isinstance(error, accelerator_error)):
         return True
     return isinstance(error, RuntimeError) and any(m in str(error) for m in DEVICE_FAULT_MARKERS)
 

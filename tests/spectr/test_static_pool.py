@@ -157,6 +157,7 @@ def test_a_cuda_fault_is_not_answered_eagerly(pair, monkeypatch):
     assert native.is_device_fault(RuntimeError("CUDA error: device-side assert triggered"))
     assert not native.is_device_fault(RuntimeError("injected: the compiler is broken"))
     assert not native.is_device_fault(ValueError("CUDA error in a ValueError is not a fault of the device"))
+    assert native.is_device_fault(native.DeviceFault("raised by the guard"))  # callers above re-raise it
 
 
 def wrong_replay(part: str):
