@@ -79,7 +79,7 @@ from spectr.split import layer_groups, moved
 LOG = logging.getLogger(__name__)
 NATIVE_MODEL_TYPES = ("llama", "qwen2")
 NATIVE_ROPE_TYPES = ("default", "linear", "llama3")  # a fixed inv_freq (dynamic / yarn-style ones: HF's path)
-CUDA_VIEW_BUCKET = 64  # on CUDA the attended view is padded to a multiple of this (fewer CUDA graphs)
+CUDA_VIEW_BUCKET = 64  # on CUDA the attended view is padded to `view_bucket`: this many slots x a width bucket
 RECOMPILE_LIMIT = 64  # graphs per core; dynamo's limit is per code object (every core's NativeCore.forward): scaled
 COMPILE_BACKEND = "inductor"  # tests set a counting backend here (spectr's tests: graphs, not kernels)
 COMPILE_CHOICES = (False, True, "auto")
