@@ -428,6 +428,7 @@ class ContinuousBatcher:
         """GenerationStats.compile_fallbacks: compiled model calls and selections answered eagerly (host ints)."""
         models = [m for m in (self.target, self.draft) if isinstance(m, NativeCausalLM)]
         self.stats.compile_fallbacks = sum(m.compile_fallbacks for m in models) + self.loop.selection_fallbacks
+        self.stats.graph_shapes = sum(len(m.state.graph_shapes) for m in models)
 
     def compile_seconds(self) -> float:
         """Compiled mode: what this process compiled since this batcher's first step (dynamo's timer; 0 eager)."""

@@ -113,6 +113,9 @@ def _select(loop: Loop, compiled: bool, tree, target_probs, uniforms, splits):
             return compiled_select_tree(tree.tokens, tree.draft_probs, target_probs, tree.node_of, uniforms,
                                         method=loop.method)
         except Exception as error:  # noqa: BLE001 - any failure of the compiler or its code: eager, loudly
+            if native.is_device_fault(error):  # a poisoned CUDA context: no eager answer
+                raise native.DeviceFault(f"the compiled selection of {loop.method} hit a CUDA-side fault "
+                                         f"({type(error).__name__}: {error})") from error
             loop.selection_eager.add((loop.method, loop.num_drafts, loop.draft_length))
             loop.selection_fallbacks += 1
             warnings.warn(f"spectr: the compiled selection of {loop.method} (K={loop.num_drafts}, "

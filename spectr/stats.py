@@ -76,6 +76,7 @@ class GenerationStats:
     compiled: bool = False  # the forwards ran compiled (spectr.native)
     compile_seconds: float = 0.0  # compiled: seconds spent compiling (dynamo + inductor), inside the phases' seconds
     compile_fallbacks: int = 0  # compiled: model calls / selections that failed or disagreed with eager (then eager)
+    graph_shapes: int = 0  # compiled: concrete shapes the compiled cores of the pair ran with (graphs recorded on CUDA)
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
     selection_seconds: float = 0.0

@@ -55,7 +55,7 @@ def test_three_calls_of_other_lengths_share_one_pool_and_compile_nothing_after_t
     counter = CompileCounter()
     monkeypatch.setattr(native, "COMPILE_BACKEND", counter)
     target, draft = pair
-    pools, graphs = [], []
+    pools, graphs, shapes = [], [], []
     for prompts, budget in calls(seed=3):
         out = spectr.generate(target, draft, prompts, method="speculative", draft_length=3, max_new_tokens=budget,
                               temperature=0.0, batch_size=4, compile=True)
@@ -65,7 +65,9 @@ def test_three_calls_of_other_lengths_share_one_pool_and_compile_nothing_after_t
         assert out.tokens == eager.tokens
         pools.append(tuple(native.model_state(m).pool for m in (target, draft)))
         graphs.append(counter.frame_count)
+        shapes.append(out.stats.graph_shapes)  # the stat: the pair's concrete compiled shapes so far
     assert graphs[0] > 0 and graphs[1] == graphs[2] == graphs[0], f"graphs per call: {graphs}"
+    assert 0 < shapes[0] <= shapes[1] <= shapes[2]
     assert pools[0] == pools[1] == pools[2] and None not in pools[0]
     assert [native.model_state(m).pools_allocated for m in (target, draft)] == [1, 1]
 
