@@ -66,6 +66,7 @@ class MlflowConfig:
     system_metrics: bool = True  # MLflow's system-metrics monitor on the driver (CPU, memory, GPU)
     system_metrics_interval_s: float = 10.0  # its sampling period
     shutdown_timeout_s: float = 10.0  # at a job's end, the most it waits for MLflow (queued points; the final logging)
+    required: bool = False  # true: a server that does not answer at the start refuses the job (exit 2)
 
 
 def resolved_container(cfg: Any) -> dict[str, Any]:
