@@ -39,6 +39,10 @@ def generate(
     frequency_penalty: float | Sequence[float] = 0.0,
     repetition_penalty: float | Sequence[float] = 1.0,
     min_tokens: int | Sequence[int] = 0,
+    structured_outputs=None,
+    tokenizer=None,
+    allowed_token_ids=None,
+    bad_words=None,
 ) -> GenerationOutput:
     """Generate up to `max_new_tokens` tokens per prompt from `target`, exactly its (warped) distribution.
 
@@ -64,11 +68,15 @@ def generate(
     the work pays for the compile time). min_p / logit_bias: vLLM's (`spectr.warps`); top_logprobs=N: each token's N
     most likely tokens too (`output.top_logprobs`); presence_penalty / frequency_penalty / repetition_penalty /
     min_tokens: vLLM's, counted on each draft-tree node's own path (`spectr.penalties`); these with the fixed
-    methods only. Bad input raises ValueError naming the argument and, per prompt, the row.
+    methods only; so are structured_outputs (with the pair's `tokenizer`: `spectr.structured`), allowed_token_ids and
+    bad_words (vLLM's; `spectr.generate.generate`). Bad input raises ValueError naming the argument and, per prompt,
+    the row.
     """
     extras = {"min_p": min_p, "logit_bias": logit_bias, "top_logprobs": top_logprobs,
               "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
-              "repetition_penalty": repetition_penalty, "min_tokens": min_tokens}
+              "repetition_penalty": repetition_penalty, "min_tokens": min_tokens,
+              "structured_outputs": structured_outputs, "tokenizer": tokenizer,
+              "allowed_token_ids": allowed_token_ids, "bad_words": bad_words}
     run, arguments = (generate_auto, _auto_extras(extras)) if method == AUTO else (generate_fixed,
                                                                                    {"method": method, **extras})
     return run(target, draft, prompts, num_drafts=num_drafts, draft_length=draft_length,
@@ -78,7 +86,8 @@ def generate(
 
 
 _NEUTRAL = {"min_p": 0.0, "logit_bias": None, "top_logprobs": 0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-            "repetition_penalty": 1.0, "min_tokens": 0}
+            "repetition_penalty": 1.0, "min_tokens": 0, "structured_outputs": None, "tokenizer": None,
+            "allowed_token_ids": None, "bad_words": None}
 
 
 def _auto_extras(extras: dict) -> dict:

@@ -669,8 +669,12 @@ class ContinuousBatcher:
                       if result.error_flags & bit]
             error = (f"row {request.request}: the {' and the '.join(models)} produced non-finite logits (NaN or "
                      f"inf) after {len(result.tokens)} generated tokens; the row stopped there")
+        finish_reason = result.finish_reason
+        grammar_error = None if self.row_warps is None else self.row_warps.grammar_error(result.slot)
+        if error is None and grammar_error is not None:  # spectr.structured: a dead end of the row's grammar
+            error, finish_reason = f"row {request.request}: {grammar_error}", "error"
         return FinishedRow(request=request.request, tag=request.tag, tokens=result.tokens,
-                           finish_reason=result.finish_reason, target_calls=result.target_calls, error=error,
+                           finish_reason=finish_reason, target_calls=result.target_calls, error=error,
                            accepted_per_position=result.accepted_per_position,
                            tested_positions=result.tested_positions, tree_nodes=result.tree_nodes,
                            tokens_per_call_histogram=result.tokens_per_call_histogram, logprobs=result.logprobs,

@@ -58,6 +58,7 @@ class SpectrConfig:
     logprobs_mode: str = "raw"  # raw: the target's log-softmax (vLLM's default); processed: the warped law's
     compile: Any = "auto"  # true | false | auto: Llama/Qwen2 forwards under torch.compile (spectr.native)
     # vLLM's SamplingParams names for every row (a row's sampling_params value replaces each): pipeline.row_columns
+    structured_outputs: Any = None  # vLLM's structured_outputs for every row (json / regex / choice / grammar ...)
     min_p: float = 0.0  # 0 = off
     logit_bias: Any = None  # {token id: bias}, added to both models' logits first
     presence_penalty: float = 0.0  # in [-2, 2], 0 = off
@@ -177,8 +178,8 @@ def check_spectr(s: SpectrConfig) -> None:
         raise out_of_range("spectr.max_new_tokens", ">= 1", s.max_new_tokens)
     if not math.isfinite(s.temperature) or s.temperature < 0:
         raise out_of_range("spectr.temperature", "a finite number >= 0 (0 means greedy)", s.temperature)
-    if s.top_k < 0:
-        raise out_of_range("spectr.top_k", ">= 0 (0 means no top-k)", s.top_k)
+    if s.top_k < -1:
+        raise out_of_range("spectr.top_k", ">= 0, or -1 (0 and -1 mean no top-k, as vLLM's)", s.top_k)
     if not (0.0 < s.top_p <= 1.0):
         raise out_of_range("spectr.top_p", "in (0, 1]", s.top_p)
     if s.batch_size < 1:

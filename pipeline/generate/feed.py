@@ -173,6 +173,9 @@ class ShardFeed:
         self._uncharged_mix = ConfigMix()
         self._wasted_charged = 0.0
         self.decode: Callable[[list[int]], str] | None = None  # token ids -> text (set by the worker, for stops)
+        self.tokenizer: Any = None  # the pair's tokenizer (set by the worker): grammars and bad words need it
+        self.tokenizer_lock: Any = threading.Lock()  # the worker's: a fast tokenizer is not re-entrant
+        self._grammar_compiler: Any = None  # a `spectr.structured.StructuredCompiler`, made at the first grammar
         self._tails: dict[int, list[int]] = {}  # request id -> its newest tokens (rows with stop strings)
         self._lengths: dict[int, int] = {}  # request id -> its tokens so far (rows with stop strings)
 
@@ -318,15 +321,13 @@ class ShardFeed:
         gets the error (nothing of a refused call is queued)."""
         if not take:
             return []
-        from spectr import SamplingWarp
-
         rows = [row for _, row in take]
         now = time.perf_counter()
         for shard_run, row in take:
             shard_run.admitted.setdefault(row.position, now)
         warps = None
         if any(r.warp is not None for r in rows):
-            warps = [None if r.warp is None else SamplingWarp(*r.warp) for r in rows]
+            warps = [None if r.warp is None else self._engine_warp(r.warp) for r in rows]
         stop_ids = [r.stop_ids for r in rows] if any(r.stop_ids is not None for r in rows) else None
         try:
             ids = self.batcher.admit([r.prompt for r in rows], max_new_tokens=[r.budget for r in rows],
@@ -416,22 +417,51 @@ class ShardFeed:
         return dataclasses.replace(self.config, method=current.method, num_drafts=max(1, current.num_drafts),
                                    draft_length=max(1, current.draft_length))
 
+    def _engine_warp(self, fields: tuple) -> Any:
+        """`spectr.SamplingWarp(*fields)` with what needs the tokenizer: its grammar compiled by this actor's
+        `spectr.structured.StructuredCompiler` (the vocabulary given to llguidance once, each grammar once), its bad
+        words tokenized as vLLM's (`spectr.bad_words.bad_words_token_ids`). ValueError: the row's problem."""
+        from spectr import SamplingWarp
+
+        warp = SamplingWarp(*fields)
+        if self.tokenizer is None:
+            return warp
+        if warp.structured is not None and warp.structured.compiler is None:
+            if self._grammar_compiler is None:
+                from spectr.structured import StructuredCompiler
+
+                with self.tokenizer_lock:
+                    self._grammar_compiler = StructuredCompiler(self.tokenizer,
+                                                                vocab_size=self.target.config.vocab_size)
+            warp = dataclasses.replace(warp, structured=warp.structured.with_compiler(self._grammar_compiler))
+        strings = [w for w in warp.bad_words if isinstance(w, str)]
+        if strings:
+            from spectr.bad_words import bad_words_token_ids
+
+            with self.tokenizer_lock:
+                ids = bad_words_token_ids(strings, self.tokenizer)
+            warp = dataclasses.replace(warp, bad_words=ids + tuple(w for w in warp.bad_words if not isinstance(w, str)))
+        return warp
+
     def _alone(self, config: EngineConfig, row: Row) -> FinishedRow | str:
         """One row through `spectr.generate`: its tokens are those it gets in any batch."""
         import spectr
 
         s = self.spectr
-        temperature, top_k, top_p, *extras = row.warp or (s.temperature, s.top_k, s.top_p)
-        min_p, bias, presence, frequency, repetition, min_tokens = (extras + [0.0, (), 0.0, 0.0, 1.0, 0][len(extras):])
         try:
+            w = self._engine_warp(row.warp or (s.temperature, s.top_k, s.top_p))
             output = spectr.generate(
                 self.target, None if config.method == "autoregressive" else self.draft, [row.prompt],
                 method=config.method, num_drafts=config.num_drafts, draft_length=config.draft_length,
-                max_new_tokens=[row.budget], temperature=temperature, top_k=top_k, top_p=top_p,
+                max_new_tokens=[row.budget], temperature=w.temperature, top_k=w.top_k, top_p=w.top_p,
                 eos_token_id=self.eos_token_id if row.stop_ids is None else list(row.stop_ids), seed=[row.seed],
-                logprobs=engine_logprobs(s), top_logprobs=top_logprobs(s), min_p=min_p,
-                logit_bias=dict(bias) or None, presence_penalty=presence, frequency_penalty=frequency,
-                repetition_penalty=repetition, min_tokens=min_tokens,
+                logprobs=engine_logprobs(s), top_logprobs=top_logprobs(s), min_p=w.min_p,
+                logit_bias=dict(w.logit_bias) or None, presence_penalty=w.presence_penalty,
+                frequency_penalty=w.frequency_penalty, repetition_penalty=w.repetition_penalty,
+                min_tokens=w.min_tokens, allowed_token_ids=list(w.allowed_token_ids) or None,
+                bad_words=[[list(word) for word in w.bad_words]] if w.bad_words else None,
+                structured_outputs=None if w.structured is None else [w.structured],
+                tokenizer=None if w.structured is None else w.structured.compiler,
             )  # fmt: skip
         except Exception as err:  # noqa: BLE001 - this row's own failure: its error row
             return f"{type(err).__name__}: {err}"

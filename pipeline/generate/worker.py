@@ -217,6 +217,7 @@ class ShardGenerator:
         self.spectr = spectr
         self.feed = ShardFeed(self.target, self.draft, spectr, self.eos_token_id, on_rows=self._report_rows)
         self.feed.decode = self._decode  # stop strings end rows early (pipeline.generate.feed)
+        self.feed.tokenizer, self.feed.tokenizer_lock = self.tokenizer, self._text_lock  # grammars, bad words
 
     def reconfigure(self, spectr: SpectrConfig) -> dict[str, Any]:
         """The next sweep cell on this actor (`pipeline.generate.keep`): its engine settings, with the pair

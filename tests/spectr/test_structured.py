@@ -263,6 +263,8 @@ def test_a_dead_end_is_the_rows_error_not_a_crash(pair, compiler):
     assert len(rows) == 2
     assert batcher.row_warps.grammar_error(0) == NO_STOP and batcher.row_warps.grammar_error(1) is None
     assert [text_of(row.tokens)[:2] for row in sorted(rows, key=lambda r: r.request)][0] == "cx"
+    first, second = sorted(rows, key=lambda r: r.request)
+    assert first.finish_reason == "error" and NO_STOP in first.error and second.error is None
 
 
 def test_rows_without_a_grammar_build_no_grammar_state(pair):

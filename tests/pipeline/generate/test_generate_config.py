@@ -76,7 +76,7 @@ def test_speculative_means_one_draft():
         ("spectr.draft_length", 0, "spectr.draft_length (L) must be >= 1"),
         ("spectr.temperature", -0.5, "spectr.temperature must be a finite number >= 0"),
         ("spectr.temperature", float("nan"), "spectr.temperature"),
-        ("spectr.top_k", -1, "spectr.top_k must be >= 0"),
+        ("spectr.top_k", -2, "spectr.top_k must be >= 0, or -1"),
         ("spectr.top_p", 0.0, "spectr.top_p must be in (0, 1]"),
         ("spectr.top_p", 1.5, "spectr.top_p must be in (0, 1]"),
         ("spectr.method", "beam", "spectr.method must be one of"),
