@@ -141,7 +141,12 @@ def build_head(target: Any, kind: str, draft_ids: torch.Tensor | None, init: str
             head.lm_head.weight.copy_(target.get_output_embeddings().weight)
         if init == "target":
             _copy_last_layer(head, target)
-        if kind == EAGLE:  # start as "the feature passes through": fc(cat(e, f)) = f
+        # start as "the feature passes through": the residual branches add nothing (their output projections at
+        # zero) and, for EAGLE-1, fc(cat(e, f)) = f, so the head's first law is the target's at the position
+        # before (a far better start than a random or copied layer's, whose output is far off the target's scale)
+        head.o_proj.weight.zero_()
+        head.down_proj.weight.zero_()
+        if kind == EAGLE:
             head.fc.weight.zero_()
             head.fc.weight[:, hidden:].copy_(torch.eye(hidden))
             head.fc.bias.zero_()
