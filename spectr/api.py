@@ -39,7 +39,10 @@ def generate(
     frequency_penalty: float | Sequence[float] = 0.0,
     repetition_penalty: float | Sequence[float] = 1.0,
     min_tokens: int | Sequence[int] = 0,
-    **row_fields,
+    structured_outputs=None,
+    tokenizer=None,
+    allowed_token_ids=None,
+    bad_words=None,
 ) -> GenerationOutput:
     """Generate up to `max_new_tokens` tokens per prompt from `target`, exactly its (warped) distribution.
 
@@ -57,13 +60,11 @@ def generate(
     methods only; so are the row fields `structured_outputs` (with the pair's `tokenizer`), `allowed_token_ids`
     and `bad_words` (`spectr.generate.generate`). Bad input raises ValueError naming the argument and the row.
     """
-    unknown = sorted(set(row_fields) - ROW_FIELDS)
-    if unknown:
-        raise TypeError(f"generate() got unexpected keyword arguments {unknown}")
     extras = {"min_p": min_p, "logit_bias": logit_bias, "top_logprobs": top_logprobs,
               "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
               "repetition_penalty": repetition_penalty, "min_tokens": min_tokens,
-              **{name: row_fields.get(name) for name in sorted(ROW_FIELDS)}}
+              "structured_outputs": structured_outputs, "tokenizer": tokenizer,
+              "allowed_token_ids": allowed_token_ids, "bad_words": bad_words}
     run, arguments = (generate_auto, _auto_extras(extras)) if method == AUTO else (generate_fixed,
                                                                                    {"method": method, **extras})
     return run(target, draft, prompts, num_drafts=num_drafts, draft_length=draft_length,
@@ -72,7 +73,6 @@ def generate(
                **arguments)
 
 
-ROW_FIELDS = {"structured_outputs", "tokenizer", "allowed_token_ids", "bad_words"}
 _NEUTRAL = {"min_p": 0.0, "logit_bias": None, "top_logprobs": 0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
             "repetition_penalty": 1.0, "min_tokens": 0, "structured_outputs": None, "tokenizer": None,
             "allowed_token_ids": None, "bad_words": None}

@@ -347,10 +347,6 @@ class ShardFeed:
         try:
             finished = self.batcher.step()
         except Exception as err:  # noqa: BLE001 - isolated below: the rows are re-run one by one
-            from spectr.native import is_device_fault
-
-            if is_device_fault(err):  # a poisoned CUDA context: the actor is sick (quarantine), nothing more runs here
-                raise
             failure = f"{type(err).__name__}: {err}"
         else:
             if self.config.method == "auto":

@@ -120,11 +120,16 @@ def test_a_sweep_whose_server_does_not_answer_runs_its_cells_without_a_parent_ru
     """Nothing listens at the URI: the sweep's parent run is skipped with a warning (before: the sweep's start
     retried it for minutes and then failed), and every cell runs (here each fails at once: its input is
     missing)."""
+    import socket
     import subprocess
     import sys
 
-    from conftest import free_port
     from test_generate_sweep import sweep_env
+
+    def free_port() -> int:  # not `from conftest import`: in the whole suite that name is another folder's conftest
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
 
     missing = [tmp_path / "missing-a.jsonl", tmp_path / "missing-b.jsonl"]
     command = [
