@@ -129,13 +129,21 @@ class TreeDrafter:
             allowed = tree_attention(base, self._visibility(num_drafts, depth), max_base + depth * num_drafts)
             logits = self.model.forward(tokens[:, :, depth - 1], positions, allowed, self.cache, slots)  # [B, K, V]
             nonfinite |= nonfinite_rows(logits).any(1)
-            probs[:, :, depth] = self.warp.probs(logits, draft_paths(tokens[:, :, :depth]) if penalised else None)
-            # Every draft draws from its node's leader row: draws[b, r, k] is draft k's draw from row r.
-            draws = sample_categorical_many(probs[:, :, depth], uniforms[:, depth, None, :].expand(-1, num_drafts, -1))
-            tokens[:, :, depth] = draws.gather(1, leaders[depth][:, None, :]).squeeze(1)
-            same = extend_same_prefix(same, tokens[:, :, depth])
-            leaders.append(leaders_of(same))
+            same = self._draw(logits, depth, tokens, probs, uniforms, leaders, same)
         return self._tree(tokens, probs, leaders, nonfinite, running)
+
+    def _draw(self, logits, depth: int, tokens, probs, uniforms, leaders: list, same):
+        """Depth `depth` of the tree from the K rows' logits [B, K, V]: each row's law (penalties: on its own path)
+        into probs[:, :, depth], each draft's token drawn from its node's leader row (draws[b, r, k] is draft k's
+        draw from row r), the prefix groups and leaders extended. Returns the new `same` [B, K, K]."""
+        num_drafts = tokens.shape[1]
+        penalised = self.warp.path_dependent
+        probs[:, :, depth] = self.warp.probs(logits, draft_paths(tokens[:, :, :depth]) if penalised else None)
+        draws = sample_categorical_many(probs[:, :, depth], uniforms[:, depth, None, :].expand(-1, num_drafts, -1))
+        tokens[:, :, depth] = draws.gather(1, leaders[depth][:, None, :]).squeeze(1)
+        same = extend_same_prefix(same, tokens[:, :, depth])
+        leaders.append(leaders_of(same))
+        return same
 
     def _tree(self, tokens, probs, leaders, nonfinite, running) -> DraftTree:
         """Finish the tree: rows that stopped generating get a single path (token 0 at every depth)."""

@@ -43,7 +43,7 @@ from torch import nn
 
 from spectr.drafting import TreeDrafter, nonfinite_rows
 from spectr.kv_cache import RowKVCache, tree_attention
-from spectr.penalties import draft_paths, root_paths
+from spectr.penalties import root_paths
 from spectr.rng import sample_categorical_many
 from spectr.tree import extend_same_prefix, leaders_of
 
@@ -665,11 +665,7 @@ class FeatureDrafter(TreeDrafter):
             logits, parent = self.model.forward(tokens[:, :, depth - 1], parent, positions, allowed, self.cache,
                                                 slots, from_target=False)
             nonfinite |= nonfinite_rows(logits).any(1)
-            probs[:, :, depth] = self.warp.probs(logits, draft_paths(tokens[:, :, :depth]) if penalised else None)
-            draws = sample_categorical_many(probs[:, :, depth], uniforms[:, depth, None, :].expand(-1, num_drafts, -1))
-            tokens[:, :, depth] = draws.gather(1, leaders[depth][:, None, :]).squeeze(1)
-            same = extend_same_prefix(same, tokens[:, :, depth])
-            leaders.append(leaders_of(same))
+            same = self._draw(logits, depth, tokens, probs, uniforms, leaders, same)
         return self._tree(tokens, probs, leaders, nonfinite, running)
 
     def commit(self, tree, draft_index, num_accepted, next_tokens, running, *, emitted=None, features=None) -> None:
