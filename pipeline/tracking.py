@@ -3,8 +3,8 @@
 Only drivers use this (workers never talk to MLflow). `MlflowRun` uses an explicit `MlflowClient` on the
 configured tracking URI, never the process-global `mlflow.start_run` state; MLflow's system-metrics
 monitor, which the fluent API would start, is started here on the run id (`start_system_metrics`). The
-default tracking URI is a local SQLite file, `sqlite:///<cwd>/mlflow.db`; `mlflow.tracking_uri` points at a
-server instead. Experiments the jobs create carry `mlflow.experimentKind=custom_model_development`, so the
+default tracking URI is `MLFLOW_TRACKING_URI` from the environment when set, else a local SQLite file,
+`sqlite:///<cwd>/mlflow.db`; `mlflow.tracking_uri` points at a server instead (it wins over the environment). Experiments the jobs create carry `mlflow.experimentKind=custom_model_development`, so the
 MLflow UI opens them in its model-training pages.
 
 Each job decides what it logs (`pipeline.generate.tracking`, `pipeline.benchmark.tracking`). Not here:
@@ -14,6 +14,7 @@ which run a job continues (the generation job keeps that in its output directory
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import urllib.error
@@ -35,8 +36,12 @@ log = logging.getLogger("pipeline")
 
 
 def resolve_tracking_uri(config: MlflowConfig) -> str:
+    """`mlflow.tracking_uri`; unset, MLflow's own `MLFLOW_TRACKING_URI` from the environment (as the `mlflow`
+    command reads it: a cluster's job environment may set it once for every job), else a local SQLite file."""
     if config.tracking_uri:
         return config.tracking_uri
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
     return f"sqlite:///{(Path.cwd() / 'mlflow.db').resolve()}"
 
 

@@ -382,3 +382,18 @@ def test_an_mlflow_start_that_fails_is_a_warning_and_the_job_logs_nothing(caplog
     assert "mlflow: job start failed (RuntimeError: 503 Service Unavailable); the job goes on" in caplog.text
     with pytest.raises(JobInputError, match="cannot start a run"):
         _start_tracking(FailingStart(JobInputError("mlflow: cannot start a run at x")), {}, {})
+
+
+def test_the_tracking_uri_comes_from_the_environment_when_the_config_leaves_it_unset(tmp_path, monkeypatch):
+    """`mlflow.tracking_uri: null` takes MLflow's own MLFLOW_TRACKING_URI (a cluster's job environment sets it
+    once); a configured URI wins over it; with neither, the local SQLite file in the working directory."""
+    from pipeline.tracking import resolve_tracking_uri
+
+    server = "http://mlflow.internal:5000"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", server)
+    assert resolve_tracking_uri(MlflowConfig(tracking_uri=None)) == server
+    assert MlflowRun(MlflowConfig(tracking_uri=None)).tracking_uri == server
+    assert resolve_tracking_uri(MlflowConfig(tracking_uri="http://other:5000")) == "http://other:5000"
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    monkeypatch.chdir(tmp_path)
+    assert resolve_tracking_uri(MlflowConfig(tracking_uri=None)) == f"sqlite:///{(tmp_path / 'mlflow.db').resolve()}"
