@@ -33,6 +33,10 @@ from pipeline.config import (
 from pipeline.errors import JobInputError
 from pipeline.row_columns import JOB_KEYS, check_stop_list, job_settings
 
+# data.max_samples in conf/data: the most samples (vLLM's n) one row may ask for. vLLM users ask for a few dozen
+# at most (pass@k, best-of-n); one row's n sets the samples the plan places per prompt, so one outlier (n=10000)
+# would cut every prompt into thousands of sample slots: a row over the cap is an error row instead.
+DEFAULT_MAX_SAMPLES = 64
 METHODS = ("auto", "autoregressive", "speculative", "block", "spectr", "specinfer", "traversal")
 
 
@@ -267,6 +271,8 @@ def generation_settings(c: GenerateConfig) -> dict[str, Any]:
                 "chat_template_kwargs", "max_samples"):
         if data[key] is None:
             data.pop(key)  # unset, the hash is the one output dirs written before the key existed
+    if data.get("max_samples") == DEFAULT_MAX_SAMPLES:
+        data.pop("max_samples")  # at its default, likewise (rows' own n up to it place as before)
     if data["max_record_bytes"] == MAX_RECORD_BYTES:
         data.pop("max_record_bytes")  # likewise at its default
     if not logprobs_wanted(c.spectr):

@@ -92,7 +92,7 @@ class JobPlan:
     @property
     def samples_per_prompt(self) -> int:
         """Samples per prompt the plan places (`plan_samples`; with rows' own n, the largest the scan found)."""
-        return self.samples.placed if self.samples is not None else plan_samples(self.config)
+        return counted_samples(self.samples) if self.samples is not None else plan_samples(self.config)
 
     @property
     def output_rows(self) -> int:
@@ -120,9 +120,16 @@ class JobPlan:
 
 
 def plan_samples(config: GenerateConfig) -> int:
-    """Samples per prompt a plan without the scan's count places: `data.max_samples`, else
-    `spectr.num_samples` (with `data.sampling_params_column`, `prepare` counts each row's n: `SampleCounts`)."""
-    return config.data.max_samples or config.spectr.num_samples
+    """Samples per prompt a plan without the scan's count places: `spectr.num_samples`, every prompt's n (with
+    `data.sampling_params_column`, `prepare` counts each row's n: `SampleCounts`, `counted_samples`).
+    `data.max_samples` caps rows' own n only: it never places samples no row asks for."""
+    return config.spectr.num_samples
+
+
+def counted_samples(counts: SampleCounts) -> int:
+    """Samples per prompt the plan places when the scan counted rows' own n: the largest n at most
+    `data.max_samples` (a row over the cap fails: the scan leaves it out), at least `spectr.num_samples`."""
+    return max(counts.default, counts.largest)
 
 
 def samples_line(plan: JobPlan) -> str:
@@ -172,7 +179,7 @@ def prepare(config: GenerateConfig) -> JobPlan:
         size, per_shard = None, None
     source = scan_source(config.data, listing, size or SHARD_GRANULE, limit, counts)  # the one pass over the metadata
     if counts is not None:
-        samples = counts.placed
+        samples = counted_samples(counts)
         if existing is not None:
             per_shard = existing.samples_per_shard or samples
         config = _placing(config, samples)

@@ -409,8 +409,9 @@ class ShardGenerator:
             if n > placed:
                 key = "data.max_samples" if data.max_samples else "spectr.num_samples (data.max_samples unset)"
                 raise ValueError(f"row {shard.ids[i]!r}: n={n} is more samples than the job's plan places per "
-                                 f"prompt: {key} = {placed}; raise data.max_samples, or unset it (the plan then "
-                                 f"places every row's n of {data.sampling_params_column!r})")
+                                 f"prompt: {key} = {placed}, the most a row may ask for; raise data.max_samples, "
+                                 f"or set it to null (the plan then places every row's n of "
+                                 f"{data.sampling_params_column!r})")
         return self._in_shard(shard, n)
 
     def _failed_range(self, shard: Shard, i: int) -> range:

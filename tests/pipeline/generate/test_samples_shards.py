@@ -282,3 +282,26 @@ def test_resume_with_an_older_plans_shards_is_refused_by_name(tiny_pair, tmp_pat
     with pytest.raises(JobInputError, match=rf"started with {plan.num_shards - 1} shards, this version plans "
                                             rf"{plan.num_shards} .*3 samples per prompt"):
         prepare(from_dict(raw))
+
+
+def test_max_samples_has_a_default_cap_that_places_only_what_rows_ask_for(tiny_pair, tmp_path):
+    """conf/data's `data.max_samples` is 64 (DEFAULT_MAX_SAMPLES): the plan places the largest n at most the cap
+    (3 here, not 64), a row over the cap counts the job's n error rows (its message names the cap: the test
+    above), and the default leaves the output directory's hash as it was without the key; without rows' own n
+    the job's n is placed, whatever the cap."""
+    from omegaconf import OmegaConf
+
+    from pipeline.generate.config import DEFAULT_MAX_SAMPLES, generation_settings
+
+    conf = OmegaConf.load(__file__.split("/tests/")[0] + "/conf/data/embedded.yaml")
+    assert conf.max_samples == DEFAULT_MAX_SAMPLES == 64
+    rows = [{"id": "a", "prompt": PROMPTS[0], "params": {"n": 3}}, {"id": "b", "prompt": PROMPTS[1], "params": None},
+            {"id": "c", "prompt": PROMPTS[2], "params": {"n": 65}}]  # over the cap: 1 error row (the job's n)
+    data = write_prompts(tmp_path, rows)
+    capped = {"data.sampling_params_column": "params", "data.max_samples": DEFAULT_MAX_SAMPLES, "shard_size": None}
+    plan = prepare(from_dict(job_config(tiny_pair, data, tmp_path / "out", **capped)))
+    assert (plan.samples_per_prompt, plan.output_rows, plan.layout.samples) == (3, 3 + 1 + 1, 3)
+    unset = from_dict(job_config(tiny_pair, data, tmp_path / "out", **{**capped, "data.max_samples": None}))
+    assert generation_settings(plan.config) == generation_settings(unset)
+    plain = prepare(from_dict(job_config(tiny_pair, data, tmp_path / "out2", **{"data.max_samples": 8})))
+    assert (plain.samples_per_prompt, plain.output_rows) == (1, 3)
