@@ -12,7 +12,10 @@ life is a loop of three moves:
              prompt slots, so the samples of a prompt share one prefill; `share_prefill=False` off);
              rows may carry their own `SamplingWarp` (`admit(..., warps=)`: the pool then warps per
              row, `spectr.warps.RowWarps`) and, with `logprobs=True`, each token's log q comes back
-             with the row (`FinishedRow.logprobs`, in the same read-back);
+             with the row (`FinishedRow.logprobs`, in the same read-back); a row admitted with
+             `prompt_logprobs=N` keeps its prefill's logits at every prompt position (its own forward,
+             apart from the rows that do not ask, which keep only the last position's) and comes back
+             with vLLM's `prompt_logprobs` (`FinishedRow.prompt_logprobs`, `spectr.rows.PromptLogprobs`);
 2) iterate - `step(config=None)` runs one iteration (`spectr.iteration`) of `config` (any
              `spectr.steps.StepConfig` within the batcher's bounds; default the batcher's own, see
              "Configurations" below) on the slots [0, top) (top = the
@@ -82,7 +85,7 @@ from spectr.native import (
 )
 from spectr.records import DRAFT_NONFINITE, STOP, TARGET_NONFINITE, Records, SlotResult
 from spectr.rng import row_keys
-from spectr.rows import RowState, prefill
+from spectr.rows import PromptLogprobs, RowState, prefill, prompt_logprob_tensors
 from spectr.sequence import sequence_methods
 from spectr.settings import (
     AUTOREGRESSIVE,
@@ -122,6 +125,7 @@ class FinishedRow:
     tokens_per_call_histogram: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None  # with logprobs: per token, log q of its warped target law ("raw": log-softmax)
     top_logprobs: list[list[tuple[int, float]]] | None = None  # with top_logprobs=N: per token, N (id, log-prob)
+    prompt_logprobs: PromptLogprobs | None = None  # admitted with prompt_logprobs=N: vLLM's, from the prefill
 
     @property
     def generated_tokens(self) -> int:
@@ -137,6 +141,8 @@ class _Request:
     tag: Any
     warp: SamplingWarp | None = None  # None: the run's warp
     stops: tuple[int, ...] | None = None  # None: the run's EOS ids end the row; else these tokens (empty: none)
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs=N (None: not asked)
+    prompt_state: tuple | None = None  # its `prompt_logprob_tensors` (device), set at the prefill
 
 
 def known_methods() -> list[str]:
@@ -354,7 +360,8 @@ class ContinuousBatcher:
 
     def admit(self, prompts, *, max_new_tokens: int | Sequence[int] = 64, seed: int | Sequence[int] = 0,
               tags: Sequence[Any] | None = None, warps: Sequence[SamplingWarp | None] | None = None,
-              stop_token_ids: Sequence[Sequence[int] | None] | None = None) -> list[int]:
+              stop_token_ids: Sequence[Sequence[int] | None] | None = None,
+              prompt_logprobs: Sequence[int | None] | None = None) -> list[int]:
         """Queue prompts (token-id lists), in order; returns their request ids.
 
         max_new_tokens: an int >= 1 or one per prompt; seed: an int (prompt i uses seed + i) or one
@@ -363,16 +370,22 @@ class ContinuousBatcher:
         warps share the batch, each exact for its own; penalties and min_tokens are counted on each draft-tree
         node's own path, `spectr.penalties`); stop_token_ids: None or one entry per prompt, None (the
         run's EOS ids end it) or the token ids that end that row instead (vLLM's stop_token_ids, with its EOS
-        unless ignore_eos; an empty list: the row runs its whole budget).
+        unless ignore_eos; an empty list: the row runs its whole budget); prompt_logprobs: None or one
+        entry per prompt, None or vLLM's N >= 0 (`FinishedRow.prompt_logprobs`: each prompt token's
+        log-probability and rank under the target, and the N most likely tokens at each position).
         """
         checked = check_prompts(prompts)
         budgets = check_max_new_tokens(max_new_tokens, len(checked))
         seeds = check_seeds(seed, len(checked))
-        for name, values in (("tags", tags), ("warps", warps), ("stop_token_ids", stop_token_ids)):
+        for name, values in (("tags", tags), ("warps", warps), ("stop_token_ids", stop_token_ids),
+                             ("prompt_logprobs", prompt_logprobs)):
             if values is not None and len(values) != len(checked):
                 raise ValueError(f"{name} has {len(values)} entries but there are {len(checked)} prompts")
         if warps is not None and not all(w is None or isinstance(w, SamplingWarp) for w in warps):
             raise ValueError("warps must be None or one SamplingWarp (or None) per prompt")
+        if prompt_logprobs is not None and not all(n is None or (isinstance(n, int) and not isinstance(n, bool)
+                                                                 and n >= 0) for n in prompt_logprobs):
+            raise ValueError(f"prompt_logprobs must be None or one int >= 0 (or None) per prompt, got {prompt_logprobs!r}")
         for model in (self.target, self.draft):
             if model is not None:
                 check_prompts_fit(checked, model, budgets)
@@ -385,7 +398,8 @@ class ContinuousBatcher:
         for row, (prompt, budget, row_seed) in enumerate(zip(checked, budgets, seeds)):
             stops = None if stop_token_ids is None or stop_token_ids[row] is None else tuple(stop_token_ids[row])
             self._waiting.append(_Request(first + row, prompt, budget, row_seed, None if tags is None else tags[row],
-                                          None if warps is None else warps[row], stops))
+                                          None if warps is None else warps[row], stops,
+                                          None if prompt_logprobs is None else prompt_logprobs[row]))
         return list(range(first, self._next_request))
 
     def step(self, config: StepConfig | None = None) -> list[FinishedRow]:
@@ -465,7 +479,7 @@ class ContinuousBatcher:
             slots = sorted(heapq.heappop(self._free) for _ in range(count))
             index = torch.tensor(slots, dtype=torch.int64, device=self.device)  # [N]
             prompts = [r.prompt for r in requests]
-            self._prefill(slots, prompts)
+            self._prefill(slots, requests)
             self._set_warps(index, requests, slots)
             last_tokens = torch.tensor([p[-1] for p in prompts], dtype=torch.int64, device=self.device)  # [N]
             self.rows.admit(index, last_tokens, row_keys([r.seed for r in requests], self.device))
@@ -484,43 +498,76 @@ class ContinuousBatcher:
         loop.draft_extent = (max(loop.draft_extent[0], longest), max(loop.draft_extent[1], 1))
         self.stats.admissions += 1
 
-    def _prefill(self, slots: list[int], prompts: list[list[int]]) -> None:
+    def _prefill(self, slots: list[int], requests: list[_Request]) -> None:
         """Prefill the new rows, once per distinct prompt: a row whose prompt a live row or another new row
         already holds copies that row's prompt slots instead (both caches are left-aligned, so a row's
         first len(prompt) - 1 slots are its prompt whatever it generated since). One forward per model
-        for the prompts no slot holds; the samples of a prompt share its prefill this way."""
+        for the prompts no slot holds; the samples of a prompt share its prefill this way. Rows that ask
+        for prompt_logprobs run in a forward of their own that keeps every position's logits (shared only
+        with a row of this admission that asks the same), so that the other rows keep only their last."""
         holders = {tuple(r.prompt): slot for slot, r in enumerate(self._in_slot) if r is not None}  # live rows
         copies: list[tuple[int, int, int]] = []  # (source slot, dest slot, prompt length - 1)
-        unique_slots, unique_prompts = [], []
-        for slot, prompt in zip(slots, prompts):  # admission (host), not the per-iteration loop
-            key = tuple(prompt)
-            if self.share_prefill and key in holders:
-                copies.append((holders[key], slot, len(prompt) - 1))
+        groups: dict[bool, list[tuple[int, _Request]]] = {False: [], True: []}  # keeps logits -> its rows
+        asked: dict[tuple, _Request] = {}  # (prompt, N) -> the row of this admission that computes it
+        for slot, request in zip(slots, requests):  # admission (host), not the per-iteration loop
+            key, wants = tuple(request.prompt), request.prompt_logprobs is not None
+            source = asked.get((key, request.prompt_logprobs)) if wants else None
+            if self.share_prefill and key in holders and (not wants or source is not None):
+                copies.append((holders[key], slot, len(request.prompt) - 1))
+                if source is not None:
+                    request.prompt_state = source  # filled in below, with the source's forward
             else:
                 holders[key] = slot
-                unique_slots.append(slot)
-                unique_prompts.append(prompt)
-        caches = [("target", self.target, self.target_cache)]
-        feature = isinstance(self.rows.drafter, FeatureDrafter)
-        if self.rows.drafter is not None and not feature:
-            caches.append(("draft", self.draft, self.rows.drafter.cache))
-        for phase, model, cache in caches:
-            with self.loop.timer.phase(phase):
-                if unique_prompts:
-                    index = torch.tensor(unique_slots, dtype=torch.int64, device=self.device)  # [U]
-                    prefill(model, cache, unique_prompts, self.device, rows=index)
-                if copies:
-                    source, dest, lengths = (torch.tensor(c, dtype=torch.int64, device=self.device)
-                                             for c in zip(*copies))  # [C] each
-                    cache.rows.copy_rows(source, dest, max(c[2] for c in copies))
-                    cache.rows.lengths.index_copy_(0, dest, lengths)
-        if feature:  # the head reads the prompt with the target's features from the prefill just run
+                groups[wants].append((slot, request))
+                if wants:
+                    asked[(key, request.prompt_logprobs)] = request
+        for keep, rows in groups.items():
+            if rows:
+                self._prefill_rows([slot for slot, _ in rows], [r for _, r in rows], keep)
+        for request in requests:
+            if isinstance(request.prompt_state, _Request):
+                request.prompt_state = request.prompt_state.prompt_state
+        if copies:
+            self._copy_prompts(copies)
+        self.stats.prefilled_rows += sum(map(len, groups.values()))
+        self.stats.shared_prefill_rows += len(copies)
+
+    def _prefill_rows(self, slots: list[int], requests: list[_Request], keep_logits: bool) -> None:
+        """One forward per model over these rows' prompts; keep_logits: the target's logits at every prompt
+        position become each row's prompt log-probabilities (`prompt_logprob_tensors`, on the device)."""
+        index = torch.tensor(slots, dtype=torch.int64, device=self.device)  # [U]
+        prompts = [r.prompt for r in requests]
+        with self.loop.timer.phase("target"):
+            logits = prefill(self.target, self.target_cache, prompts, self.device, rows=index, keep_logits=keep_logits)
+            if keep_logits:
+                for row, request in enumerate(requests):  # [P, V] each: only the rows that ask
+                    request.prompt_state = prompt_logprob_tensors(logits[row], request.prompt,
+                                                                  request.prompt_logprobs)
+        del logits
+        drafter = self.rows.drafter
+        if isinstance(drafter, FeatureDrafter):  # the head reads the prompt with the target's features just made
             with self.loop.timer.phase("draft"):
                 features = self.target.tap.take() if self.target.tap.features is not None else None
-                index = torch.tensor(unique_slots, dtype=torch.int64, device=self.device)
-                self.rows.drafter.prefill_rows(index, unique_prompts, features, copies)
-        self.stats.prefilled_rows += len(unique_slots)
-        self.stats.shared_prefill_rows += len(copies)
+                drafter.prefill_rows(index, prompts, features, [])
+        elif drafter is not None:
+            with self.loop.timer.phase("draft"):
+                prefill(self.draft, drafter.cache, prompts, self.device, rows=index)
+
+    def _copy_prompts(self, copies: list[tuple[int, int, int]]) -> None:
+        """Rows whose prompt another slot holds: (source slot, dest slot, prompt length - 1) each."""
+        source, dest, lengths = (torch.tensor(c, dtype=torch.int64, device=self.device)
+                                 for c in zip(*copies))  # [C] each
+        drafter = self.rows.drafter
+        caches = [("target", self.target_cache)]
+        if drafter is not None and not isinstance(drafter, FeatureDrafter):
+            caches.append(("draft", drafter.cache))
+        for phase, cache in caches:
+            with self.loop.timer.phase(phase):
+                cache.rows.copy_rows(source, dest, max(c[2] for c in copies))
+                cache.rows.lengths.index_copy_(0, dest, lengths)
+        if isinstance(drafter, FeatureDrafter):
+            with self.loop.timer.phase("draft"):
+                drafter.prefill_rows(dest[:0], [], None, copies)
 
     def _set_warps(self, index: torch.Tensor, requests: list[_Request], slots: list[int]) -> None:
         """Rows with their own warp: the pool switches to per-row warps (`RowWarps`) on the first one."""
@@ -678,7 +725,9 @@ class ContinuousBatcher:
                            accepted_per_position=result.accepted_per_position,
                            tested_positions=result.tested_positions, tree_nodes=result.tree_nodes,
                            tokens_per_call_histogram=result.tokens_per_call_histogram, logprobs=result.logprobs,
-                           top_logprobs=result.top_logprobs)
+                           top_logprobs=result.top_logprobs,
+                           prompt_logprobs=None if request.prompt_state is None else
+                           PromptLogprobs.read(request.prompt, request.prompt_state))
 
     @contextlib.contextmanager
     def _engaged(self):

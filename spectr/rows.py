@@ -6,7 +6,9 @@ admission to its last token; then the slot is reset and the next prompt takes it
 
 - `prefill` writes the new prompts (every token but the last) into their slots only: a
   forward over the N new rows, through a `RowView` of the cache, with the same right-padded
-  causal layout whatever else runs;
+  causal layout whatever else runs; for rows that ask (vLLM's `prompt_logprobs`) it keeps the
+  logits at every prompt position, and `prompt_logprob_tensors` / `PromptLogprobs` turn them into
+  each prompt token's log-probability, rank and the top N (no extra target pass);
 - `RowState.admit` sets the slots' device state: the last prompt token pending, the row's
   random-stream key, iteration 0, running.
 
@@ -30,16 +32,20 @@ from spectr.kv_cache import tree_attention
 
 
 def prefill(model: HFCausalLM, cache: HFRowCache, prompts: list[list[int]], device,
-            rows: torch.Tensor | None = None) -> None:
+            rows: torch.Tensor | None = None, keep_logits: bool = False) -> torch.Tensor | None:
     """Write every prompt but its last token into `cache` (right-padded batch, causal mask). No host sync.
 
     rows: [N] int64, the cache rows of the N prompts (None: rows 0..N-1 of a cache of N rows);
-    their previous lengths are ignored (the rows start empty).
+    their previous lengths are ignored (the rows start empty). keep_logits: return the logits at every
+    written position, [N, P, V] (P = longest prompt - 1; position i predicts prompt token i + 1; a
+    row's positions from its own length on are padding), else None (only the last position's logits
+    are computed).
     """
     if rows is not None:
         cache = cache.view(rows)
     width = max(len(p) for p in prompts) - 1
     lengths = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.int64, device=device)  # [N]
+    logits = None
     if width > 0:
         padded = torch.tensor([p[:-1] + [0] * (width + 1 - len(p)) for p in prompts], dtype=torch.int64,
                               device=device)  # [N, P]
@@ -47,8 +53,59 @@ def prefill(model: HFCausalLM, cache: HFRowCache, prompts: list[list[int]], devi
         causal = positions[0][:, None] >= positions[0][None, :]  # [P, P]
         # Padded queries see only real keys before them (or themselves); real keys never see padding.
         allowed = tree_attention(torch.zeros_like(lengths), causal, width)  # [N, P, P]
-        model.forward(padded, positions, allowed, cache, positions, last_only=True)
+        logits = model.forward(padded, positions, allowed, cache, positions, last_only=not keep_logits)
     cache.rows.lengths = lengths
+    if keep_logits and logits is None:
+        logits = torch.zeros(len(prompts), 0, model.vocab_size, device=device)  # one-token prompts: no position
+    return logits if keep_logits else None
+
+
+@dataclass
+class PromptLogprobs:
+    """vLLM's `prompt_logprobs` of one row, from the target's prefill: the target's raw log-softmax (vLLM's
+    default logprobs mode), for every prompt token after the first (the first has no context: None, as vLLM).
+
+    token_ids: the prompt; logprobs / ranks: per prompt token (None first), its log-probability and its
+    rank (1 = the most likely token; ties share the better rank, as vLLM counts tokens strictly more likely);
+    top: per prompt token ([] first), the N most likely tokens at that position as (id, log-probability).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float | None]
+    ranks: list[int | None]
+    top: list[list[tuple[int, float]]]
+
+    @classmethod
+    def read(cls, prompt: list[int], tensors: tuple[torch.Tensor, ...]) -> PromptLogprobs:
+        """From `prompt_logprob_tensors`' device tensors (one host copy each; at the row's retirement)."""
+        chosen, ranks, top_values, top_ids = (t.tolist() for t in tensors)
+        top = [list(zip(ids, values)) for ids, values in zip(top_ids, top_values)]
+        return cls(list(prompt), [None, *chosen], [None, *ranks], [[], *top])
+
+
+def prompt_logprob_tensors(logits: torch.Tensor, prompt: list[int], top: int,
+                           chunk: int = 512) -> tuple[torch.Tensor, ...]:
+    """One row's prompt log-probabilities on the device, from its prefill logits ([P, V], P >= len(prompt) - 1:
+    position i predicts prompt token i + 1): (log-probability [T], rank [T], top-N values [T, N], top-N ids
+    [T, N]) for the T = len(prompt) - 1 tokens after the first; float32 log-softmax, `chunk` positions at a time
+    (a [chunk, V] float32 copy at most). No host sync."""
+    count = len(prompt) - 1
+    device = logits.device
+    following = torch.tensor(prompt[1:], dtype=torch.int64, device=device)  # [T]
+    parts: list[list[torch.Tensor]] = [[], [], [], []]
+    for start in range(0, count, chunk):
+        logp = logits[start : min(count, start + chunk)].float().log_softmax(-1)  # [c, V]
+        chosen = logp.gather(-1, following[start : start + logp.shape[0], None])  # [c, 1]
+        parts[0].append(chosen[:, 0])
+        parts[1].append((logp > chosen).sum(-1) + 1)  # vLLM's rank: 1 + tokens strictly more likely
+        values, ids = logp.topk(min(top, logp.shape[-1]), dim=-1)  # [c, N]
+        parts[2].append(values)
+        parts[3].append(ids)
+    if not count:
+        empty = torch.zeros(0, device=device)
+        return empty, empty.long(), torch.zeros(0, top, device=device), torch.zeros(0, top, dtype=torch.int64,
+                                                                                  device=device)
+    return tuple(torch.cat(p) for p in parts)
 
 
 @dataclass
