@@ -23,6 +23,7 @@ same way without being generated. This class does not talk to MLflow.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -34,7 +35,8 @@ from typing import Any
 from pipeline import busy
 from pipeline.config import DataConfig, ModelConfig
 from pipeline.generate.config import SpectrConfig, logprobs_wanted, top_logprobs
-from pipeline.generate.feed import Refusal, Row, ShardFeed
+from pipeline.generate.feed import AUTO_MAX_DRAFTS, AUTO_MAX_LENGTH, Refusal, Row, ShardFeed
+from pipeline.generate.memory import device_memory, kv_bytes_per_position, memory_message, memory_row_cap
 from pipeline.generate.shards import Shard, ShardTask, load_shard
 from pipeline.generate.stats import ResourceMeter, device_kind, empty_stats, merge_stats
 from pipeline.redact import install_log_filter
@@ -74,6 +76,11 @@ class WorkerJob:
     spectr: SpectrConfig | None = None  # the job's engine settings: an actor built for another (kept) takes them
     lease_token: str = ""  # the job's lease: a part is written only while the job holds the directory ('' no check)
     model_fingerprints: dict[str, Any] = field(default_factory=dict)  # {role: tensor_fingerprint} of the plan's pair
+
+
+class MemoryRefusal(ValueError):
+    """A row whose pool could never fit in the actor's GPU memory (`pipeline.generate.memory`): its error row,
+    counted as a failure of its input (a rerun does not redo it)."""
 
 
 class ModelMismatch(RuntimeError):
@@ -184,6 +191,8 @@ class ShardGenerator:
         self.model_fingerprints = after if after == before else {"changed while loading": True}
         self._models_checked: Any = None  # the WorkerJob whose fingerprints this pair matched
         self.eos_token_id = models.eos_token_ids_of(self.target, self.tokenizer)  # every EOS id
+        self._memory = device_memory(device) if plan is None else None  # (free, total) before any pool
+        self.memory_cap: int | None = None  # the most positions a row may need on this GPU (None: no cap)
         self._new_feed(spectr)
         self.startup = {"load_s": time.time() - init_started}  # torch, the stack's imports, the pair's load
 
@@ -215,9 +224,51 @@ class ShardGenerator:
     def _new_feed(self, spectr: SpectrConfig) -> None:
         """One continuous batch (one cache pool) for every shard this actor holds, built at the first shard."""
         self.spectr = spectr
-        self.feed = ShardFeed(self.target, self.draft, spectr, self.eos_token_id, on_rows=self._report_rows)
+        self.memory_cap = self._row_cap(spectr)
+        caps = [cap for cap in (spectr.max_row_tokens, self.memory_cap) if cap is not None]
+        pool = dataclasses.replace(spectr, max_row_tokens=min(caps)) if caps else spectr  # the pool's bound too
+        self.feed = ShardFeed(self.target, self.draft, pool, self.eos_token_id, on_rows=self._report_rows)
         self.feed.decode = self._decode  # stop strings end rows early (pipeline.generate.feed)
         self.feed.tokenizer, self.feed.tokenizer_lock = self.tokenizer, self._text_lock  # grammars, bad words
+
+    def device_memory(self, free_bytes: int, total_bytes: int) -> None:
+        """Admit rows against a GPU with these free and total bytes (what `torch.cuda.mem_get_info()` said when the
+        pair was loaded; tests inject it): a new feed with the cap, called while the actor holds no shard."""
+        self._memory = (int(free_bytes), int(total_bytes))
+        self._new_feed(self.spectr)
+
+    def _row_cap(self, spectr: SpectrConfig) -> int | None:
+        """The most positions a row may need on this actor's GPU (`memory_row_cap`); None: not measured, or
+        no row of the models' positions is over it."""
+        if self._memory is None:
+            return None
+        from spectr.batching import model_limit, wrap_model
+
+        try:
+            kv_bytes = kv_bytes_per_position(self.target) + kv_bytes_per_position(self.draft)
+        except ValueError as err:
+            log.warning("rows are not admitted against the GPU's memory: %s", err)
+            return None
+        if spectr.method == "auto":
+            tree = (spectr.max_num_drafts or AUTO_MAX_DRAFTS) * (spectr.max_draft_length or AUTO_MAX_LENGTH)
+        else:
+            tree = spectr.num_drafts * spectr.draft_length
+        limit = model_limit([wrap_model(self.target, "target"), wrap_model(self.draft, "draft")])
+        cap = memory_row_cap(*self._memory, kv_bytes, spectr.batch_size, tree, limit)
+        if cap is not None:
+            log.info("GPU memory: rows of at most %d positions (prompt + max_tokens) fit a pool of %d rows", cap,
+                     spectr.batch_size)
+        return cap
+
+    def _check_memory(self, shard: Shard, i: int, settings: Any) -> None:
+        """MemoryRefusal when row i needs more positions than this GPU's pool can hold for any row."""
+        cap = self.memory_cap
+        if cap is None:
+            return
+        needed = len(shard.prompt_token_ids[i]) + (settings.max_tokens or self._budget(shard, i))
+        if needed > cap:
+            raise MemoryRefusal(f"row {shard.ids[i]!r}: " + memory_message(needed, cap, *self._memory,
+                                                                           self.spectr.batch_size))
 
     def reconfigure(self, spectr: SpectrConfig) -> dict[str, Any]:
         """The next sweep cell on this actor (`pipeline.generate.keep`): its engine settings, with the pair
@@ -309,8 +360,7 @@ class ShardGenerator:
         this shard's rows are done; other shards' rows may share the batch meanwhile)."""
         from spectr import FinishedRow
 
-        started = time.perf_counter()
-        meter = ResourceMeter(self.device)
+        started, meter = time.perf_counter(), ResourceMeter(self.device)
         slots: list[tuple[int, int]] = []  # position -> (row, sample index): the output's order
         by_position: dict[int, dict[str, Any]] = {}
         rows: list[Row] = []
@@ -321,9 +371,10 @@ class ShardGenerator:
             try:
                 settings = self._settings(shard, i)
                 samples = self._sample_range(shard, i, settings)
+                self._check_memory(shard, i, settings)
             except ValueError as err:
                 failed = self._failed_range(shard, i)  # a failed row: its error on each sample the plan counted
-                failed_input += len(failed) if shard.problem(i) else 0
+                failed_input += len(failed) if shard.problem(i) or isinstance(err, MemoryRefusal) else 0
                 for sample in failed:
                     by_position[len(slots)] = self._error_row(shard, i, str(err), sample)
                     slots.append((i, sample))

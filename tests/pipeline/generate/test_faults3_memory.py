@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -59,3 +60,66 @@ def test_a_grown_pool_that_does_not_fit_fails_only_the_row_that_needs_it(tiny_pa
         assert errors == [None] * 4 and generator.feed.batcher.max_length > 32
     for i in (0, 1, 3):
         assert result.rows[i]["completion_token_ids"] == alone(generator, second, i, 2)
+
+
+# --- on CUDA: rows admitted against the GPU's free memory (pipeline.generate.memory), the values injected ---
+
+
+def test_memory_row_cap_is_the_largest_pool_capacity_that_fits():
+    """The pool is batch x (capacity + tree + 2) x KV bytes: the cap is the largest power of two whose pool fits in
+    free - 10% of total; None when the models' every position fits; 0 when nothing does."""
+    from pipeline.generate.memory import memory_row_cap
+
+    kv, batch, tree, total = 1000, 4, 16, 10**9
+    budget = lambda capacity: total // 10 + batch * (capacity + tree + 2) * kv  # noqa: E731 - free bytes exactly fitting
+    assert memory_row_cap(budget(64), total, kv, batch, tree, model_positions=4096) == 64
+    assert memory_row_cap(budget(64) - 1, total, kv, batch, tree, model_positions=4096) == 32
+    assert memory_row_cap(budget(127), total, kv, batch, tree, model_positions=4096) == 64  # capacities: powers of 2
+    assert memory_row_cap(budget(100), total, kv, batch, tree, model_positions=100) is None  # every row fits
+    assert memory_row_cap(budget(99), total, kv, batch, tree, model_positions=100) == 64
+    assert memory_row_cap(budget(1), total, kv, batch, tree, model_positions=4096) == 0  # no row fits
+    assert memory_row_cap(budget(1024), total, kv, batch, tree) == 1024  # the models declare no limit
+    assert memory_row_cap(budget(64), total, kv, batch * 2, tree, model_positions=4096) == 16  # twice the rows
+
+
+def test_kv_bytes_per_position_is_what_the_engine_allocates(tiny_pair):
+    """kv_bytes_per_position of both models x slots x positions is the pool the engine's batcher really holds."""
+    from pipeline.generate.memory import kv_bytes_per_position
+
+    generator = generator_for(tiny_pair, batch_size=4)
+    batcher = spectr.ContinuousBatcher(generator.target, generator.draft, batch_size=4, max_length=32,
+                                       method="spectr", num_drafts=2, draft_length=3)
+    batcher.admit([[3, 4, 5]], max_new_tokens=2)
+    batcher.step()  # the buffers are allocated at the first forward
+    tree = 2 * 3
+    held = batcher.target_cache.rows.nbytes + batcher.rows.drafter.cache.rows.nbytes  # buffers + lengths
+    lengths = 2 * 4 * 8  # two [B] int64 lengths
+    kv = kv_bytes_per_position(generator.target), kv_bytes_per_position(generator.draft)
+    assert held - lengths == 4 * (32 + 1 + tree) * kv[0] + 4 * (32 + 2 + tree) * kv[1]
+
+
+@pytest.mark.parametrize("free_for", [32, None])  # None: the control, a GPU with room for every row
+def test_a_row_that_can_never_fit_the_gpu_is_an_error_row_of_its_shard(tiny_pair, free_for):
+    """An actor told by mem_get_info (injected) that its GPU holds a pool of 32 positions per row: the row that
+    needs 40+ is an error row naming the memory (an input failure: its shard is not charged, a rerun does not
+    redo it), the pool is never sized for it, and the shard's other rows are generated."""
+    from pipeline.generate.memory import HEADROOM, kv_bytes_per_position
+
+    generator = generator_for(tiny_pair, batch_size=4)
+    kv = kv_bytes_per_position(generator.target) + kv_bytes_per_position(generator.draft)
+    tree = generator.spectr.num_drafts * generator.spectr.draft_length
+    total = 8 * 2**30
+    free = math.ceil(HEADROOM * total) + 4 * ((free_for or 64) + tree + 2) * kv
+    generator.device_memory(free, total)
+    assert generator.memory_cap == free_for
+    shard = shards_of(tiny_pair, prompts_of(4, seed=3), 4, [2, 2, 40, 2])[0]
+    result = generator(shard)
+    errors = [row["error"] for row in result.rows]
+    if free_for:
+        assert [i for i, e in enumerate(errors) if e] == [2] and "MemoryError" in errors[2]
+        assert "GiB free on the actor's GPU" in errors[2] and "rows of at most 32 positions fit" in errors[2]
+        assert result.failed == result.failed_input == 1 and generator.feed.batcher.max_length <= 32
+    else:
+        assert errors == [None] * 4 and result.failed == 0
+    for i in (0, 1, 3):
+        assert result.rows[i]["completion_token_ids"] == alone(generator, shard, i, 2)
