@@ -406,7 +406,8 @@ def _generate(
         log.info("ray ready (%.1f s); %s %d actor(s)", ray_ready - started,
                  "the last sweep cell's pair stays loaded on its" if kept else "starting", count)
         spawning = time.perf_counter()
-        pool = ShardActorPool(config, count, cpus_each, gpus_each, _worker_job(plan, schema), kept=kept)
+        pool = ShardActorPool(config, count, cpus_each, gpus_each, _worker_job(plan, schema), kept=kept,
+                              fence_sick=hooks.fence_sick if hooks else None)
         tracking.begin()  # MLflow's start overlaps the actors' loading
         ended = False
         try:

@@ -18,6 +18,11 @@ queue, as its next attempt (a new part name: `ShardTask.fence`), when:
 - its actor's device fails whatever it runs (`ActorFault`: every row of a failed batch fails alone too,
   and so does a one-token probe): the shard goes back uncharged, and the actor is restarted at once (three
   sick actors cannot fail one healthy shard three times);
+- a sick actor on a GPU (an `ActorFault`, or a failed shard that then succeeded elsewhere) is not restarted in
+  place: it is set aside for the rest of the run, alive and idle, so that it keeps holding its GPU and Ray
+  places no actor of the job on that GPU again, and a new actor takes its slot wherever the cluster has a
+  free GPU (a life of `ray.max_restarts`; with none free, the job goes on with the others). Ray cannot be
+  asked to avoid one GPU of a node, but it never gives a held GPU to another actor. Killed at the end;
 - its actor hangs (below): the actor is restarted and the shard at the head of its queue is charged one
   attempt (a shard that hangs every actor it meets is given up after `ray.shard_attempts`), the rest go back;
 - its actor died (`ActorDiedError`: the first shard is charged, unless Ray says the actor was preempted:
@@ -87,6 +92,8 @@ class RunHooks:
     on_shard_written: Callable[[ShardResult], None] | None = None
     on_progress: Callable[[int], None] | None = None  # prompts done, shards in flight included (polled)
     on_actor_joined: Callable[[Any, dict[str, Any]], None] | None = None  # a late or restarted actor is up
+    # test-only: set a sick actor aside (holding its resources) on CPU actors too, as on GPUs (None: on GPUs only)
+    fence_sick: bool | None = None
 
 
 @dataclass
@@ -196,17 +203,22 @@ class _Slot:
 class ShardActorPool:
     """The job's actors and the shard queue; see the module docstring."""
 
+    _fence_sick = False  # set sick actors aside instead of restarting them in place (actors on GPUs)
+    _fenced: tuple[Any, ...] = ()  # the actors set aside (alive, idle), killed at shutdown
+
     def __init__(
         self, config: GenerateConfig, count: int, cpus_each: float, gpus_each: float, job: WorkerJob,
-        kept: KeptActors | None = None,
+        kept: KeptActors | None = None, fence_sick: bool | None = None,
     ):
         """kept: an earlier sweep cell's actors (`count` of them, built with these resources), used instead of
-        new ones; `wait_ready` sends them this job's engine settings."""
+        new ones; `wait_ready` sends them this job's engine settings. fence_sick: set a sick actor aside
+        (holding its device) instead of restarting it in place; None: when the actors take GPUs."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         self._ray = ray
         self.config = config
+        self._fence_sick = gpus_each > 0 if fence_sick is None else fence_sick
         options: dict[str, Any] = dict(
             num_cpus=cpus_each,
             num_gpus=gpus_each,
@@ -373,7 +385,7 @@ class ShardActorPool:
         except RayTaskError as err:  # the shard's own failure (or, FeedAborted, a neighbour's)
             if isinstance(err, ActorFault):  # the device's: uncharged, and the actor is quarantined
                 queue.push_front(task.again())
-                self._restart(slot, queue, f"its device fails every row and a probe ({_last_line(err)})")
+                self._restart(slot, queue, f"its device fails every row and a probe ({_last_line(err)})", sick=True)
                 return
             if not isinstance(err, (FeedAborted, LeaseUnknownError)):  # the lease unreadable: not the shard's
                 slot.failed.add(task.index)
@@ -408,7 +420,8 @@ class ShardActorPool:
             if slot is not winner and index in slot.failed:
                 slot.failed.discard(index)
                 if slot.state == "ok":
-                    self._restart(slot, queue, f"shard {index} failed on it and then succeeded on another actor")
+                    self._restart(slot, queue, f"shard {index} failed on it and then succeeded on another actor",
+                                  sick=True)
         winner.failed.discard(index)
 
     def _requeue_all(self, slot: _Slot, queue: ShardQueue) -> None:
@@ -434,11 +447,15 @@ class ShardActorPool:
         slot.lives += 1
         slot.restarts.append(time.monotonic())
 
-    def _restart(self, slot: _Slot, queue: ShardQueue, why: str) -> None:
+    def _restart(self, slot: _Slot, queue: ShardQueue, why: str, sick: bool = False) -> None:
         """A stuck, silent or sick actor: its shards go back, and Ray replaces its process (it reloads the
-        pair; it gets shards again once it answers a ping). Without restarts left it is given up."""
+        pair; it gets shards again once it answers a ping). Without restarts left it is given up. A sick one
+        on a GPU is set aside instead (`_fence`)."""
         if not self._lives_left(slot):
             self._dead(slot, f"{why}; no restarts left")
+            return
+        if sick and self._fence_sick:
+            self._fence(slot, queue, why)
             return
         log.warning("restarting an actor (%s); %d shard(s) re-queued", why, len(slot.in_flight))
         self._requeue_all(slot, queue)
@@ -451,6 +468,27 @@ class ShardActorPool:
             self._ray.kill(slot.actor, no_restart=False)
         except Exception:  # noqa: BLE001 - it may be gone already; its pings say what became of it
             pass
+
+    def _fence(self, slot: _Slot, queue: ShardQueue, why: str) -> None:
+        """A sick actor is set aside for the run, alive and idle: it keeps its GPU, so no actor of the job is
+        placed there again; its shards go back and a new actor (a life) takes its slot where there is room."""
+        log.warning("setting aside a sick actor for the rest of the run (%s): it keeps holding its device, so that "
+                    "no actor is placed on it again; %d shard(s) re-queued, a new actor starts where there is room",
+                    why, len(slot.in_flight))
+        self._requeue_all(slot, queue)
+        self._fenced = (*self._fenced, slot.actor)
+        if slot.actor in self.actors:
+            self.actors.remove(slot.actor)
+        self._spend_life(slot)
+        self._replace(slot)
+
+    def _replace(self, slot: _Slot) -> None:
+        """A new actor in the slot, starting (it gets shards once its ready() answers)."""
+        slot.paid, slot.killed_pid, slot.ping, slot.asked_since = False, None, None, None
+        slot.actor = self._remote_class.remote(*self._actor_args)
+        slot.state, slot.started, slot.failed = "starting", time.monotonic(), set()
+        slot.ready = slot.actor.ready.remote()
+        log.warning("starting a new actor in its place")
 
     def _dead(self, slot: _Slot, why: str) -> None:
         """The actor is gone for good: its shards go back, and a new actor takes its place while its
@@ -467,11 +505,7 @@ class ShardActorPool:
         if slot.paid or self._lives_left(slot):  # a restart Ray refused (its own budget spent) was paid for
             if not slot.paid:
                 self._spend_life(slot)
-            slot.paid, slot.killed_pid = False, None
-            slot.actor = self._remote_class.remote(*self._actor_args)
-            slot.state, slot.started, slot.failed = "starting", time.monotonic(), set()
-            slot.ready = slot.actor.ready.remote()
-            log.warning("starting a new actor in its place")
+            self._replace(slot)
 
     def _started(self, slot: _Slot, ref: Any) -> None:
         """A late or new actor's ready() answered: it gets shards (or, failing to load, is given up)."""
@@ -591,7 +625,7 @@ class ShardActorPool:
     def shutdown(self) -> None:
         """Kill every actor of the pool and the progress actor: a job that ends (or fails) in a session that
         goes on (a notebook, a test run) leaves no actor holding the cluster's CPUs and GPUs."""
-        for actor in [*self.actors, *(slot.actor for slot in self._slots), self.progress]:
+        for actor in [*self.actors, *(slot.actor for slot in self._slots), *self._fenced, self.progress]:
             try:
                 self._ray.kill(actor, no_restart=True)
             except Exception:  # noqa: BLE001 - gone already

@@ -89,7 +89,7 @@ def make_pool(monkeypatch, names: list[str], **ray_keys) -> tuple[ShardActorPool
     pool._ray, pool.config = ray, SimpleNamespace(ray=RayConfig(**ray_keys))
     pool.actors = [FakeActor(name) for name in names]
     pool._slots = [_Slot(actor, last_answer=clock.now, progress_at=clock.now) for actor in pool.actors]
-    pool._failures, pool._hooks, pool._working_at = {}, None, clock.now
+    pool._failures, pool._hooks, pool._working_at, pool._fenced = {}, None, clock.now, ()
     pool.progress = FakeActor("progress")
     pool._remote_class, pool._actor_args = SimpleNamespace(remote=lambda *a: FakeActor("new")), ()
     pool._job_ref = None
