@@ -271,6 +271,7 @@ class RowGrammars:
     def move(self, sources: Sequence[int], dests: Sequence[int]) -> None:
         for source, dest in zip(sources, dests):
             self.rows[dest], self.rows[source] = self.rows[source], None
+            self.errors.pop(dest, None)  # a finished row's error leaves with it, not with the row moved in
             if source in self.errors:
                 self.errors[dest] = self.errors.pop(source)
 

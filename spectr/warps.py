@@ -27,6 +27,10 @@ node's own path.
 The order, as vLLM's: grammar mask, logit bias, min_tokens, penalties, temperature (greedy: argmax here),
 min-p, top-k, top-p.
 
+Masks that together allow no token (a grammar against allowed_token_ids, bad words or min_tokens' stop mask) leave
+a law of zeros: `EmptyLaws` makes such a law uniform (defined, the same for the draft and the target) and flags a
+row that kept a token drawn from one, whose error (`EMPTY_LAW`, `RowWarps.grammar_error`) the batcher reports.
+
 This module is not a sampler: it only maps logits to probabilities. Sampling with per-row
 uniforms is `spectr.rng.sample_categorical`.
 """
@@ -260,6 +264,7 @@ class RowWarps:
         self.row_penalties: RowPenalties | None = None  # once a row has a penalty or min_tokens
         self.grammars: RowGrammars | None = None  # once a row has a grammar (`spectr.structured`)
         self.bad_words: RowBadWords | None = None  # once a row has bad words (`spectr.bad_words`)
+        self.empty_laws: EmptyLaws | None = None  # with path-dependent masks: rows whose masks left no token
 
     @property
     def path_dependent(self) -> bool:
@@ -270,12 +275,16 @@ class RowWarps:
     def penalties(self):
         """What follows the commits (`commit(slots, emitted, lengths)`, called by the iteration): the penalties'
         counts and the grammars' matchers; None when the pool has neither."""
-        if self.grammars is None and self.bad_words is None:
+        if self.grammars is None and self.bad_words is None and self.empty_laws is None:
             return self.row_penalties
-        return _Commits(self.row_penalties, self.grammars, self.bad_words)
+        return _Commits(self.row_penalties, self.grammars, self.bad_words, self.empty_laws)
 
     def grammar_error(self, slot: int) -> str | None:
-        """The grammar error of the row in `slot` (`spectr.structured.RowGrammars.error`), or None."""
+        """The error of the row in `slot` from its masks: `EMPTY_LAW` when its masks together left no token to sample
+        at a token it kept (`EmptyLaws`), else its grammar's (`spectr.structured.RowGrammars.error`), or None.
+        Read at the row's retirement (one host read of its flag when the pool has path-dependent masks)."""
+        if self.empty_laws is not None and bool(self.empty_laws.flags[slot]):
+            return EMPTY_LAW  # the cause, before what its grammar made of the tokens drawn after it
         return None if self.grammars is None else self.grammars.error(slot)
 
     def set(self, slots: torch.Tensor, warps: list[SamplingWarp], host_slots: list[int] | None = None, *,
@@ -313,6 +322,10 @@ class RowWarps:
                     raise ValueError("bad_words need the pool's vocab_size (RowWarps(vocab_size=...))")
                 self.bad_words = RowBadWords(self.temperature.shape[0], self.vocab_size)
             self.bad_words.set(slots.tolist() if host_slots is None else host_slots, [w.bad_words for w in warps])
+        if self.empty_laws is not None or any(_masks_may_empty(w) for w in warps):
+            if self.empty_laws is None:
+                self.empty_laws = EmptyLaws(self.temperature.shape[0], device)
+            self.empty_laws.reset(slots)
 
     def _set_penalties(self, slots: torch.Tensor, warps: list[SamplingWarp], prompts, stops) -> None:
         """Penalties and min_tokens of the new rows: their prompts (repetition) and stop tokens (min_tokens) as
@@ -335,6 +348,8 @@ class RowWarps:
             self._pending_bias = {moves.get(slot, slot): bias for slot, bias in self._pending_bias.items()}
         if self.row_penalties is not None:
             self.row_penalties.move(source, dest)
+        if self.empty_laws is not None:
+            self.empty_laws.move(source, dest)
         for rows in (self.grammars, self.bad_words):
             if rows is not None:
                 rows.move(*((source.tolist(), dest.tolist()) if host is None else host))
@@ -345,7 +360,7 @@ class RowWarps:
         paths: each node's draft tokens (`spectr.penalties.NodePaths`), needed when `path_dependent`: the grammar
         and bad-words masks of the node's path (`spectr.structured`, `spectr.bad_words`), the logit bias (with
         allowed_token_ids), then the penalties and min_tokens with the node's path counts, then the other warps."""
-        rows = logits.shape[0]
+        rows, raw = logits.shape[0], logits
         if self._pending_bias:
             self._fold_bias(logits.shape[-1], logits.device)
         bias = None if self.bias is None else self.bias[:rows]
@@ -360,8 +375,9 @@ class RowWarps:
                 logits = logits.float() + bias.view(rows, *(1,) * (logits.dim() - 2), -1)  # [R, ..., V]
                 bias = None
             logits = self.row_penalties.apply(logits, paths)
-        return row_warp_probs(logits, self.temperature[:rows], self.top_k[:rows], self.top_p[:rows], self.truncate,
-                              self.min_p[:rows] if self.uses_min_p else None, bias)
+        probs = row_warp_probs(logits, self.temperature[:rows], self.top_k[:rows], self.top_p[:rows], self.truncate,
+                               self.min_p[:rows] if self.uses_min_p else None, bias)
+        return probs if self.empty_laws is None else self.empty_laws.note(probs, raw, paths)
 
     def _fold_bias(self, vocab_size: int, device) -> None:
         if self.bias is None:
@@ -371,6 +387,64 @@ class RowWarps:
         for slot, (logit_bias, allowed) in self._pending_bias.items():
             self.bias[slot] = dense_bias(logit_bias, vocab_size, device, allowed)
         self._pending_bias = {}
+
+
+EMPTY_LAW = ("the row's masks leave no token to sample: structured_outputs, allowed_token_ids, bad_words and "
+             "min_tokens (which holds back the stop tokens) together allow none at a token the row kept; its tokens "
+             "from there on are not from its law")
+
+
+def _masks_may_empty(warp: SamplingWarp) -> bool:
+    """Whether a row's masks may together leave no token (one mask alone cannot, bad words aside: a grammar's dead
+    end is its own error, allowed_token_ids is never empty, min_tokens holds back only the stop tokens)."""
+    masks = (warp.structured is not None, bool(warp.allowed_token_ids), bool(warp.bad_words), warp.min_tokens > 0)
+    return sum(masks) >= 2 or bool(warp.bad_words)
+
+
+class EmptyLaws:
+    """Rows that kept a token drawn where their masks (a grammar, allowed_token_ids, bad words, min_tokens' stop mask)
+    together allowed no token: a law of all zeros, which softmax makes NaN. `note` (each `RowWarps.probs` call)
+    marks such nodes and gives them a uniform law instead (the same for the draft and the target, so that a
+    selection over them stays defined), and `commit` (the iteration's commit hook) flags the rows whose kept
+    tokens passed through one: a node whose path is a prefix of the row's new tokens and which drew one of them.
+    On the device: no host read (the flag is read once, when the row retires: `RowWarps.grammar_error`)."""
+
+    def __init__(self, num_slots: int, device):
+        self.flags = torch.zeros(num_slots, dtype=torch.bool, device=device)  # [B] drew a kept token from no law
+        self.generated = torch.zeros(num_slots, dtype=torch.int64, device=device)  # [B] output tokens so far
+        self.seen: list[tuple[torch.Tensor, torch.Tensor | int, torch.Tensor]] = []  # since the last commit
+
+    def reset(self, slots: torch.Tensor) -> None:
+        self.flags.index_fill_(0, slots, False)
+        self.generated.index_fill_(0, slots, 0)
+
+    def move(self, source: torch.Tensor, dest: torch.Tensor) -> None:
+        for tensor in (self.flags, self.generated):
+            tensor.index_copy_(0, dest, tensor.index_select(0, source))
+
+    def note(self, probs: torch.Tensor, logits: torch.Tensor, paths: NodePaths | None) -> torch.Tensor:
+        """probs [R, ..., V] of rows [0, R) (from finite `logits`: non-finite logits are the model's error, counted
+        apart) with their empty laws made uniform; their nodes are kept for `commit`."""
+        empty = ~(probs.sum(-1) > 0) & torch.isfinite(logits.amax(-1))  # [R, ...]
+        if paths is not None:
+            self.seen.append((paths.tokens, paths.depth, empty))
+        return torch.where(empty[..., None], 1.0 / probs.shape[-1], probs)
+
+    def commit(self, slots: torch.Tensor, emitted: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Rows `slots` ([R]) kept emitted [R, E] tokens up to `lengths` ([R]): flag those whose j-th new token
+        was drawn at an empty node (path = their first j new tokens)."""
+        kept = lengths - self.generated[slots]  # [R] new tokens
+        for tokens, depth, empty in self.seen:
+            rows, lead = empty.shape[0], empty.dim() - 1
+            depth = depth if isinstance(depth, torch.Tensor) else torch.full_like(empty, depth, dtype=torch.int64)
+            width = min(tokens.shape[-1], emitted.shape[1])
+            new = emitted[:rows, :width].view(rows, *(1,) * lead, width)  # [R, 1.., m]
+            on_path = torch.arange(width, device=emitted.device) < depth[..., None]  # [R, ..., m]
+            same = ((tokens[..., :width] == new) | ~on_path).all(-1)  # [R, ...] the path is the new tokens' prefix
+            drew = empty & same & (depth < kept[:rows].view(rows, *(1,) * lead))  # [R, ...]
+            self.flags[slots[:rows]] |= drew.reshape(rows, -1).any(-1)
+        self.seen = []
+        self.generated[slots] = lengths
 
 
 class _Commits:
