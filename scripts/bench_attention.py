@@ -12,8 +12,6 @@ Nothing asserts a speed.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
@@ -24,6 +22,9 @@ import transformers
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+from harness import Report, interleaved, sync, table  # noqa: E402
+
 from spectr.native import NativeCore, _block_mask  # noqa: E402
 
 
@@ -76,9 +77,10 @@ def main() -> None:
             query = chained(query, out)
         return out
 
-    print("command:", " ".join(["python", *sys.argv]))
+    report = Report("bench_attention", args=args)
+    print(report.header())
     print(f"device={device} threads={args.threads} layers={layers} heads={core.heads}/{core.kv_heads} "
-          f"dim={core.head_dim} load before={os.getloadavg()[0]:.2f}")
+          f"dim={core.head_dim}")
     results = []
     for shape in args.shapes.split(","):
         rows, new, cached = map(int, shape.split("x"))
@@ -95,31 +97,31 @@ def main() -> None:
         with torch.inference_mode():
             reference = masked(*tensors)
             error = float((arms["flex compiled"](*tensors) - reference).abs().max())
-        times = {name: [] for name in arms}
-        for _ in range(args.repeats):  # interleaved rounds
-            for name, fn in arms.items():
-                with torch.inference_mode():
-                    for _ in range(args.calls):
-                        if device.type == "cuda":
-                            torch.cuda.synchronize(device)
-                        start = time.perf_counter()
-                        fn(*tensors)
-                        if device.type == "cuda":
-                            torch.cuda.synchronize(device)
-                        times[name].append(time.perf_counter() - start)
-        medians = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        def calls(fn, tensors=tensors):
+            """Seconds of each of --calls calls of `fn` (CUDA synchronised around each)."""
+            seconds = []
+            with torch.inference_mode():
+                for _ in range(args.calls):
+                    sync()
+                    start = time.perf_counter()
+                    fn(*tensors)
+                    sync()
+                    seconds.append(time.perf_counter() - start)
+            return seconds
+
+        runs = interleaved({name: (lambda fn=fn: calls(fn)) for name, fn in arms.items()}, rounds=args.repeats)
+        medians = {name: statistics.median(t for run in r for t in run) * 1e3 for name, r in runs.items()}
         row = dict(rows=rows, new=new, cached=cached, median_ms=medians, compile_s=compile_s, max_abs_error=error,
                    flex_over_masked_compiled=medians["flex compiled"] / medians["masked compiled"])
         results.append(row)
         print(f"B={rows} T={new} S={cached}: " + ", ".join(f"{n} {m:.3f} ms" for n, m in medians.items())
               + f"; flex / masked (compiled) {row['flex_over_masked_compiled']:.2f}x; compile "
               + ", ".join(f"{n} {s:.1f} s" for n, s in compile_s.items()) + f"; max |flex - masked| {error:.1e}")
-    print(f"load after={os.getloadavg()[0]:.2f}")
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "result.json").write_text(json.dumps(dict(command=" ".join(["python", *sys.argv]), device=str(device),
-                                                         threads=args.threads, results=results), indent=1))
+        flat = [dict(shape=f"{r['rows']}x{r['new']}x{r['cached']}", **{f"{n} ms": m for n, m in r["median_ms"].items()},
+                     flex_over_masked=r["flex_over_masked_compiled"]) for r in results]
+        report.write(Path(args.out) / "result.json", dict(device=str(device), threads=args.threads, results=results),
+                     markdown=table(flat))
 
 
 if __name__ == "__main__":

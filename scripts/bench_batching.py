@@ -30,16 +30,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
-import time
 
 import torch
 import transformers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+from harness import Report, interleaved, ratio_summary, summary, table, timed  # noqa: E402
+
 import spectr  # noqa: E402
 from spectr.generate import Generation, _run, known_methods  # noqa: E402
 
@@ -89,16 +90,12 @@ def workload(args):
     return target, draft, prompts, budgets
 
 
-def timed(fn) -> dict:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    wall, cpu = time.perf_counter(), time.process_time()
-    tokens, iterations = fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    return dict(wall_s=wall, cpu_s=cpu, tokens=tokens, iterations=iterations, tokens_per_s=tokens / wall,
-                tokens_per_cpu_s=tokens / cpu)
+def counted(fn) -> dict:
+    """`fn()` -> (tokens, iterations), timed: the run's timing dict."""
+    run = timed(fn)
+    tokens, iterations = run["result"]
+    return dict(wall_s=run["wall_s"], cpu_s=run["cpu_s"], tokens=tokens, iterations=iterations,
+                tokens_per_s=tokens / run["wall_s"], tokens_per_cpu_s=tokens / run["cpu_s"])
 
 
 def run_cell(target, draft, prompts, budgets, args, method, batch, mode, pack_below=None):
@@ -118,10 +115,10 @@ def run_cell(target, draft, prompts, budgets, args, method, batch, mode, pack_be
         return sum(t for t, _ in results), sum(i for _, i in results)
 
     if mode == "static":
-        return timed(static)
+        return counted(static)
     if mode == "continuous":
-        return timed(lambda: generate(range(len(prompts)), batch))
-    return timed(lambda: generate(range(batch), None))  # the policy cells: one static batch, all tail
+        return counted(lambda: generate(range(len(prompts)), batch))
+    return counted(lambda: generate(range(batch), None))  # the policy cells: one static batch, all tail
 
 
 def cells(args):
@@ -138,17 +135,16 @@ def summarize(results, args) -> list[dict]:
     rows = []
     for (method, batch, mode, pack), runs in results.items():
         rows.append(dict(method=method, batch_size=batch, mode=mode, pack_below=pack, runs=runs,
-                         tokens_per_s=statistics.median(r["tokens_per_s"] for r in runs),
-                         tokens_per_cpu_s=statistics.median(r["tokens_per_cpu_s"] for r in runs),
+                         tokens_per_s=summary(r["tokens_per_s"] for r in runs)["median"],
+                         tokens_per_cpu_s=summary(r["tokens_per_cpu_s"] for r in runs)["median"],
                          iterations=runs[0]["iterations"], tokens=runs[0]["tokens"]))
     for row in rows:
         if row["mode"] != "continuous" or (row["method"], row["batch_size"], "static", None) not in results:
             continue
         static = results[(row["method"], row["batch_size"], "static", None)]
         mine = results[(row["method"], row["batch_size"], "continuous", None)]
-        row["ratio_wall"] = statistics.median(c["tokens_per_s"] / s["tokens_per_s"] for c, s in zip(mine, static))
-        row["ratio_cpu"] = statistics.median(c["tokens_per_cpu_s"] / s["tokens_per_cpu_s"]
-                                             for c, s in zip(mine, static))
+        row["ratio_wall"] = ratio_summary(mine, static, "tokens_per_s")["median"]
+        row["ratio_cpu"] = ratio_summary(mine, static, "tokens_per_cpu_s")["median"]
         row["ratio_iterations"] = static[0]["iterations"] / mine[0]["iterations"]
     return rows
 
@@ -168,27 +164,28 @@ def print_table(rows, args, budgets) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    report = Report("bench_batching", argv=None if argv is None else ["scripts/bench_batching.py", *argv], args=args)
+    print(report.header())
     torch.set_num_threads(args.threads)
     target, draft, prompts, budgets = workload(args)
     grid = cells(args)
-    results = {cell: [] for cell in grid}
+    arms = {cell: (lambda cell=cell: run_cell(target, draft, prompts, budgets, args, *cell)) for cell in grid}
+
+    def progress(repeat, cell, result):
+        method, batch, mode, _ = cell
+        print(f"repeat {repeat} {method:<14} B={batch:<3} {mode:<11} {result['tokens_per_s']:8.1f} tok/s "
+              f"{result['tokens_per_cpu_s']:8.1f} tok/CPU-s  {result['iterations']} calls", flush=True)
+
     run_cell(target, draft, prompts[:4], budgets[:4], args, grid[0][0], 2, "continuous")  # warm-up
-    started = time.perf_counter()
-    for repeat in range(args.repeats):
-        for method, batch, mode, pack in grid:
-            result = run_cell(target, draft, prompts, budgets, args, method, batch, mode, pack)
-            results[(method, batch, mode, pack)].append(result)
-            print(f"repeat {repeat} {method:<14} B={batch:<3} {mode:<11} {result['tokens_per_s']:8.1f} tok/s "
-                  f"{result['tokens_per_cpu_s']:8.1f} tok/CPU-s  {result['iterations']} calls", flush=True)
+    results = interleaved(arms, rounds=args.repeats, on_run=progress)
     rows = summarize(results, args)
     print_table(rows, args, budgets)
     if args.json:
-        meta = dict(command=" ".join([os.path.basename(sys.executable), *sys.argv]), args=vars(args), budgets=budgets,
-                    prompt_tokens=[len(p) for p in prompts], torch=torch.__version__,
-                    transformers=transformers.__version__, machine=platform.platform(), cpus=os.cpu_count(),
-                    seconds=time.perf_counter() - started, spectr=os.path.dirname(spectr.__file__))
-        with open(args.json, "w") as f:
-            json.dump(dict(meta=meta, results=rows), f, indent=1)
+        columns = ["method", "batch_size", "mode", "iterations", "tokens_per_s", "tokens_per_cpu_s", "ratio_wall",
+                   "ratio_cpu"]
+        report.write(args.json, dict(meta=dict(budgets=budgets, prompt_tokens=[len(p) for p in prompts],
+                                               spectr=os.path.dirname(spectr.__file__)), results=rows),
+                     markdown=table(rows, columns))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -40,6 +39,9 @@ import transformers
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
+sys.path.insert(0, os.path.join(REPO_ROOT, "scripts"))
+from harness import Report, interleaved  # noqa: E402
+
 import spectr  # noqa: E402
 import spectr.native as native  # noqa: E402
 from spectr.kv_cache import tree_attention  # noqa: E402
@@ -100,13 +102,10 @@ def run_generate(target, draft, prompts, args, method, k, length, compiled, batc
     return dict(wall=wall, tokens=tokens, tokens_per_s=tokens / wall, iterations=out.stats.iterations)
 
 
-def interleaved(arms: dict, repeats: int) -> dict:
-    """Run every arm once (the first run: compile paid), then `repeats` rounds round-robin; medians."""
+def first_and_steady(arms: dict, repeats: int) -> dict:
+    """Run every arm once (the first run: compile paid), then `repeats` interleaved rounds; medians."""
     first = {name: fn() for name, fn in arms.items()}
-    runs = {name: [] for name in arms}
-    for _ in range(repeats):
-        for name, fn in arms.items():
-            runs[name].append(fn())
+    runs = interleaved(arms, rounds=repeats)
     result = {}
     for name in arms:
         steady = statistics.median(r["wall"] for r in runs[name])
@@ -124,7 +123,7 @@ def engine_section(target, draft, args) -> list[dict]:
             arms = {mode: (lambda mode=mode, method=method, k=k, length=length, prompts=prompts:
                            run_generate(target, draft, prompts, args, method, k, length, mode == "compiled"))
                     for mode in ("eager", "compiled")}
-            result = interleaved(arms, args.repeats)
+            result = first_and_steady(arms, args.repeats)
             rows.append(dict(section="engine", method=method, num_drafts=k, draft_length=length, batch=batch,
                              eager=result["eager"], compiled=result["compiled"],
                              speedup=result["compiled"]["tokens_per_s"] / result["eager"]["tokens_per_s"]))
@@ -141,7 +140,7 @@ def best_section(target, draft, args) -> dict:
     for method, k, length in BEST_CANDIDATES:
         arms[f"{method} K={k} L={length}"] = (lambda m=method, kk=k, ll=length:
                                               run_generate(target, draft, prompts, args, m, kk, ll, True, 1))
-    result = interleaved(arms, args.repeats)
+    result = first_and_steady(arms, args.repeats)
     base = result.pop("autoregressive")["tokens_per_s"]
     best = max(result, key=lambda name: result[name]["tokens_per_s"])
     ratios = {name: r["tokens_per_s"] / base for name, r in result.items()}
@@ -239,7 +238,7 @@ def hf_section(target, draft, args) -> list[dict]:
         prompts = prompts_for(batch, args.prompt_length, target.config.vocab_size, 100 + batch)
         arms = {"ours": lambda p=prompts: run_generate(target, None, p, args, "autoregressive", 1, 1, True),
                 "hf": lambda p=prompts: run_hf_static(hf_model, p, args)}
-        result = interleaved(arms, args.repeats)
+        result = first_and_steady(arms, args.repeats)
         ratio = result["ours"]["tokens_per_s"] / result["hf"]["tokens_per_s"]
         rows.append(dict(section="hf", batch=batch, ours=result["ours"], hf=result["hf"], ratio=ratio))
         print(f"hf B={batch}: our compiled autoregressive / HF static+compile = {ratio:.2f}x", flush=True)
@@ -355,6 +354,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny random models, few tokens: a smoke run")
     parser.add_argument("--out", default=os.path.join(REPO_ROOT, "benchmarks/results/compile"))
     args = parser.parse_args()
+    report = Report("bench_compile", args=args)
+    print(report.header(), flush=True)
     if args.quick:
         args.new_tokens, args.prompt_length, args.repeats, args.calls, args.context = 6, 5, 1, 2, 8
         args.batches = [1, 3]
@@ -366,8 +367,7 @@ def main() -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench_compile_inductor_")
     sections = args.sections.split(",")
     target, draft = load_pair(args)
-    results = dict(device=args.device, threads=torch.get_num_threads(), cpu_variant=native.CPU_VARIANT, platform=platform.platform(),
-                   torch=torch.__version__, transformers=transformers.__version__, args=vars(args))
+    results = dict(device=args.device, threads=torch.get_num_threads(), cpu_variant=native.CPU_VARIANT)
     if "engine" in sections or "compile" in sections:
         results["engine"] = engine_section(target, draft, args)
     if "compile" in sections:
@@ -379,11 +379,7 @@ def main() -> None:
             except Exception as error:  # noqa: BLE001 - recorded, the run goes on
                 results[f"{name}_error"] = repr(error)
                 print(f"section {name} failed: {error!r}", flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_compile.json"), "w") as f:
-        json.dump(results, f, indent=1, default=str)
-    with open(os.path.join(args.out, "bench_compile.md"), "w") as f:
-        f.write(markdown(results))
+    report.write(os.path.join(args.out, "bench_compile.json"), results, markdown=markdown(results))
     print(markdown(results))
 
 

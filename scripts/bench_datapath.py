@@ -37,6 +37,9 @@ from tiny_pair_support import WORDS, build_llama, build_tokenizer  # noqa: E402
 
 from pipeline.config import DataConfig  # noqa: E402
 
+sys.path.insert(0, str(PROJECT_ROOT / "scripts"))
+from harness import Report, table  # noqa: E402
+
 
 def build_pair(folder: Path) -> dict[str, Path]:
     pair = {"target": folder / "target", "draft": folder / "draft"}
@@ -156,10 +159,12 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=200, help="shards of the worker data path alone")
     parser.add_argument("--out", type=Path, default=Path("bench_out/datapath.json"))
     args = parser.parse_args()
+    run_report = Report("datapath", args=args)
+    print(run_report.header(), flush=True)
     with tempfile.TemporaryDirectory(prefix="bench_datapath_") as tmp:
         folder = Path(tmp)
         pair = build_pair(folder / "pair")
-        results = {"sizes": {}, "load_average": os.getloadavg()}
+        results = {"sizes": {}}
         for size in args.sizes:
             data = folder / f"prompts_{size}.jsonl"
             write_prompts(data, size)
@@ -167,11 +172,10 @@ def main() -> None:
             print(size, json.dumps(results["sizes"][size]), flush=True)
         largest = folder / f"prompts_{max(args.sizes)}.jsonl"
         results["data_path_alone"] = data_path_alone(pair, largest, folder / "alone", args.shards)
-        results["load_average_end"] = os.getloadavg()
-    report(results, args)
+    report(results, args, run_report)
 
 
-def report(results: dict, args: argparse.Namespace) -> None:
+def report(results: dict, args: argparse.Namespace, run_report: Report) -> None:
     sizes = results["sizes"]
     print("\nprompts     first shard   driver peak RSS   shards done")
     for size, r in sizes.items():
@@ -188,9 +192,8 @@ def report(results: dict, args: argparse.Namespace) -> None:
     first = largest["first_shard_s"]
     print(f"{'PASS' if first is not None and first <= 30 else 'MISS'} first shard at {max(sizes):,} prompts: "
           f"{first if first is None else round(first, 1)} s (goal <= 30 s)")  # fmt: skip
-    print(f"load average: {results['load_average']} at the start, {results['load_average_end']} at the end")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1, default=str))
+    rows = [{"prompts": size, **r} for size, r in sizes.items()]
+    run_report.write(args.out, results, markdown=table(rows) + "\n" + table([alone]))
 
 
 if __name__ == "__main__":

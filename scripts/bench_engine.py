@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -56,6 +55,9 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # An engine worker imports spectr from the checkout it is given (see --compare).
 _SPECTR_ROOT = sys.argv[sys.argv.index("--spectr-root") + 1] if "--spectr-root" in sys.argv else REPO_ROOT
 sys.path.insert(0, os.path.abspath(_SPECTR_ROOT))
+sys.path.insert(0, os.path.join(REPO_ROOT, "scripts"))
+from harness import Report, interleaved, ratio_summary, sync, table  # noqa: E402
+
 import spectr  # noqa: E402
 
 
@@ -92,17 +94,12 @@ def prompts_for(batch: int, length: int, vocab: int, seed: int) -> list[list[int
     return torch.randint(3, vocab, (batch, length), generator=generator).tolist()
 
 
-def sync(device):
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def run_ours(target, draft, prompts, args, **kwargs):
-    sync(args.device)
+    sync()
     start = time.perf_counter()
     out = spectr.generate(target, draft, prompts, max_new_tokens=args.new_tokens, seed=list(range(len(prompts))),
                           **kwargs)
-    sync(args.device)
+    sync()
     wall = time.perf_counter() - start
     tokens = sum(len(t) for t in out.tokens)
     return dict(wall=wall, tokens=tokens, tokens_per_s=tokens / wall, stats=out.stats)
@@ -119,10 +116,10 @@ def run_hf(target, prompts, args, assistant=None, draft_length=4):
         assistant.generation_config.assistant_confidence_threshold = 0.0
         kwargs["assistant_model"] = assistant
     torch.manual_seed(0)
-    sync(args.device)
+    sync()
     start = time.perf_counter()
     out = target.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
-    sync(args.device)
+    sync()
     wall = time.perf_counter() - start
     tokens = (out.shape[1] - ids.shape[1]) * ids.shape[0]
     return dict(wall=wall, tokens=tokens, tokens_per_s=tokens / wall)
@@ -133,11 +130,8 @@ def median(runs, key):
 
 
 def compare(name, ours_fn, theirs_fn, repeats):
-    ours, theirs = [], []
-    ours_fn(), theirs_fn()  # warm-up
-    for _ in range(repeats):
-        ours.append(ours_fn())
-        theirs.append(theirs_fn())
+    runs = interleaved({"ours": ours_fn, "theirs": theirs_fn}, rounds=repeats, warmup=1)
+    ours, theirs = runs["ours"], runs["theirs"]
     a, b = median(ours, "tokens_per_s"), median(theirs, "tokens_per_s")
     return dict(name=name, ours_tokens_per_s=a, hf_tokens_per_s=b, ratio=a / b, ours_runs=ours)
 
@@ -275,28 +269,31 @@ def compare_engines(args) -> None:
         if getattr(args, name):
             common += [f"--{name}", os.path.abspath(getattr(args, name))]
     common += ["--eos"] if args.eos else []
-    print(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
-    print(f"machine: {platform.node()}, {os.cpu_count()} cpus, torch threads {torch.get_num_threads()}, "
-          f"load average {os.getloadavg()}, torch {torch.__version__}, transformers {transformers.__version__}")
+    report = Report("bench_engine_compare", args=args)
+    print(report.header())
     print(f"{args.method} K={args.num_drafts} L={args.draft_length} B={args.batch} new tokens {args.new_tokens} "
           f"eos {'on' if args.eos else 'off'}, {args.groups} consecutive batches per run, "
           f"{args.repeats} interleaved rounds\n")
-    runs: dict[str, list[dict]] = {label: [] for label, _, _ in configs}
-    for round_index in range(args.repeats):
-        # alternate the order (ABC, CBA, ...) so that a drifting load hits every checkout alike
-        for label, root, fraction in configs if round_index % 2 == 0 else configs[::-1]:
-            command = common + ["--spectr-root", root] + (["--count"] if round_index < 2 else [])
-            command += ["--compact-fraction", str(fraction)] if fraction is not None else []
-            done = subprocess.run(command, check=True, capture_output=True, text=True)
-            line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")][-1]
-            runs[label].append(json.loads(line[len("RESULT "):]))
-            last = runs[label][-1]
-            print(f"round {round_index + 1} {label:<36} {last['tokens_per_s']:8.1f} tok/s "
-                  f"{last['tokens_per_cpu_s']:8.1f} tok/cpu-s", flush=True)
+    done_rounds = {label: 0 for label, _, _ in configs}
+
+    def worker(label, root, fraction):
+        command = common + ["--spectr-root", root] + (["--count"] if done_rounds[label] < 2 else [])
+        command += ["--compact-fraction", str(fraction)] if fraction is not None else []
+        done = subprocess.run(command, check=True, capture_output=True, text=True)
+        done_rounds[label] += 1
+        line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")][-1]
+        return json.loads(line[len("RESULT "):])
+
+    def progress(round_index, label, last):
+        print(f"round {round_index + 1} {label:<36} {last['tokens_per_s']:8.1f} tok/s "
+              f"{last['tokens_per_cpu_s']:8.1f} tok/cpu-s", flush=True)
+
+    arms = {label: (lambda c=(label, root, fraction): worker(*c)) for label, root, fraction in configs}
+    # alternate the order (ABC, CBA, ...) so that a drifting load hits every checkout alike
+    runs = interleaved(arms, rounds=args.repeats, alternate=True, on_run=progress)
     _print_engine_table(configs, runs)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(args=vars(args), runs=runs), f, indent=2)
+        report.write(args.json, dict(runs=runs))
 
 
 def _print_engine_table(configs, runs) -> None:
@@ -305,8 +302,7 @@ def _print_engine_table(configs, runs) -> None:
           f"{'syncs/it':>9}{'width':>7}{'nodes':>7}{'compact':>8}")
     for label, _, _ in configs:
         rows = runs[label]
-        ratios = [statistics.median(r[key] / b[key] for r, b in zip(rows, runs[baseline]))
-                  for key in ("tokens_per_s", "tokens_per_cpu_s")]
+        ratios = [ratio_summary(rows, runs[baseline], key)["median"] for key in ("tokens_per_s", "tokens_per_cpu_s")]
         first, nodes = rows[0], rows[0]["mean_tree_nodes"]
         compactions = "-" if first["compactions"] is None else first["compactions"]
         print(f"{label:<38}{statistics.median(r['tokens_per_s'] for r in rows):>8.1f}{ratios[0]:>7.3f}"
@@ -319,7 +315,6 @@ def _print_engine_table(configs, runs) -> None:
           "row per verify call (padding included); nodes: tree nodes per row per call (the checkout's own stats); "
           "cpu ms/call: process CPU time per (row, target call), which does not depend on the sampled block "
           "efficiency; syncs and width: first group of the first round; nodes and compact(ions): all groups")
-    print(f"load average at end {os.getloadavg()}")
 
 
 # ---------------------------------------------------------------------------------------
@@ -339,7 +334,8 @@ def block_vs_speculative(args) -> None:
     target, draft, source = build_models(args)
     prompts = engine_prompts(args, args.target or REPO_ROOT)
     eos = target.generation_config.eos_token_id if args.eos else None
-    print(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
+    report = Report("block_vs_speculative", args=args)
+    print(report.header())
     print(f"models: {source}; {len(prompts)} prompts, max_new_tokens {args.new_tokens}, temperature 1, "
           f"eos {eos}, rows in flight {args.rows_in_flight}, torch threads {torch.get_num_threads()}\n")
     print(f"{'L':>3} {'method':<12}{'BE':>8}{'+-':>7}{'accept':>8}{'calls':>8}{'tok/s':>8}{'BE ratio':>10}")
@@ -364,8 +360,7 @@ def block_vs_speculative(args) -> None:
     print("(BE: generated tokens per target call; +-: its standard error over target calls; BE ratio: block / "
           "speculative at the same L)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(args=vars(args), results=results), f, indent=2)
+        report.write(args.json, dict(results=results), markdown=table(results))
 
 
 def main() -> None:
@@ -425,13 +420,12 @@ def main() -> None:
     target, draft, source = build_models(args)
     vocab = target.config.vocab_size
     L = args.draft_length
-    print(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
-    print(f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} cpus, torch threads "
-          f"{torch.get_num_threads()}, load average {os.getloadavg()}, device {args.device}, dtype {args.dtype}")
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}")
+    report = Report("bench_engine", args=args)
+    print(report.header())
+    print(f"device {args.device}, dtype {args.dtype}, torch {torch.__version__}, transformers {transformers.__version__}")
     print(f"models: {source}; target {params(target) / 1e6:.1f}M params, draft {params(draft) / 1e6:.2f}M params")
     print(f"prompt length {args.prompt_length}, new tokens {args.new_tokens}, repeats {args.repeats} (median)\n")
-    results: dict = dict(source=source, args=vars(args), load_average_start=os.getloadavg())
+    results: dict = dict(source=source)
 
     # 1-2. autoregressive vs HF sampling, and the engine overhead
     ar = {}
@@ -511,16 +505,14 @@ def main() -> None:
           f"peak RSS during generation {memory['peak_rss_mib_during_generation']:.0f} MiB"
           + (f", CUDA peak allocated {memory['cuda_peak_allocated_mib']:.0f} MiB" if "cuda_peak_allocated_mib" in memory
              else ""))
-    print(f"\nload average at end {os.getloadavg()}")
 
     if args.json:
         for row in (ar[1], ar[16], spec):
             row.pop("ours_runs")
         results.update(overhead=overhead_rows, autoregressive=[ar[1], ar[16]], speculative=spec,
-                       grid={f"K={k},L={length}": v for (k, length), v in grid.items()}, memory=memory,
-                       load_average_end=os.getloadavg())
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2, default=str)
+                       grid={f"K={k},L={length}": v for (k, length), v in grid.items()}, memory=memory)
+        report.write(args.json, results, markdown=table(overhead_rows) + "\n"
+                     + table([{k: v for k, v in row.items() if k != "ours_runs"} for row in (ar[1], ar[16], spec)]))
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ import json
 import os
 import random
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,8 @@ import time
 from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(PROJECT_ROOT / "scripts"))
+from harness import Report, summary, table  # noqa: E402
 
 SETTINGS = {
     "default": [],
@@ -117,7 +118,7 @@ def report(records: list[dict[str, object]]) -> dict[str, dict[str, object]]:
         scored = held_out or mine
         first = {str(r["config"]): float(r["throughput_tokens_per_s"]) for r in mine
                  if int(r.get("round", 1)) == first_round}
-        medians = {config: statistics.median(float(r["throughput_tokens_per_s"]) for r in scored if r["config"] == config)
+        medians = {config: summary(float(r["throughput_tokens_per_s"]) for r in scored if r["config"] == config)["median"]
                    for config in sorted({str(r["config"]) for r in scored})}
         fixed = {config: value for config, value in medians.items() if config not in AUTO}
         chosen = {config: value for config, value in first.items() if config in fixed} if held_out else fixed
@@ -148,7 +149,7 @@ def _paired(records: list[dict[str, object]], config: str, other: str) -> float 
     for r in records:
         by_round.setdefault(int(r.get("round", 1)), {})[str(r["config"])] = float(r["throughput_tokens_per_s"])
     ratios = [runs[config] / runs[other] for runs in by_round.values() if config in runs and other in runs]
-    return statistics.median(ratios) if ratios else None
+    return summary(ratios)["median"] if ratios else None
 
 
 def rounds_plan(round_index: int, records: list[dict[str, object]], setting: str, top: int) -> list[str]:
@@ -175,6 +176,8 @@ def main() -> None:
                         help="runs.json of an earlier run: its round 1 chooses the best fixed configurations, "
                              "and every round of this run scores them (held-out selection, no full grid here)")
     args = parser.parse_args()
+    run_report = Report("bench_jobs", args=args)
+    print(run_report.header(), flush=True)
     out = PROJECT_ROOT / args.out
     out.mkdir(parents=True, exist_ok=True)
     settings = args.settings.split(",")
@@ -199,9 +202,10 @@ def main() -> None:
                 if "error" in record:
                     print(record["error"], file=sys.stderr, flush=True)
                 (out / "runs.json").write_text(json.dumps(records, indent=1))
-    result = {"command": " ".join(["python", *sys.argv]), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "cpu_count": os.cpu_count(), "report": report(records), "runs": records}
-    (out / "result.json").write_text(json.dumps(result, indent=1))
+    result = {"report": report(records), "runs": records}
+    rows = [{"setting": setting, "config": config, "median_tokens_per_s": value}
+            for setting, entry in result["report"].items() for config, value in entry["median_tokens_per_s"].items()]
+    run_report.write(out / "result.json", result, markdown=table(rows))
     print(json.dumps(result["report"], indent=1))
 
 

@@ -54,6 +54,9 @@ sys.path.insert(0, str(PROJECT_ROOT))  # this checkout's code (TimedStage subcla
 
 from pipeline.ray_data.stage import SpecTrStage  # noqa: E402
 
+sys.path.insert(0, str(PROJECT_ROOT / "scripts"))
+from harness import Report, interleaved, ratio_summary, table  # noqa: E402
+
 
 def child_env() -> dict[str, str]:
     """This checkout's code first, for the job, the stage and their Ray workers (not an installed copy)."""
@@ -202,7 +205,7 @@ def differing(a: dict[str, list[int]], b: dict[str, list[int]]) -> int:
     return sum(a.get(key) != b.get(key) for key in set(a) | set(b))
 
 
-def report(results: dict[str, list[dict]]) -> None:
+def report(results: dict[str, list[dict]]) -> list[tuple]:
     rows = []
     for side in ("job", "stage"):
         runs = results[side]
@@ -220,6 +223,7 @@ def report(results: dict[str, list[dict]]) -> None:
           f"of {len(jobs[0]['tokens'])}; the control, job vs job (round 1 vs each later round):",
           ", ".join(str(differing(jobs[0]["tokens"], j["tokens"])) for j in jobs[1:]) or "none (one round)")
     print("stage batches per actor:", "; ".join(str(s["batches_per_actor"]) for s in stages))
+    return rows
 
 
 def main() -> None:
@@ -238,25 +242,35 @@ def main() -> None:
     parser.add_argument("--shard-size", type=int, default=32, help="the job's rows per shard and the stage's rows per Ray Data batch")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0, help="the order of the runs in each round")
+    parser.add_argument("--out", type=Path, help="write the report here (.json and .md)")
     args = parser.parse_args()
+    run_report = Report("ray_data", args=args)
+    print(run_report.header(), flush=True)
     folder = Path(tempfile.mkdtemp(prefix="bench_ray_data_"))
     data = folder / "prompts.parquet"
     write_prompts(data, args.prompts)
-    results: dict[str, list[dict]] = {"job": [], "stage": []}
-    order = random.Random(args.seed)
-    for round_index in range(args.rounds):
-        sides = ["job", "stage"]
-        order.shuffle(sides)
-        for side in sides:
-            out = folder / f"{side}-{round_index}"
-            run = run_job if side == "job" else run_stage
-            results[side].append(run(args, data, out))
-            last = results[side][-1]
-            print(f"round {round_index + 1} {side}: {last['generated_tokens'] / last['wall_s']:.1f} wall-clock tokens/s "
-                  f"({last['wall_s']:.1f} s), generation {last['tokens_per_s']:.1f} tokens/s, slots {last['slots']:.2f}",
-                  flush=True)
-    report(results)
+    done = {"job": 0, "stage": 0}
 
+    def side_run(side: str) -> dict:
+        done[side] += 1
+        run = run_job if side == "job" else run_stage
+        return run(args, data, folder / f"{side}-{done[side] - 1}")
+
+    def progress(round_index: int, side: str, last: dict) -> None:
+        print(f"round {round_index + 1} {side}: {last['generated_tokens'] / last['wall_s']:.1f} wall-clock tokens/s "
+              f"({last['wall_s']:.1f} s), generation {last['tokens_per_s']:.1f} tokens/s, slots {last['slots']:.2f}",
+              flush=True)
+
+    results = interleaved({side: (lambda side=side: side_run(side)) for side in ("job", "stage")},
+                          rounds=args.rounds, shuffle=random.Random(args.seed), on_run=progress)
+    rows = report(results)
+    if args.out:
+        medians = [dict(zip(("side", "wall_tokens_per_s", "wall_s", "generation_tokens_per_s", "slots"), row))
+                   for row in rows]
+        paired = ratio_summary(results["stage"], results["job"], "tokens_per_s")
+        kept = {side: [{k: v for k, v in r.items() if k != "tokens"} for r in runs] for side, runs in results.items()}
+        run_report.write(args.out, {"medians": medians, "stage_over_job_generation": paired, "runs": kept},
+                         markdown=table(medians) + f"\nstage / job generation (paired rounds): {paired}\n")
 
 if __name__ == "__main__":
     main()

@@ -22,15 +22,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 import transformers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+from harness import Report, interleaved, summary, table, timed  # noqa: E402
+
 from spectr import ContinuousBatcher  # noqa: E402
 
 ARMS = ("samples", "copies", "unshared")
@@ -85,42 +86,39 @@ def run_arm(target, draft, prompts, args, arm: str) -> dict:
                                 num_drafts=args.num_drafts, draft_length=args.draft_length,
                                 share_prefill=arm != "unshared")
     batcher.admit([p for p, _ in rows], max_new_tokens=args.max_tokens, seed=[s for _, s in rows])
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    wall, cpu = time.perf_counter(), time.process_time()
-    tokens = sum(len(row.tokens) for row in batcher.finished())
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    run = timed(lambda: sum(len(row.tokens) for row in batcher.finished()))
+    tokens, wall = run["result"], run["wall_s"]
     stats = batcher.stats
     return dict(arm=arm, rows=len(rows), prefilled_rows=stats.prefilled_rows,
                 shared_prefill_rows=stats.shared_prefill_rows, target_calls=stats.iterations, tokens=tokens,
-                wall_s=wall, tokens_per_s=tokens / wall, tokens_per_cpu_s=tokens / cpu)
+                wall_s=wall, tokens_per_s=tokens / wall, tokens_per_cpu_s=tokens / run["cpu_s"])
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    report = Report("bench_samples", argv=None if argv is None else ["scripts/bench_samples.py", *argv], args=args)
+    print(report.header())
     torch.set_num_threads(args.threads)
     target, draft, prompts = workload(args)
-    results: dict[str, list[dict]] = {arm: [] for arm in ARMS}
+    arms = {arm: (lambda arm=arm: run_arm(target, draft, prompts, args, arm)) for arm in ARMS}
     with torch.inference_mode():
-        for _ in range(args.repeats):
-            for arm in ARMS:  # interleaved: load drifts over every arm alike
-                results[arm].append(run_arm(target, draft, prompts, args, arm))
-    summary = []
+        results = interleaved(arms, rounds=args.repeats)  # load drifts over every arm alike
+    summary_rows = []
     for arm in ARMS:
         runs = results[arm]
         row = {k: runs[0][k] for k in ("arm", "rows", "prefilled_rows", "shared_prefill_rows", "target_calls",
                                        "tokens")}
         for key in ("wall_s", "tokens_per_s", "tokens_per_cpu_s"):
-            row[key] = statistics.median(r[key] for r in runs)
-        summary.append(row)
+            row[key] = summary(r[key] for r in runs)["median"]
+        row["tokens_per_s_interval"] = summary(r["tokens_per_s"] for r in runs)
+        summary_rows.append(row)
         print(f"{arm:9s} rows {row['rows']:4d}  prefilled {row['prefilled_rows']:4d}  shared "
               f"{row['shared_prefill_rows']:4d}  target calls {row['target_calls']:5d}  tokens {row['tokens']:6d}  "
               f"{row['tokens_per_s']:8.1f} tok/s  {row['tokens_per_cpu_s']:8.1f} tok/CPU s")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "summary": summary, "runs": results}, f, indent=2)
+        columns = ["arm", "rows", "prefilled_rows", "shared_prefill_rows", "target_calls", "tokens", "tokens_per_s",
+                   "tokens_per_cpu_s"]
+        report.write(args.json, {"summary": summary_rows, "runs": results}, markdown=table(summary_rows, columns))
 
 
 if __name__ == "__main__":

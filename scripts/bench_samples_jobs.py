@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,6 +35,9 @@ import time
 from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(PROJECT_ROOT / "scripts"))
+from harness import Report, interleaved, summary, table  # noqa: E402
+
 COMMON = ["spectr.method=speculative", "spectr.draft_length=3", "mlflow.enabled=false", "progress=false"]
 SCENARIOS = {
     "16x4": {"prompts": 16, "samples": 4, "actors": 2, "extra": []},
@@ -134,7 +135,7 @@ def paired(records: list[dict], name: str, arm: str, other: str) -> float | None
         if r["scenario"] == name and "throughput_tokens_per_s" in r:
             by_round.setdefault(int(r["round"]), {})[str(r["arm"])] = float(r["throughput_tokens_per_s"])
     ratios = [runs[arm] / runs[other] for runs in by_round.values() if arm in runs and other in runs]
-    return statistics.median(ratios) if ratios else None
+    return summary(ratios)["median"] if ratios else None
 
 
 def report(records: list[dict]) -> dict[str, dict]:
@@ -142,8 +143,8 @@ def report(records: list[dict]) -> dict[str, dict]:
     for name in dict.fromkeys(str(r["scenario"]) for r in records):
         mine = [r for r in records if r["scenario"] == name and "throughput_tokens_per_s" in r]
         arms = list(dict.fromkeys(str(r["arm"]) for r in mine))
-        entry = {arm: {"median_tokens_per_s": statistics.median(float(r["throughput_tokens_per_s"])
-                                                                 for r in mine if r["arm"] == arm),
+        entry = {arm: {"median_tokens_per_s": summary(float(r["throughput_tokens_per_s"])
+                                                      for r in mine if r["arm"] == arm)["median"],
                        "shards": sorted({r.get("shards") for r in mine if r["arm"] == arm}, key=str),
                        "prefilled_rows": [r.get("prefilled_rows") for r in mine if r["arm"] == arm],
                        "shared_prefill_rows": [r.get("shared_prefill_rows") for r in mine if r["arm"] == arm]}
@@ -154,12 +155,6 @@ def report(records: list[dict]) -> dict[str, dict]:
         entry["rounds"] = sorted({int(r["round"]) for r in mine})
         found[name] = entry
     return found
-
-
-def machine() -> dict[str, str]:
-    cpu = subprocess.run("lscpu | grep 'Model name'", shell=True, capture_output=True, text=True).stdout.strip()
-    return {"cpu": cpu, "cpu_count": str(os.cpu_count()), "uptime": subprocess.run(
-        ["uptime"], capture_output=True, text=True).stdout.strip()}
 
 
 def main() -> None:
@@ -179,33 +174,38 @@ def main() -> None:
     COMMON.extend(args.set)
     out = PROJECT_ROOT / args.out
     out.mkdir(parents=True, exist_ok=True)
-    before = machine()
+    run_report = Report("bench_samples_jobs", args=args)
+    print(run_report.header(), flush=True)
     records: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench-samples-jobs-") as tmp:
         workdir = Path(tmp)
         inputs = {name: write_inputs(SCENARIOS[name], workdir / name) for name in args.scenarios.split(",")
                   if (workdir / name).mkdir() is None}
-        for round_index in range(args.rounds):
-            for name, files in inputs.items():
-                arms = list(files)
-                if round_index % 2:
-                    arms.reverse()  # ABAB...: the first arm alternates between rounds
-                for arm in arms:
-                    number = args.first_round + round_index
-                    seed = (f"spectr.seed={number}",) if args.seed_per_round else ()
-                    record = {"round": number, **({"seed": number} if seed else {}),
-                              **run_job(name, arm, files[arm], SCENARIOS[name], workdir, args.timeout_s, seed)}
-                    records.append(record)
-                    print(json.dumps({k: v for k, v in record.items() if k != "error"}), flush=True)
-                    if "error" in record:
-                        print(record["error"], file=sys.stderr, flush=True)
-                    (out / "runs.json").write_text(json.dumps(records, indent=1))
-    result = {"command": " ".join(["python", *sys.argv]), "time": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-              "settings": COMMON + (["spectr.seed=<round>"] if args.seed_per_round else []), "scenarios": {k: SCENARIOS[k] for k in inputs}, "machine_before": before,
-              "machine_after": machine(), "report": report(records), "runs": records}
-    (out / "result.json").write_text(json.dumps(result, indent=1))
-    print(json.dumps(result["report"], indent=1))
+        rounds_done: dict[tuple[str, str], int] = {}
 
+        def one_job(name: str, arm: str) -> dict:
+            number = args.first_round + rounds_done.setdefault((name, arm), 0)
+            rounds_done[(name, arm)] += 1
+            seed = (f"spectr.seed={number}",) if args.seed_per_round else ()
+            return {"round": number, **({"seed": number} if seed else {}),
+                    **run_job(name, arm, inputs[name][arm], SCENARIOS[name], workdir, args.timeout_s, seed)}
+
+        def keep(_round: int, _arm: tuple, record: dict) -> None:
+            records.append(record)
+            print(json.dumps({k: v for k, v in record.items() if k != "error"}), flush=True)
+            if "error" in record:
+                print(record["error"], file=sys.stderr, flush=True)
+            (out / "runs.json").write_text(json.dumps(records, indent=1))
+
+        arms = {(name, arm): (lambda key=(name, arm): one_job(*key)) for name, files in inputs.items() for arm in files}
+        # every other round in reverse (ABAB...: a scenario's first arm alternates between rounds)
+        interleaved(arms, rounds=args.rounds, alternate=True, on_run=keep)
+    result = {"settings": COMMON + (["spectr.seed=<round>"] if args.seed_per_round else []),
+              "scenarios": {k: SCENARIOS[k] for k in inputs}, "report": report(records), "runs": records}
+    rows = [{"scenario": name, "arm": arm, "median_tokens_per_s": values["median_tokens_per_s"]}
+            for name, entry in result["report"].items() for arm, values in entry.items() if isinstance(values, dict)]
+    run_report.write(out / "result.json", result, markdown=table(rows))
+    print(json.dumps(result["report"], indent=1))
 
 if __name__ == "__main__":
     main()

@@ -18,8 +18,8 @@ final MLflow logging is the finish).
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,6 +29,9 @@ from hydra import compose, initialize_config_dir
 from pipeline.config import PROJECT_ROOT
 from pipeline.generate.config import from_omegaconf
 from pipeline.generate.job import run_generate
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import Report, load_average, summary, table  # noqa: E402
 
 
 def run(overrides: list[str]):
@@ -47,6 +50,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench_out/scaling.json"))
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides, e.g. model.target=...")
     args = parser.parse_args()
+    report_ = Report("scaling", args=args)
+    print(report_.header())
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     work = Path(tempfile.mkdtemp(prefix="bench_scaling_"))
     common = [
@@ -57,7 +62,7 @@ def main() -> None:
     order = ([1, 2, 2, 1] * args.repeats)[: 2 * args.repeats]
     results = []
     for i, actors in enumerate(order):
-        load_before = os.getloadavg()[0]
+        load_before = load_average()[0]
         report = run([*common, f"ray.num_actors={actors}", f"output_dir={work}/run{i}-actors{actors}"])
         s = report.summary
         results.append(
@@ -69,13 +74,13 @@ def main() -> None:
                 "startup_s": s.startup_s,
                 "block_efficiency": s.block_efficiency,
                 "load_avg_before": load_before,
-                "load_avg_after": os.getloadavg()[0],
+                "load_avg_after": load_average()[0],
             }
         )
         print(
             f"{actors} actor(s): {s.throughput_tokens_per_s:8.1f} tokens/s  ({s.generated_tokens} tokens in "
             f"{s.generation_s:.1f} s; start {s.startup_s:.1f} s; block efficiency {s.block_efficiency:.2f}; "
-            f"load {load_before:.1f} -> {os.getloadavg()[0]:.1f})",
+            f"load {load_before:.1f} -> {load_average()[0]:.1f})",
             flush=True,
         )
 
@@ -84,6 +89,7 @@ def main() -> None:
         return sum(values) / len(values)
 
     ratio = mean(2) / mean(1)
+    medians = [{"actors": n, **summary(r["tokens_per_s"] for r in results if r["actors"] == n)} for n in (1, 2)]
     print(f"2 actors / 1 actor throughput: {ratio:.2f}x")
 
     started = time.perf_counter()
@@ -111,10 +117,8 @@ def main() -> None:
         f"loading, MLflow run) + generation {s.generation_s:.1f} s (incl. writing) + finish {finish:.1f} s "
         f"(MLflow logging {small.logging_s:.1f} s); beyond generation: {total - s.generation_s:.1f} s"
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps({"runs": results, "ratio_2_over_1": ratio, "overhead": overhead}, indent=1)
-    )
+    report_.write(args.out, {"runs": results, "ratio_2_over_1": ratio, "overhead": overhead},
+                  markdown=table(medians) + f"\n2 actors / 1 actor (means): {ratio:.2f}x\n\n" + table([overhead]))
     print(f"wrote {args.out}")
 
 

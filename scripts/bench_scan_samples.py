@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,8 @@ from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(PROJECT_ROOT))
+sys.path.insert(0, str(PROJECT_ROOT / "scripts"))
+from harness import Report, summary, table  # noqa: E402
 
 
 def write_inputs(folder: Path, rows: int) -> dict[str, Path]:
@@ -58,6 +59,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=200_000)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", type=Path, help="write <out>.json and .md here")
     parser.add_argument("--phase", nargs=2, metavar=("PATH", "COUNT"), help=argparse.SUPPRESS)
     parser.add_argument("--write", metavar="FOLDER", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -67,6 +69,8 @@ def main() -> None:
     if args.write:
         write_inputs(Path(args.write), args.rows)
         return
+    report_ = Report("scan_samples", args=args)
+    print(report_.header())
     runs = []
     with tempfile.TemporaryDirectory(prefix="bench-scan-samples-") as tmp:
         # written by a child: Linux carries a process's peak memory into the children it starts
@@ -87,9 +91,12 @@ def main() -> None:
         for count in (False, True):
             mine = [r for r in runs if r["format"] == name and r["count_n"] == count]
             report[f"{name} {'with' if count else 'without'} the count"] = {
-                "median_s": round(statistics.median(r["seconds"] for r in mine), 2),
+                **{f"{k}_s": round(v, 2) for k, v in summary(r["seconds"] for r in mine).items() if k != "n"},
                 "peak_mb": round(max(r["peak_mb"] for r in mine)), "output_rows": mine[0]["output_rows"]}
     print(json.dumps({"rows": args.rows, "report": report}, indent=1))
+    if args.out:
+        report_.write(args.out, {"rows": args.rows, "report": report, "runs": runs},
+                      markdown=table([{"arm": arm, **values} for arm, values in report.items()]))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import Report, interleaved, summary, table, timed  # noqa: E402
+
 from spectr.native import compiled_select_tree  # noqa: E402
 from spectr.rng import counter_uniforms, row_keys, sample_categorical  # noqa: E402
 from spectr.sequence import row_splits, select_sequences, select_tree, uniforms_shape  # noqa: E402
@@ -113,14 +116,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compiled", action="store_true", help="also time the compiled engine's selection")
+    parser.add_argument("--json", help="write the results here (and the same name with .md)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    print("command:", " ".join(["python", *sys.argv]))
+    report = Report("bench_selection", args=args)
+    print(report.header())
     print(
         f"B={args.batch} K={args.drafts} L={args.length} V={args.vocab} method={args.method} "
-        f"dtype={args.dtype} torch threads={args.threads} repeats={args.repeats} "
-        f"load average before={os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs"
+        f"dtype={args.dtype} torch threads={args.threads} repeats={args.repeats}"
     )
     dtype = getattr(torch, args.dtype)
     draft_tokens, draft_probs, target_logits = build_inputs(
@@ -162,20 +166,18 @@ def main() -> None:
     for fn in steps.values():  # warm up (lazy initialisation, allocator pools)
         fn()
     memory = {name: peak_extra_memory_mib(fn) for name, fn in steps.items()}
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    tokens_per_call = []
-    for _ in range(args.repeats):  # interleaved, so that load changes hit every step alike
-        for name, fn in steps.items():
-            start = time.perf_counter()
-            out = fn()
-            times[name].append(time.perf_counter() - start)
-            if name == "select":
-                tokens_per_call.append(float(out.num_tokens.double().mean()))
+    # interleaved, so that load changes hit every step alike
+    runs = interleaved({name: (lambda fn=fn: timed(fn)) for name, fn in steps.items()}, rounds=args.repeats)
+    times = {name: [run["wall_s"] for run in runs[name]] for name in steps}
+    tokens_per_call = [float(run["result"].num_tokens.double().mean()) for run in runs["select"]]
     softmax_s = statistics.median(times["softmax"])
     input_mib = sum(t.numel() * t.element_size() for t in (draft_probs, target_probs, target_logits)) / 2**20
     print(f"inputs held: {input_mib:.0f} MiB; mean tokens per call {statistics.mean(tokens_per_call):.2f}")
+    rows = []
     for name in steps:
         median = statistics.median(times[name])
+        rows.append(dict(step=name, **{f"{k}_ms": v * 1e3 for k, v in summary(times[name]).items() if k != "n"},
+                         ratio_to_softmax=median / softmax_s, peak_extra_mib=memory[name]))
         print(
             f"{name:16s} median {median * 1e3:8.1f} ms  (min {min(times[name]) * 1e3:7.1f} ms)  "
             f"ratio to softmax {median / softmax_s:5.2f}x  peak extra memory {memory[name]:7.1f} MiB"
@@ -183,7 +185,8 @@ def main() -> None:
     if args.compiled:
         ratio = statistics.median(times["engine select"]) / statistics.median(times["engine compiled"])
         print(f"engine select eager / compiled: {ratio:.2f}x (compile {compile_s:.1f} s)")
-    print(f"load average after={os.getloadavg()[0]:.2f}")
+    if args.json:
+        report.write(args.json, dict(steps=rows, compile_s=compile_s), markdown=table(rows))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -33,6 +32,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from harness import Report, load_average, summary, table  # noqa: E402
+
 LOADED_LINE = "actors loaded the pair"
 STARTUP_LINE = re.compile(r"^startup (?P<total>[0-9.]+) s = (?P<parts>.*?)( \(mlflow start (?P<mlflow>[0-9.]+) s.*)?$")
 
@@ -110,17 +112,6 @@ def _env() -> dict[str, str]:
     return dict(os.environ, PYTHONUNBUFFERED="1", RAY_USAGE_STATS_ENABLED="0")
 
 
-def _machine() -> dict:
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in subprocess.run(
-            ["lscpu"], capture_output=True, text=True).stdout.splitlines() if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        cpu = platform.processor()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return {"cpu": cpu, "cores": os.cpu_count(), "commit": commit.stdout.strip(),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=3, help="(floor, job) pairs, run alternately")
@@ -133,17 +124,19 @@ def main() -> None:
         floor_process()
         return
     python = sys.executable
+    report = Report("startup", args=args)
+    print(report.header(), flush=True)
     work = Path(tempfile.mkdtemp(prefix="bench_startup_"))
     samples = []
     for pair in range(args.pairs):
         jobs = ["job", "before"] if args.before else ["job"]
         for kind in ["floor", *(jobs if pair % 2 == 0 else jobs[::-1])]:
-            load = os.getloadavg()[0]
+            load = load_average()[0]
             if kind == "floor":
                 sample = run_floor(python)
             else:
                 sample = run_job(python, work, f"{kind}{pair}", args.overrides, args.before if kind == "before" else ROOT)
-            sample.update(pair=pair, load_before=load, load_after=os.getloadavg()[0])
+            sample.update(pair=pair, load_before=load, load_after=load_average()[0])
             samples.append(sample)
             print(f"{kind:6s} {sample['startup_s']:6.1f} s  load {load:.2f}"
                   + (f"  {sample.get('startup_line', '')}" if kind != "floor" else ""), flush=True)
@@ -151,8 +144,8 @@ def main() -> None:
     jobs = [s["startup_s"] for s in samples if s["kind"] == "job"]
     before = [s["startup_s"] for s in samples if s["kind"] == "before"]
     result = {
-        "command": " ".join([Path(python).name, "scripts/bench_startup.py", *sys.argv[1:]]),
-        "machine": _machine(),
+        "intervals_s": {kind: summary(s["startup_s"] for s in samples if s["kind"] == kind)
+                        for kind in ("floor", "job", "before") if any(s["kind"] == kind for s in samples)},
         "floor_median_s": statistics.median(floors),
         "job_median_s": statistics.median(jobs),
         "ratio": statistics.median(jobs) / statistics.median(floors),
@@ -161,8 +154,7 @@ def main() -> None:
             "before_ratio": statistics.median(before) / statistics.median(floors)} if before else {}),
         "samples": samples,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    report.write(args.out, result, markdown=table([{"kind": k, **v} for k, v in result["intervals_s"].items()]))
     print(f"floor {result['floor_median_s']:.1f} s, job {result['job_median_s']:.1f} s (medians): "
           f"{result['ratio']:.2f}x the floor" + (f"; before {result['before_median_s']:.1f} s: "
                                                  f"{result['before_ratio']:.2f}x" if before else "") + f"; {args.out}")

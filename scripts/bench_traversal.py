@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import sys
 import time
@@ -36,6 +35,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import Report  # noqa: E402
 
 import spectr  # noqa: E402
 
@@ -151,6 +153,8 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     import transformers
 
+    report = Report("block_efficiency", argv=None if argv is None else [__file__, *argv], args=args)
+    print(report.header(), flush=True)
     models = Path(args.models)
     tokenizer = transformers.AutoTokenizer.from_pretrained(models / "target")
     target = transformers.AutoModelForCausalLM.from_pretrained(models / "target", dtype=torch.float32)
@@ -160,8 +164,7 @@ def main(argv=None) -> None:
     prompts = [tokenizer(text)["input_ids"] for text in texts]
     eos = tokenizer.eos_token_id if args.eos else None
     settings = {"prompts": len(prompts), "new_tokens": args.new_tokens, "eos": args.eos, "seed": args.seed,
-                "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.machine(),
-                "command": "python " + " ".join([os.path.relpath(__file__, REPO), *(argv or sys.argv[1:])])}
+                "threads": torch.get_num_threads(), "command": report.meta["command"]}
     start, cells = time.perf_counter(), []
     order = grid_order(args.drafts, args.lengths, args.first)
     for num_drafts, length in order:
@@ -176,9 +179,8 @@ def main(argv=None) -> None:
     settings["seconds"] = time.perf_counter() - start
     settings["cells_run"] = f"{len(cells)} of {len(order)}"
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "block_efficiency.md").write_text(markdown(cells, args.drafts, args.lengths, settings))
-    (out / "block_efficiency.json").write_text(json.dumps({"settings": settings, "cells": cells}, indent=1) + "\n")
+    report.write(out / "block_efficiency.json", {"settings": settings, "cells": cells},
+                 markdown=markdown(cells, args.drafts, args.lengths, settings))
     print(f"{len(cells)} of {len(order)} cells in {settings['seconds']:.0f} s -> {out}/block_efficiency.md")
 
 

@@ -33,6 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pipeline.train_pair.corpus import read_sources
 from pipeline.train_pair.tokenizer import tokenize_documents
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import Report, interleaved  # noqa: E402
+
 
 def load_pair(pair_dir: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -90,18 +93,17 @@ def measure_latency(target, draft, vocab_size: int, prefill_tokens: int, repeats
     """
     prompt = torch.randint(0, vocab_size, (1, prefill_tokens), generator=generator)  # [1, P]
     next_token = torch.randint(0, vocab_size, (1, 1), generator=generator)  # [1, 1]
-    times = {name: {"prefill": [], "decode": []} for name in ("target", "draft")}
-    for repeat in range(repeats + 2):  # the first two repeats are warm-up
-        for name, model in (("target", target), ("draft", draft)):
-            start = time.perf_counter()
-            cache = model(input_ids=prompt, use_cache=True).cache
-            prefill_s = time.perf_counter() - start
-            start = time.perf_counter()
-            model(input_ids=next_token, cache=cache, use_cache=True)
-            decode_s = time.perf_counter() - start
-            if repeat >= 2:
-                times[name]["prefill"].append(prefill_s)
-                times[name]["decode"].append(decode_s)
+    def forwards(model) -> dict:
+        start = time.perf_counter()
+        cache = model(input_ids=prompt, use_cache=True).cache
+        prefill_s = time.perf_counter() - start
+        start = time.perf_counter()
+        model(input_ids=next_token, cache=cache, use_cache=True)
+        return {"prefill": prefill_s, "decode": time.perf_counter() - start}
+
+    runs = interleaved({"target": lambda: forwards(target), "draft": lambda: forwards(draft)}, rounds=repeats,
+                       warmup=2)
+    times = {name: {phase: [r[phase] for r in runs[name]] for phase in ("prefill", "decode")} for name in runs}
     result = {}
     for name in ("target", "draft"):
         for phase in ("prefill", "decode"):
@@ -127,6 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--markdown", default=None, help="write the model card's results table here")
     args = parser.parse_args(argv)
+    report = Report("eval_pair", argv=None if argv is None else [__file__, *argv], args=args)
 
     torch.set_num_threads(args.threads)
     pair = Path(args.pair)
@@ -148,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
                                              args.latency_repeats, torch.Generator().manual_seed(0))
         print(f"latency: {results['latency']}", flush=True)
         if args.out:
-            Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+            report.write(args.out, results)
         return results
 
     # 1) held-out modules
@@ -179,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"latency: {results['latency']}", flush=True)
 
     if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+        report.write(args.out, results)
     if args.markdown:
         Path(args.markdown).write_text(results_table(results, manifest))
     return results

@@ -48,6 +48,9 @@ from typing import Any
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(PROJECT_ROOT))
+sys.path.insert(0, str(PROJECT_ROOT / "scripts"))
+from harness import Report  # noqa: E402
+
 sys.path.append(str(PROJECT_ROOT / "tests"))  # the tiny pair and the local cluster of the tests
 
 EMBEDDED = {"target": PROJECT_ROOT / "assets/models/target", "draft": PROJECT_ROOT / "assets/models/draft"}
@@ -371,8 +374,10 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH")) if p)
+    report = Report("faults", args=args)
+    print(report.header(), flush=True)
     results: dict[str, Any] = {"pair": args.pair, "shard_size": args.shard_size, "new_tokens": args.new_tokens,
-                               "batch_size": args.batch_size, "load_at_start": os.getloadavg()}  # fmt: skip
+                               "batch_size": args.batch_size}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="faults-") as folder:
         if args.part in ("stuck", "both"):
             results["stuck"] = part_stuck(args, Path(folder))
@@ -382,9 +387,7 @@ def main() -> None:
             (Path(folder) / "nodes").mkdir()
             results["nodes"] = part_nodes(node_args, Path(folder) / "nodes")
             print(json.dumps(results["nodes"], indent=1), flush=True)
-    results["load_at_end"] = os.getloadavg()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    report.write(args.out, results)
     print(f"wrote {args.out}")
 
 

@@ -29,6 +29,8 @@ from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(PROJECT_ROOT))
+sys.path.insert(0, str(PROJECT_ROOT / "scripts"))
+from harness import Report, table  # noqa: E402
 
 
 def peak_mb() -> float:
@@ -122,6 +124,8 @@ def main() -> None:
         print(json.dumps({"plan": lambda: phase_plan(Path(rest[0])),
                           "resume": lambda: phase_resume(Path(rest[0]), int(rest[1]))}[name]()))  # fmt: skip
         return
+    report = Report("scale", args=args)
+    print(report.header(), flush=True)
     with tempfile.TemporaryDirectory(prefix="measure-scale-") as tmp:
         prompts, out = Path(tmp) / "prompts.jsonl", Path(tmp) / "out"
         out.mkdir()
@@ -132,8 +136,7 @@ def main() -> None:
     for key, value in results.items():
         print(f"{key:>28}: {value}")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=1))
+        report.write(args.out, results, markdown=table([{"measure": k, "value": v} for k, v in results.items()]))
 
 
 if __name__ == "__main__":

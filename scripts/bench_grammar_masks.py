@@ -3,7 +3,7 @@
 For each grammar: compile once, then walk a valid output token by token: compute the next-token bitmask,
 consume the token. Prints compile time and the median / mean mask-and-consume time per token. CPU only.
 
-    .venv/bin/python benchmarks/bench_grammar_masks.py [--tokenizer assets/models/target] [--repeat 20]
+    .venv/bin/python scripts/bench_grammar_masks.py [--tokenizer assets/models/target] [--repeat 20] [--json out.json]
 """
 
 from __future__ import annotations
@@ -11,7 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import Report, table  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {
     "label": {"enum": ["positive", "negative", "neutral"]},
@@ -82,7 +87,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokenizer", default="assets/models/target")
     parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--json", help="write the results here (and .md)")
     args = parser.parse_args()
+    report = Report("bench_grammar_masks", args=args)
+    print(report.header(), flush=True)
+    rows = []
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
@@ -95,6 +104,10 @@ def main() -> None:
         for name, (compile_s, median, mean, count) in results.items():
             print(f"{engine:10s} {name:6s} compile {compile_s * 1e3:8.2f} ms  mask+consume per token: median "
                   f"{median * 1e6:8.1f} us, mean {mean * 1e6:8.1f} us ({count} tokens)")
+            rows.append(dict(engine=engine, grammar=name, compile_ms=compile_s * 1e3, median_us=median * 1e6,
+                             mean_us=mean * 1e6, tokens=count))
+    if args.json:
+        report.write(args.json, dict(rows=rows), markdown=table(rows))
 
 
 if __name__ == "__main__":
