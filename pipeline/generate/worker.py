@@ -374,7 +374,7 @@ class ShardGenerator:
                 self._check_memory(shard, i, settings)
             except ValueError as err:
                 failed = self._failed_range(shard, i)  # a failed row: its error on each sample the plan counted
-                failed_input += len(failed) if shard.problem(i) or isinstance(err, MemoryRefusal) else 0
+                failed_input += len(failed)  # its record, its own settings, its n or its memory: a rerun fails it again
                 for sample in failed:
                     by_position[len(slots)] = self._error_row(shard, i, str(err), sample)
                     slots.append((i, sample))

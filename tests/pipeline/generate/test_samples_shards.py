@@ -128,6 +128,7 @@ def test_per_row_n_up_to_max_samples(tiny_pair, tmp_path, generator):
     assert len(got) == plan.output_rows
     error = table.filter(pa.compute.equal(table["id"], "d"))["error"][0].as_py()
     assert "n=5" in error and "data.max_samples = 4" in error
+    assert sum(r.failed_input for r in plan.results) == 2  # the input's own failure: a rerun does not redo it
     # without data.max_samples the scan's count places every row's n: 5 samples a prompt, nothing fails
     table, plan = run_every_shard(tiny_pair, tmp_path, generator, "out2", rows, shard_size=5,
                                   **{**settings, "data.max_samples": None})
@@ -150,6 +151,7 @@ def test_a_failed_row_writes_the_rows_the_plan_counted(tiny_pair, tmp_path, gene
     assert got[:-1] == [("a", s, "error") for s in range(3)] + [("b", s, "error") for s in range(2)] + [
         ("c", s, "error") for s in range(2)] and got[-1][:2] == ("d", 0) and got[-1][2] != "error"
     assert plan.output_rows == len(got) == 8 and plan.samples_per_prompt == 3
+    assert sum(r.failed_input for r in plan.results) == 7  # the rows' own settings: input failures
 
 
 PARAMS_N = [{"n": 3}, None, {"n": 1, "temperature": 0.5}, {"n": 6}, {"top_p": 0.9}]  # 3 + 2 + 1 + 6 + 2 = 14
