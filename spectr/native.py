@@ -86,9 +86,9 @@ COMPILE_CHOICES = (False, True, "auto")
 
 # compile="auto" on the CPU: compile when the queued work is at least this many iterations of the pool
 # (sum of the queued rows' budgets / batch size: autoregressive iterations, an upper bound for speculative
-# ones). Compiling pays when iterations x (eager - compiled seconds per iteration) > compile seconds; the
-# measured break-evens are a few thousand (autoregressive) to tens of thousands (batched speculative)
-# iterations, and the loss this rule risks is bounded by one compile (docs/compile.md#cpu_min_iterations).
+# ones). Compiling pays when iterations x (eager - compiled seconds per iteration) > compile seconds; the threshold
+# sits above the break-evens measured on the CPU (docs/performance.md#compiled-against-eager), and the loss this
+# rule risks is bounded by one compile (docs/compile.md#cpu_min_iterations).
 CPU_MIN_ITERATIONS = 20000
 
 # How inductor compiles on the CPU. "frozen" (inference mode only): parameters become constants of the graph, which
@@ -119,15 +119,15 @@ PREFILL_ATTENTION = "sdpa"
 # How the compiled core multiplies by its linear weights. "module": the HF modules themselves (`F.linear`, weight
 # [N, K]). "kmajor": the core's own copies, made when it first compiles, transposed to [K, N] contiguous and fused
 # per layer (q|k|v and gate|up: one product each), multiplied as `x @ w`: on the CPU MKL's GEMM over a transposed
-# operand costs about twice one token's from 4 tokens on, over [K, N] near one token's. "auto": kmajor on the CPU;
+# operand grows with the tokens of the call where one over [K, N] stays near one token's. "auto": kmajor on the CPU;
 # on CUDA the modules (cuBLAS takes either layout, and the copies would cost GPU memory). The copies cost the
 # linear weights once more in host memory and follow in-place weight changes through `set_compiled`'s version
 # check (docs/compile.md#linear_layout).
 LINEAR_LAYOUTS = ("auto", "module", "kmajor")
 LINEAR_LAYOUT = "auto"
 # ...and over 2 to ONEDNN_MAX_ROWS rows (tokens of the batch) the kmajor layout multiplies float32 by a third copy,
-# oneDNN's packed one (`torch.ops.mkldnn`), which reads the weights about once where MKL reads them about once per
-# 4 rows; past 32 rows MKL is faster again (docs/compile.md#onednn_max_rows).
+# oneDNN's packed one (`torch.ops.mkldnn`), which reads the weights once per call where MKL reads them again every
+# few rows; past ONEDNN_MAX_ROWS rows MKL is faster again (docs/compile.md#onednn_max_rows).
 ONEDNN_MAX_ROWS = 32
 
 
@@ -861,7 +861,7 @@ def _shape_config():
 # kernel (eager: several ops and an [N, V] buffer per step). On a GPU that removes launches (a K-SEQ position alone
 # is ~25 bisection steps x ~8 kernel launches), so `SELECTION_RULE = "auto"` compiles it on CUDA; on the CPU it
 # stays eager: each (method, K, L) compiles graphs of its own (seconds each), `auto` explores several, and the
-# selection is 1-5% of a CPU iteration (docs/compile.md#selection_rule-and-selection_compile_after). The rows are a
+# selection is a small share of a CPU iteration (docs/compile.md#selection_rule-and-selection_compile_after). The rows are a
 # dynamic dimension (traced as in the core: without duck sizing, one row specialised); plain inductor on every
 # device (no CUDA graphs for the selection). A sort-based exact rho* was slower than the bisection (not kept).
 SELECTION_RULE = "auto"  # "auto" (the rule above: CUDA), "all" (every device), "none" (eager everywhere)

@@ -42,7 +42,7 @@ kept (`wasted_seconds` is 0).
   explores only what it did not measure. Warm seconds are kept apart from this process's windows and
   read as *relative* costs: each is scaled by this process's speed, the median over the
   configurations measured here of (seconds here / warm seconds), same bucket first (1 until one is
-  measured). Whole processes on a shared machine run 15-25% apart, so warm seconds taken as they
+  measured). Whole processes on a shared machine run at visibly different speeds, so warm seconds taken as they
   are make every configuration run here look slower than the ones still carried from the faster
   earlier process, and the chooser wandered through all of them; scaled, the earlier job's ranking
   stands until this process measures otherwise (warm rivals are rechecked like measured ones).

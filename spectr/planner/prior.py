@@ -35,8 +35,8 @@ WEIGHT_S = 2e-10  # per parameter per forward: reading the weights
 TOKEN_S = 7e-11  # per parameter per token: two flops at ~30 GFLOP/s
 VOCAB_S = 2e-9  # per row, token and vocabulary entry: warps, sampling, selection
 STEP_S = 5e-4  # commit, bookkeeping
-# traversal's loop, per step (measured eagerly on this CPU, 1 thread, V = 8192: B = 1 and 8, K L = 8..64;
-# `scripts/bench_selection.py --method traversal`): ~45 small ops, and ~13 float64 passes over [B, V]
+# traversal's loop, per step: ~45 small ops, and ~13 float64 passes over [B, V] (fitted to eager runs of
+# `scripts/bench_selection.py --method traversal`, one thread, V = 8192, B = 1 and 8, K L = 8..64)
 TRAVERSAL_STEP_S = 2e-4
 TRAVERSAL_VOCAB_S = 1.5e-8  # per row and vocabulary entry
 DEFAULT_ACCEPTANCE = 0.7  # per draft position, before anything is measured
