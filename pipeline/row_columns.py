@@ -45,13 +45,18 @@ BIAS_LIMIT = 100.0  # vLLM clamps each logit_bias value to [-100, 100] (spectr.w
 # the output row's own columns: a kept input column may not take one of these names
 OUTPUT_COLUMNS = ("id", "prompt", "completion", "completion_token_ids", "prompt_tokens", "completion_tokens",
                   "finish_reason", "stop_reason", "target_calls", "block_efficiency", "seed", "error", "sample_index",
-                  "completion_logprobs", "completion_top_logprobs", "time_taken_s")
+                  "completion_logprobs", "completion_top_logprobs", "time_taken_s", "prompt_token_ids",
+                  "stop_token_id", "cumulative_logprob", "prompt_logprobs")
 # vLLM's SamplingParams names, with vLLM's meanings (docs/sampling.md): top_k -1 or 0 = off; ignore_eos and
 # stop_token_ids decide which tokens end the row; logprobs is read by the stage / the job-wide spectr.logprobs
 SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",
                  "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "logprobs", "logit_bias",
                  "presence_penalty", "frequency_penalty", "repetition_penalty", "structured_outputs", "guided_decoding",
-                 "allowed_token_ids", "bad_words")
+                 "allowed_token_ids", "bad_words", "prompt_logprobs", "truncate_prompt_tokens", "detokenize",
+                 "skip_special_tokens", "spaces_between_special_tokens", "output_kind")
+# the detokenizer's settings: they change the text written, never a token (vLLM's defaults)
+TEXT_KEYS = {"detokenize": True, "skip_special_tokens": True, "spaces_between_special_tokens": True}
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs: the most alternatives prompt_logprobs=N may ask
 # known names that cannot be exact here (or are not built yet), refused with the reason (their neutral value passes)
 REFUSED_KEYS = {
     "best_of": "best_of picks among samples by score, which changes the output law (draw n samples instead)",
@@ -70,7 +75,11 @@ RANGES = {
     "top_k": (lambda v: v >= 0, ">= 0, or -1 (0 and -1 = off)"), "min_p": (lambda v: 0 <= v <= 1, "in [0, 1] (0 = off)"),
     "max_tokens": (lambda v: v >= 1, ">= 1"), "seed": (lambda v: v >= 0, ">= 0, or -1 (no seed)"),
     "n": (lambda v: v >= 1, ">= 1"),
-    "logprobs": (lambda v: v >= 0, ">= 0"), "presence_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2] (0 = off)"),
+    "logprobs": (lambda v: v >= 0, ">= 0"),
+    "prompt_logprobs": (lambda v: 0 <= v <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}] (vLLM's max_logprobs)"),
+    "truncate_prompt_tokens": (lambda v: v >= 1, ">= 1, the prompt's last k tokens kept (vLLM's -1, the model's "
+                               "length, is not taken: a prompt over the model's positions is the row's error)"),
+    "presence_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2] (0 = off)"),
     "frequency_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2] (0 = off)"),
     "repetition_penalty": (lambda v: v > 0, "> 0 (1 = off)"), "min_tokens": (lambda v: v >= 0, ">= 0 (0 = off)"),
 }
@@ -270,12 +279,39 @@ class RowSettings:
     structured_outputs: Any = None  # a `spectr.structured.StructuredSpec` (vLLM's structured_outputs / guided_decoding)
     allowed_token_ids: tuple[int, ...] | None = None  # vLLM's: only these tokens may be sampled
     bad_words: tuple[str, ...] | None = None  # vLLM's: strings the row may not produce (tokenized by the actor)
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's log-probability and the top N (None: none)
+    truncate_prompt_tokens: int | None = None  # vLLM's: only the prompt's last k tokens are generated from
+    detokenize: bool = True  # vLLM's: False writes no text (the tokens only)
+    skip_special_tokens: bool = True  # vLLM's: False keeps the special tokens' text in the completion
+    spaces_between_special_tokens: bool = True  # vLLM's
 
     def over(self, job: Any) -> RowSettings:
         """These settings with the job's value (`job_settings` of the job's `spectr.*`) wherever the row has
         none, for every `JOB_KEYS` name; the others stay None (the engine's own defaults are the job's)."""
         values = job_settings(job)
+        job_logprobs = getattr(job, "logprobs", False)  # spectr.logprobs as vLLM's max_logprobs (None: off)
+        top = job_logprobs if isinstance(job_logprobs, int) and not isinstance(job_logprobs, bool) else \
+            (0 if job_logprobs is True else None)
+        if self.logprobs is not None and (top is None or self.logprobs > top):
+            raise ValueError(f"logprobs={self.logprobs}: the job writes " + (
+                "no log-probabilities; set spectr.logprobs" if top is None else
+                f"at most spectr.logprobs={top} alternatives per token; raise it") + f" to at least {self.logprobs} "
+                "(vLLM's max_logprobs: the job's columns hold that many)")
+        if not self.detokenize and (self.stop or getattr(job, "stop", None)):
+            raise ValueError("stop strings need detokenize=True (the text is where they are found, as vLLM says)")
         return dataclasses.replace(self, **{k: v for k, v in values.items() if getattr(self, k) is None})
+
+    def prompt_ids(self, token_ids: list[int]) -> list[int]:
+        """The prompt the row generates from: vLLM's truncate_prompt_tokens=k keeps its last k tokens."""
+        k = self.truncate_prompt_tokens
+        return list(token_ids) if k is None or k >= len(token_ids) else list(token_ids[-k:])
+
+    def decode_options(self) -> dict[str, bool]:
+        """The tokenizer's `decode` options for the row's text (vLLM's skip_special_tokens and
+        spaces_between_special_tokens; the latter only where special tokens are kept)."""
+        if self.skip_special_tokens:
+            return {"skip_special_tokens": True}
+        return {"skip_special_tokens": False, "spaces_between_special_tokens": self.spaces_between_special_tokens}
 
     @property
     def own_stops(self) -> bool:
@@ -491,6 +527,15 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _output_kind(value: Any) -> None:
+    """vLLM's output_kind (how a server streams a request's outputs): a batch writes each row once, whatever it says;
+    a value vLLM does not have is refused."""
+    kinds = ("CUMULATIVE", "DELTA", "FINAL_ONLY")
+    name = getattr(value, "name", value)  # vLLM's RequestOutputKind, its name, or its value 0 / 1 / 2
+    if not (name in kinds or (isinstance(name, int) and not isinstance(name, bool) and 0 <= name < len(kinds))):
+        raise ValueError(f"output_kind must be one of {', '.join(kinds)} (or 0, 1, 2), got {value!r}")
+
+
 def _flag(value: Any, key: str) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{key} must be true or false, got {value!r}")
@@ -505,7 +550,7 @@ def row_settings(params: Any, stop: Any, params_key: str, stop_key: str) -> RowS
         for key in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             if key in values:
                 setattr(settings, key, _number(values[key], key, integer=False))
-        for key in ("top_k", "max_tokens", "seed", "n", "min_tokens"):
+        for key in ("top_k", "max_tokens", "seed", "n", "min_tokens", "prompt_logprobs", "truncate_prompt_tokens"):
             if key in values:
                 setattr(settings, key, _number(values[key], key, integer=True))
         if settings.top_k == -1:
@@ -521,9 +566,11 @@ def row_settings(params: Any, stop: Any, params_key: str, stop_key: str) -> RowS
         settings.stop += _stop_strings(values.get("stop"), "stop")
         if "stop_token_ids" in values:
             settings.stop_token_ids = _token_ids(values["stop_token_ids"], "stop_token_ids")
-        for key in ("ignore_eos", "include_stop_str_in_output"):
+        for key in ("ignore_eos", "include_stop_str_in_output", *TEXT_KEYS):
             if key in values:
                 setattr(settings, key, _flag(values[key], key))
+        if "output_kind" in values:
+            _output_kind(values["output_kind"])
         if "logit_bias" in values:
             settings.logit_bias = _bias(values["logit_bias"])
         given = [k for k in STRUCTURED_KEYS if values.get(k) is not None]

@@ -83,6 +83,18 @@ class PromptLogprobs:
         return cls(list(prompt), [None, *chosen], [None, *ranks], [[], *top])
 
 
+def prompt_logprobs_alone(model, prompt: list[int], top: int) -> PromptLogprobs:
+    """One row's `PromptLogprobs` from a plain forward of the Hugging Face `model` over its prompt (a row re-run
+    alone, outside a batcher)."""
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        if len(prompt) > 1:
+            logits = model(input_ids=torch.tensor([prompt[:-1]], device=device), use_cache=False).logits[0]  # [P, V]
+        else:
+            logits = torch.zeros(0, model.config.vocab_size, device=device)
+        return PromptLogprobs.read(prompt, prompt_logprob_tensors(logits, prompt, top))
+
+
 def prompt_logprob_tensors(logits: torch.Tensor, prompt: list[int], top: int,
                            chunk: int = 512) -> tuple[torch.Tensor, ...]:
     """One row's prompt log-probabilities on the device, from its prefill logits ([P, V], P >= len(prompt) - 1:

@@ -30,6 +30,8 @@ takes the rows that were held back; a rebuilt auto batcher keeps what its choose
   fails alone too and so does a probe (the first token of one of them, one new token), the error is the
   device's, not the rows' (a sticky CUDA error): no error row is kept, the shard fails with `ActorFault`
   (its neighbours with `FeedAborted`), and the driver re-queues them uncharged and restarts the actor.
+A row with `Row.prompt_logprobs` (vLLM's prompt_logprobs=N) is admitted asking for them (the engine keeps its
+prefill's logits); re-run alone, it gets them from a forward of its own over the prompt.
 A row the engine refuses at admission (an empty prompt, a prompt too long for the model) gets its error alone,
 as a `Refusal`: the worker counts it as a failure of the input (a rerun fails it again, so does not redo it).
 
@@ -106,6 +108,7 @@ class Row:
     # repetition_penalty, min_tokens]): `spectr.SamplingWarp`'s fields, in its order
     stops: tuple[str, ...] = ()  # its stop strings: the row ends once its newest tokens complete one
     stop_ids: tuple[int, ...] | None = None  # the tokens that end it (None: the model's EOS ids); see the worker
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs=N: `FinishedRow.prompt_logprobs` (None: not asked)
 
     @property
     def min_tokens(self) -> int:
@@ -329,9 +332,13 @@ class ShardFeed:
         if any(r.warp is not None for r in rows):
             warps = [None if r.warp is None else self._engine_warp(r.warp) for r in rows]
         stop_ids = [r.stop_ids for r in rows] if any(r.stop_ids is not None for r in rows) else None
+        asked = {}  # prompt_logprobs: the engine's own batcher takes them (method=auto: the AutoBatcher's)
+        if any(r.prompt_logprobs is not None for r in rows):
+            asked = {"prompt_logprobs": [r.prompt_logprobs for r in rows]}
+        engine = getattr(self.batcher, "batcher", self.batcher) if asked else self.batcher
         try:
-            ids = self.batcher.admit([r.prompt for r in rows], max_new_tokens=[r.budget for r in rows],
-                                     seed=[r.seed for r in rows], warps=warps, stop_token_ids=stop_ids)
+            ids = engine.admit([r.prompt for r in rows], max_new_tokens=[r.budget for r in rows],
+                               seed=[r.seed for r in rows], warps=warps, stop_token_ids=stop_ids, **asked)
         except ValueError as err:
             if len(take) == 1:
                 return [(take[0][0], take[0][1], Refusal(f"{type(err).__name__}: {err}"))]
@@ -464,6 +471,11 @@ class ShardFeed:
         stats = output.stats
         for name in BATCH_FIELDS:
             self._uncharged[name] += getattr(stats, name)
+        prompt_logprobs = None
+        if row.prompt_logprobs is not None:  # its own forward over the prompt (this path is a batch's recovery)
+            from spectr.rows import prompt_logprobs_alone
+
+            prompt_logprobs = prompt_logprobs_alone(self.target, row.prompt, row.prompt_logprobs)
         return spectr.FinishedRow(
             request=-1, tag=None, tokens=list(output.tokens[0]), finish_reason=stats.finish_reason[0],
             target_calls=stats.target_calls[0], error=stats.errors[0],
@@ -471,6 +483,7 @@ class ShardFeed:
             tree_nodes=stats.tree_nodes, tokens_per_call_histogram=list(stats.tokens_per_call_histogram),
             logprobs=None if output.logprobs is None else output.logprobs[0],
             top_logprobs=None if output.top_logprobs is None else output.top_logprobs[0],
+            prompt_logprobs=prompt_logprobs,
         )  # fmt: skip
 
     def _hand_out(self, outcomes: list[tuple[ShardRun, Row, FinishedRow | str]]) -> None:

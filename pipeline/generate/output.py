@@ -1,4 +1,5 @@
-"""The output directory's data files: the Parquet row schema, part files, `_SUCCESS`, leftovers.
+"""The output directory's data files: the Parquet row schema (and a row's vLLM fields), part files, `_SUCCESS`,
+leftovers.
 
 Layout (docs/architecture.md, "Output directory"):
 
@@ -41,12 +42,19 @@ def output_schema(id_kind: str, settings: dict[str, Any] | None = None, logprobs
                   kept: tuple[tuple[str, Any], ...] = ()) -> pa.Schema:
     """The Parquet row of the contract; run-level `settings` go into the schema metadata as JSON.
 
-    logprobs: `spectr.logprobs`: true or an int N adds a `completion_logprobs` column, N > 0 also
-    `completion_top_logprobs` (per token, N structs of token_id and logprob); kept: the `data.keep_columns`
-    (name, Arrow type), last."""
+    vLLM's row fields that are not in the first ones: `prompt_token_ids` (the prompt generated from, after
+    truncate_prompt_tokens), `stop_token_id` (vLLM's `stop_reason` when a stop token ended the row, an int; Parquet
+    has no int-or-string column, so `stop_reason` holds its text and this column the int; null otherwise, as at
+    EOS), `prompt_logprobs` (null unless the row asked: per prompt token, null first, its entries as vLLM's dict:
+    the prompt token's, then the other top N, each token_id, logprob, rank).
+
+    logprobs: `spectr.logprobs`: true or an int N adds a `completion_logprobs` column and `cumulative_logprob`
+    (vLLM's: their sum), N > 0 also `completion_top_logprobs` (per token, N structs of token_id and logprob; a
+    row's own logprobs=M keeps M); kept: the `data.keep_columns` (name, Arrow type), last."""
     count = top_count(logprobs)
     top, with_logprobs = count or 0, count is not None
     entry = pa.struct([("token_id", pa.int32()), ("logprob", pa.float32())])
+    ranked = pa.struct([("token_id", pa.int32()), ("logprob", pa.float32()), ("rank", pa.int32())])
     schema = pa.schema(
         [
             ("id", pa.int64() if id_kind == "int" else pa.string()),
@@ -63,7 +71,11 @@ def output_schema(id_kind: str, settings: dict[str, Any] | None = None, logprobs
             ("error", pa.string()),
             ("sample_index", pa.int32()),
             ("time_taken_s", pa.float64()),
-            *([("completion_logprobs", pa.list_(pa.float32()))] if with_logprobs else []),
+            ("prompt_token_ids", pa.list_(pa.int32())),
+            ("stop_token_id", pa.int32()),
+            ("prompt_logprobs", pa.list_(pa.list_(ranked))),
+            *([("completion_logprobs", pa.list_(pa.float32())), ("cumulative_logprob", pa.float64())]
+              if with_logprobs else []),
             *([("completion_top_logprobs", pa.list_(pa.list_(entry)))] if top else []),
             *kept,
         ]
@@ -71,6 +83,41 @@ def output_schema(id_kind: str, settings: dict[str, Any] | None = None, logprobs
     if settings is not None:
         schema = schema.with_metadata({SETTINGS_METADATA_KEY: json.dumps(settings, sort_keys=True).encode()})
     return schema
+
+
+def with_vllm_fields(row: dict[str, Any], finished: Any, settings: Any, prompt_ids: list[int],
+                     logprobs: Any) -> dict[str, Any]:
+    """A generated row (the worker's, its first columns filled) with vLLM's other fields (`output_schema`):
+    `prompt_token_ids` / `prompt_tokens` of the prompt generated from (`RowSettings.prompt_ids`), no text with
+    detokenize=False, `cumulative_logprob` (the sum of `completion_logprobs`, as cut at a stop string) when
+    `logprobs` (`spectr.logprobs`) is on, the row's own logprobs=M (its top M of the job's N), `prompt_logprobs`
+    from the engine (`spectr.rows.PromptLogprobs`). settings: the row's `RowSettings` (None: the job's)."""
+    row["prompt_token_ids"] = [int(t) for t in prompt_ids]
+    row["prompt_tokens"] = len(row["prompt_token_ids"])
+    if settings is not None and not settings.detokenize:
+        row["completion"] = ""
+    if top_count(logprobs) is not None:
+        values = row.get("completion_logprobs")
+        row["cumulative_logprob"] = None if values is None else float(sum(values))
+    if settings is not None and settings.logprobs is not None and row.get("completion_top_logprobs") is not None:
+        row["completion_top_logprobs"] = [entries[: settings.logprobs] for entries in row["completion_top_logprobs"]]
+    asked = getattr(finished, "prompt_logprobs", None)
+    row["prompt_logprobs"] = None if asked is None else prompt_logprob_entries(asked)
+    return row
+
+
+def prompt_logprob_entries(asked: Any) -> list[list[dict[str, Any]] | None]:
+    """A `spectr.rows.PromptLogprobs` as the `prompt_logprobs` column: per prompt token (None first, as vLLM's), the
+    prompt token's entry, then the top N's others (vLLM's dict {token id: Logprob(logprob, rank)}, as a list)."""
+    out: list[list[dict[str, Any]] | None] = []
+    for token, value, rank, top in zip(asked.token_ids, asked.logprobs, asked.ranks, asked.top):
+        if value is None:
+            out.append(None)
+            continue
+        entries = [{"token_id": token, "logprob": value, "rank": rank}]
+        entries += [{"token_id": t, "logprob": v, "rank": r} for r, (t, v) in enumerate(top, start=1) if t != token]
+        out.append(entries)
+    return out
 
 
 def encode_part(index: int, rows: list[dict[str, Any]], schema: pa.Schema) -> bytes:

@@ -17,7 +17,11 @@ The actor does what `ray.data.llm`'s chat-template, tokenize, engine and detoken
   `apply_chat_template(tokenize=True)`); else its `prompt`, tokenized with them (Ray's tokenize stage); else,
   with `tokenize_stage` off, its `tokenized_prompt`. A row with none of them fails, naming the columns.
 - **sampling_params**: vLLM's names (`pipeline.row_columns.SAMPLING_KEYS`); the detokenizer's settings
-  (`STAGE_ONLY_KEYS`: they change no token) are taken here; `logprobs=N` fills Ray's `logprobs` column.
+  (`STAGE_ONLY_KEYS`: they change no token) are taken here; `logprobs=N` fills Ray's `logprobs` column and
+  `cumulative_logprob`; `prompt_logprobs=N` fills `prompt_logprobs` (from the engine's prefill, only for the
+  rows that ask; N at most 20, vLLM's default max_logprobs, whatever engine_kwargs max_logprobs says); `truncate_prompt_tokens=k` keeps the prompt's last k tokens (the columns say what ran).
+- **stop_reason**: vLLM's value and type: the stop token's id (an int), the stop string, or None (at EOS and
+  the budget): an object column, as `logprobs` (Arrow has no int-or-string type).
 - **Seed**: `sampling_params.seed`, else the job's rule (`row_seed(engine seed, id)`) with the `id` column,
   else a fresh one (vLLM's `seed=None`); the `seed` column says which, so any row can be reproduced.
 - **n**: a row with `n` gives n output rows (`sample_index` 0..n-1, seeds `sample_seed(row seed, index)`).
@@ -42,7 +46,7 @@ from pipeline.ray_data.config import SAMPLING_PARAMS_COLUMN, SpecTrProcessorConf
 ERROR_COLUMN = "__inference_error__"  # Ray Data LLM's name (`should_continue_on_error`)
 # vLLM SamplingParams keys that change no token, only the text the engine writes (or how it is sent): the stage's
 STAGE_ONLY_KEYS = ("detokenize", "skip_special_tokens", "spaces_between_special_tokens", "output_kind")
-OBJECT_COLUMNS = ("logprobs", "prompt_logprobs")  # Python objects, as Ray's engine stage writes them
+OBJECT_COLUMNS = ("logprobs", "prompt_logprobs", "stop_reason")  # Python objects (Ray's engine stage: the first two)
 
 
 def output_types(tokenize_stage: bool = True) -> dict[str, Any]:
@@ -70,7 +74,8 @@ def output_types(tokenize_stage: bool = True) -> dict[str, Any]:
         "params": pa.string(),  # the row's effective sampling parameters, as text
         ERROR_COLUMN: pa.string(),
         "finish_reason": pa.string(),  # vLLM's: stop | length (and error)
-        "stop_reason": pa.string(),  # null, the matched stop string, or the stop token id as text
+        "stop_reason": None,  # object column: vLLM's None, the stop string (str) or the stop token's id (int)
+        "cumulative_logprob": pa.float64(),  # vLLM's: the sum of the sampled tokens' logprobs (null without logprobs)
         "target_calls": pa.int64(),
         "block_efficiency": pa.float64(),
         "sample_index": pa.int64(),  # 0 .. n-1: a row with `n` in its sampling_params gives n rows
@@ -90,6 +95,7 @@ class RowAsk:
     """What a row asked of the stage beyond the engine's settings (from its sampling_params)."""
 
     logprobs: int | None = None  # vLLM's logprobs=N: the sampled token and the top N; None: no column
+    truncate: int | None = None  # vLLM's truncate_prompt_tokens=k: the prompt's last k tokens
     detokenize: bool = True
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -157,6 +163,8 @@ class SpecTrStage:
             asks.append(ask)
             if problem and not problems[i]:
                 problems[i] = f"row {i} of the batch: sampling_params: {problem}"
+            if ask.truncate is not None and token_ids[i]:
+                token_ids[i] = token_ids[i][-ask.truncate:]
         base = self.generator.spectr.seed
         # no id (and no sampling_params.seed): a fresh seed per row, vLLM's seed=None
         seeds = [row_seed(base, ids[i]) if row.get("id") is not None else fresh_seed() for i, row in enumerate(rows)]
@@ -264,15 +272,16 @@ class SpecTrStage:
             "embeddings": [None] * len(generated),
             "metrics": [None] * len(generated),
             "logprobs": [self._logprobs(row, ask) if good else None for row, ask, good in zip(generated, asks, ok)],
-            "prompt_logprobs": [None] * len(generated),
+            "prompt_logprobs": [self._prompt_logprobs(row) if good else None for row, good in zip(generated, ok)],
             "request_id": [next(self._requests) if good else -1 for good in ok],
             "batch_uuid": [batch_uuid] * len(generated),
             "time_taken_llm": [row.get("time_taken_s") if good else -1.0 for row, good in zip(generated, ok)],
             "params": [self._params(row, ask) if good else "" for row, ask, good in zip(generated, asks, ok)],
             ERROR_COLUMN: [(row["error"] or "failed") if not good else "" for row, good in zip(generated, ok)],
             "finish_reason": [row["finish_reason"] for row in generated],
-            # one Arrow type for every batch: a stop token's id as text (the job's column may hold vLLM's int)
-            "stop_reason": [None if row.get("stop_reason") is None else str(row["stop_reason"]) for row in generated],
+            "stop_reason": [stop_reason(row) for row in generated],
+            "cumulative_logprob": [_cumulative(row) if ask.logprobs is not None and good else None
+                                   for row, ask, good in zip(generated, asks, ok)],
             "target_calls": [row["target_calls"] for row in generated],
             "block_efficiency": [row["block_efficiency"] for row in generated],
             "sample_index": [row["sample_index"] for row in generated],
@@ -298,7 +307,7 @@ class SpecTrStage:
         if not ask.detokenize:
             return ""
         tokens = row["completion_token_ids"]
-        stop_string = row.get("stop_reason") is not None and str(row["stop_reason"]) != str(tokens[-1] if tokens else None)
+        stop_string = isinstance(stop_reason(row), str)
         if ask.skip_special_tokens or stop_string:  # a stop string's cut is in the completion's text
             return row["completion"]
         with self.generator._text_lock:
@@ -327,6 +336,18 @@ class SpecTrStage:
                 out.append(entry)
         return out
 
+    def _prompt_logprobs(self, row: dict[str, Any]) -> list[dict[int, dict[str, Any]] | None] | None:
+        """Ray's `prompt_logprobs` (vLLM's): per prompt token, None first, then {token id: {logprob, rank,
+        decoded_token}} for the prompt token and the top N, from the job's column (`with_vllm_fields`)."""
+        entries = row.get("prompt_logprobs")
+        if entries is None:
+            return None
+        decode = self.generator.tokenizer.decode
+        with self.generator._text_lock:
+            return [None if position is None else
+                    {e["token_id"]: {"logprob": float(e["logprob"]), "rank": e["rank"], "decoded_token": decode([e["token_id"]])}
+                     for e in position} for position in entries]
+
     def _params(self, row: dict[str, Any], ask: RowAsk) -> str:
         """The row's effective sampling parameters as text (Ray writes `str(vllm.SamplingParams)`)."""
         s = self.generator.spectr
@@ -347,16 +368,16 @@ def split_params(params: Any, max_logprobs: int) -> tuple[Any, RowAsk, str | Non
     if not isinstance(params, dict):
         return params, RowAsk(), None
     params = {k: _plain_value(v) for k, v in params.items()}
-    rest = {k: v for k, v in params.items() if k not in STAGE_ONLY_KEYS and k not in ("logprobs", "prompt_logprobs")}
+    rest = {k: v for k, v in params.items() if k not in STAGE_ONLY_KEYS and k != "logprobs"}
     ask = RowAsk(params={k: v for k, v in params.items() if v is not None})
     for key in STAGE_ONLY_KEYS[:3]:
         if params.get(key) is not None:
             if not isinstance(params[key], bool):
                 return rest, ask, f"{key} must be true or false, got {params[key]!r}"
             setattr(ask, key, params[key])
-    if params.get("prompt_logprobs") is not None:
-        return rest, ask, ("prompt_logprobs is not supported yet: it needs the log-probabilities of the prompt's "
-                           "tokens from the engine's prefill, which the engine does not report")
+    truncate = params.get("truncate_prompt_tokens")
+    if isinstance(truncate, int) and not isinstance(truncate, bool) and truncate >= 1:
+        ask.truncate = truncate  # another value: the engine's check names it
     value = params.get("logprobs")
     if value is None or value is False:
         return rest, ask, None
@@ -368,6 +389,20 @@ def split_params(params: Any, max_logprobs: int) -> tuple[Any, RowAsk, str | Non
                            f"({max_logprobs}; vLLM's engine setting: set it to at least {count})")
     ask.logprobs = count
     return rest, ask, None
+
+
+def stop_reason(row: dict[str, Any]) -> int | str | None:
+    """vLLM's stop_reason of a generated row: the stop token's id as an int (the job's `stop_token_id`), the stop
+    string, or None."""
+    if row.get("stop_token_id") is not None:
+        return int(row["stop_token_id"])
+    return row.get("stop_reason")
+
+
+def _cumulative(row: dict[str, Any]) -> float | None:
+    """vLLM's cumulative_logprob: the sum of the sampled tokens' log-probabilities (as cut at a stop string)."""
+    values = row.get("completion_logprobs")
+    return None if values is None else float(sum(values))
 
 
 def object_array(values: list[Any]) -> Any:

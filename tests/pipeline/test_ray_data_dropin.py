@@ -382,7 +382,7 @@ def test_stage_only_sampling_keys_logprobs_and_prompt_sources(chat_pair):
         {"prompt": "the cat", "sampling_params": {"max_tokens": 5, "seed": 4, "logprobs": 3}},
         {"prompt": "the cat", "sampling_params": {"max_tokens": 5, "logprobs": 5}},
         {"prompt": None, "sampling_params": {"max_tokens": 5}},
-        {"prompt": "the cat", "sampling_params": {"prompt_logprobs": 1}},
+        {"prompt": "the cat", "sampling_params": {"prompt_logprobs": 21}},
     ]
     keys = {key: None for row in rows for key in row}  # every column in every row (from_pylist reads the first)
     out = stage.generate(pa.Table.from_pylist([{**keys, **row} for row in rows])).to_pylist()
@@ -409,7 +409,7 @@ def test_stage_only_sampling_keys_logprobs_and_prompt_sources(chat_pair):
         assert entry[token]["logprob"] <= 0
     assert "engine_kwargs max_logprobs (3" in errors[7]
     assert "prompt is null, and the row has no 'messages'" in errors[8] and "'tokenized_prompt'" in errors[8]
-    assert "prompt_logprobs is not supported yet" in errors[9]
+    assert "prompt_logprobs must be in [0, 20]" in errors[9]  # vLLM's max_logprobs (test_ray_data_fields: values)
     assert [r["request_id"] for r in out] == list(range(7)) + [-1] * 3  # per actor, -1 on a failed row
 
 
