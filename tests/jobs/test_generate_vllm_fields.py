@@ -130,6 +130,7 @@ def worker_rows(tmp_path, lines: list[dict], **overrides) -> tuple[dict[str, dic
     from pipeline.generate.plan import prepare
     from pipeline.generate.worker import ShardGenerator, WorkerJob
 
+    tmp_path.mkdir(parents=True, exist_ok=True)
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(line) + "\n" for line in lines))
     raw = job_config(PAIR, data, tmp_path / "out", **{"data.sampling_params_column": "params", "shard_size": 32,
@@ -230,3 +231,14 @@ def test_the_feed_passes_prompt_logprobs_to_the_engine_and_to_a_row_rerun_alone(
     alone = feed._alone(EngineConfig("spectr", 2, 2, 16), rows[0]).prompt_logprobs
     assert alone.ranks == got.ranks and [[t for t, _ in e] for e in alone.top] == [[t for t, _ in e] for e in got.top]
     assert max(abs(a - b) for a, b in zip(alone.logprobs[1:], got.logprobs[1:])) < 1e-4
+
+
+@needs_pair
+def test_job_level_top_k_minus_one_is_off(tmp_path):
+    """spectr.top_k=-1 (vLLM's "off") is taken and samples as top_k=0: the same tokens, row by row."""
+    lines = [{"id": f"r{k}", "prompt": f"Once upon a time {k}", "params": {"max_tokens": 6, "seed": k}}
+             for k in range(3)]
+    off, _ = worker_rows(tmp_path / "minus_one", lines, **{"spectr.top_k": -1})
+    zero, _ = worker_rows(tmp_path / "zero", lines, **{"spectr.top_k": 0})
+    assert [off[k]["completion_token_ids"] for k in sorted(off)] == [zero[k]["completion_token_ids"] for k in sorted(zero)]
+    assert all(r["error"] is None for r in off.values())
