@@ -97,3 +97,27 @@ def test_a_bad_prompt_logprobs_value_is_refused(pair64):
         batcher.admit([[1, 2]], prompt_logprobs=[-1])
     with pytest.raises(ValueError, match="prompt_logprobs has 2 entries"):
         batcher.admit([[1, 2]], prompt_logprobs=[1, 1])
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_a_feature_draft_reads_the_prompts_of_both_prefill_forwards(e2e_pair, kind):
+    """With a feature draft the asking rows' prefill and the others' are two target forwards, each giving the head
+    its own features: the rows' tokens are the same as with one forward (nobody asking), copies included."""
+    from test_feature_draft import make_head
+
+    target = e2e_pair[0]
+    head = make_head(target, kind)
+    prompts = [[1, 2, 3, 4], [5, 6], [1, 2, 3, 4], [7, 1, 2, 3, 4, 5], [3]]
+    ask = [1, None, None, 3, 0]
+
+    def tokens(asked):
+        batcher = ContinuousBatcher(target, head, batch_size=3, max_length=24, method="spectr", num_drafts=2,
+                                    draft_length=2)
+        batcher.admit(prompts, max_new_tokens=6, seed=5, tags=list(range(len(prompts))), prompt_logprobs=asked)
+        rows = {row.tag: row for row in batcher.finished()}
+        return [rows[t].tokens for t in range(len(prompts))], rows
+
+    plain, _ = tokens(None)
+    asked, rows = tokens(ask)
+    assert asked == plain
+    assert rows[0].prompt_logprobs is not None and rows[1].prompt_logprobs is None
