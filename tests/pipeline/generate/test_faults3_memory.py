@@ -123,3 +123,22 @@ def test_a_row_that_can_never_fit_the_gpu_is_an_error_row_of_its_shard(tiny_pair
         assert errors == [None] * 4 and result.failed == 0
     for i in (0, 1, 3):
         assert result.rows[i]["completion_token_ids"] == alone(generator, shard, i, 2)
+
+
+def test_rows_the_engine_refuses_are_input_failures_of_their_shard(tiny_pair):
+    """The light sibling of tests/jobs/test_faults3_rows.py (slow): an empty prompt and one over the model's 64
+    positions, refused by the engine at admission, are error rows counted as the input's failures (a rerun does
+    not redo them: test_faults3_output.py), and the shard's other rows are generated."""
+    from pipeline.generate.shards import cut_shards
+
+    generator = generator_for(tiny_pair, batch_size=4)
+    prompts = ["the data", "", " ".join(["the"] * 70), "a value"]
+    tokens = [[5, 6], [], [5] * 70, [7, 8]]  # a tokenizer without BOS gives an empty prompt no token
+    shard = cut_shards([f"r{i}" for i in range(4)], prompts, tokens, 4, 0, [2, 2, 2, 2])[0]
+    result = generator(shard)
+    errors = [row["error"] for row in result.rows]
+    assert [i for i, e in enumerate(errors) if e] == [1, 2]
+    assert "empty" in errors[1] and "positions" in errors[2]
+    assert result.failed == result.failed_input == 2
+    for i in (0, 3):
+        assert result.rows[i]["completion_token_ids"] == alone(generator, shard, i, 2)

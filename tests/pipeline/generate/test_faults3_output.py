@@ -48,3 +48,21 @@ def test_what_the_job_writes_locally_has_no_world_access(tmp_path):
     assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o750
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "out").iterdir()}
     assert modes == {"_manifest.json": 0o640, name: 0o640, "_commits.jsonl": 0o640}
+
+
+@pytest.mark.parametrize("failed_input", [1, 0])  # 0: the control, a row that failed for another reason
+def test_a_shard_whose_rows_failed_for_their_input_is_done_on_a_rerun(tmp_path, failed_input):
+    """The light sibling of tests/jobs/test_faults3_rows.py's rerun (slow): a commit record whose failed rows all
+    failed for their input (an empty prompt, one over the model's positions: `failed_input`) is done for a rerun
+    with `retry_failed`, so nothing is generated again; a row failed otherwise is retried."""
+    from pipeline.generate.manifest import load_state
+
+    out = fs.resolve(str(tmp_path), "output_dir")
+    log = AppendLog(out)
+    rows = [row(0), row(1, "error", "ValueError: prompt 0 is empty")]
+    name, size = write_shard(tmp_path, 0, rows, output_schema("str"))
+    log.append({"shard": 0, "file": name, "rows": 2, "bytes": size, "failed": 1, "failed_input": failed_input,
+                "stats": {"prompts_completed": 1, "prompts_failed": 1}})
+    log.close()
+    state = load_state(out, 1, retry_failed=True)
+    assert (state.done[0], state.shards_retried) == ((1, 0) if failed_input else (0, 1))
