@@ -66,3 +66,27 @@ def test_a_shard_whose_rows_failed_for_their_input_is_done_on_a_rerun(tmp_path, 
     log.close()
     state = load_state(out, 1, retry_failed=True)
     assert (state.done[0], state.shards_retried) == ((1, 0) if failed_input else (0, 1))
+
+
+def test_the_jobs_last_check_names_the_missing_parts_and_the_shared_storage_rule(tmp_path):
+    """The light sibling of tests/jobs/test_faults3_success.py (slow): what the job says instead of writing
+    `_SUCCESS` when a committed part is not in the directory as the driver sees it (a part on another node's
+    local disk), re-read from the directory itself; nothing when every part is there."""
+    from types import SimpleNamespace
+
+    from pipeline.generate.job import _incomplete_messages
+
+    out = fs.resolve(str(tmp_path), "output_dir")
+    log = AppendLog(out)
+    files = []
+    for index in range(2):
+        name, size = write_shard(tmp_path, index, [row(index)], output_schema("str"))
+        commit(log, index, name, size, rows=1)
+        files.append(name)
+    log.close()
+    plan = SimpleNamespace(output=out, num_shards=2, output_dir=str(tmp_path))
+    assert _incomplete_messages(plan) == []
+    (tmp_path / files[1]).unlink()
+    (message,) = _incomplete_messages(plan)
+    assert f"1 of 2 shards have no committed part file in {tmp_path}" in message
+    assert f"shard 1: {files[1]} is missing" in message and "storage that every node shares" in message
