@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from tiny_pair_support import job_config
 
 from pipeline.generate.config import from_dict
@@ -14,6 +15,7 @@ from pipeline.generate.job import run_generate
 from pipeline.generate.reader import read_output
 
 
+@pytest.mark.slow  # a whole job; the default suite's sibling: tests/pipeline/generate/test_faults3_lease_file.py
 def test_a_job_takes_over_an_empty_lease_file_and_finishes(tiny_pair, prompts_jsonl, tmp_path, ray_local):
     out = tmp_path / "out"
     out.mkdir()

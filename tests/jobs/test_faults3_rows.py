@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from tiny_pair_support import WORDS, job_config
 
 from pipeline.generate.config import from_dict
@@ -93,6 +94,7 @@ def refused_prompts(prompts: Path, folder: Path) -> Path:
     return path
 
 
+@pytest.mark.slow  # two whole jobs; light siblings: test_faults3_memory.py (the worker), test_faults3_output.py (the rerun)
 def test_rows_the_engine_refuses_are_input_failures_and_a_rerun_generates_nothing(
     tiny_pair, prompts_jsonl, tmp_path, ray_local
 ):

@@ -21,6 +21,7 @@ from pipeline.generate.reader import read_output
 from pipeline.generate.scheduler import RunHooks
 
 
+@pytest.mark.slow  # a whole job; the default suite's siblings: tests/pipeline/generate/test_faults3_output.py
 def test_a_part_that_vanished_means_no_success_and_read_output_refuses(tiny_pair, prompts_jsonl, tmp_path, ray_local):
     """(A rerun regenerates a shard whose part is missing: tests/jobs/test_generate_resume.py.)"""
     out = tmp_path / "out"

@@ -131,6 +131,7 @@ def _kill_quietly(pids) -> None:
             pass
 
 
+@pytest.mark.slow  # a whole job; siblings: test_scheduler.py / test_faults3_scheduler.py (a stall restarts, fake Ray), test_generate.py (a SIGSTOPped actor restarted, real Ray)
 def test_a_stuck_actor_is_restarted_and_its_shards_done_by_its_new_process(
     tiny_pair, prompts_jsonl, tmp_path, ray_local
 ):
@@ -201,6 +202,7 @@ def test_a_late_writer_never_replaces_the_committed_part(tiny_pair, prompts_json
     assert committed.stat().st_size == records[-1]["bytes"] and (out / "_SUCCESS").exists()
 
 
+@pytest.mark.slow  # a whole job; siblings: test_scheduler.py (quarantine, fake Ray), test_feed.py, test_faults3_scheduler.py
 def test_a_sick_actor_is_quarantined_and_charges_only_its_own_shard(
     tiny_pair, prompts_jsonl, tmp_path, ray_local, caplog
 ):

@@ -226,6 +226,7 @@ def test_max_samples_below_num_samples_is_refused(tiny_pair, tmp_path):
         from_dict(raw)
 
 
+@pytest.mark.slow  # two whole jobs; the layout and rows without Ray: the tests above (run_every_shard)
 def test_job_spreads_few_prompts_samples_over_both_actors(tiny_pair, tmp_path, ray_local, caplog):
     """16 prompts x 4 samples: 4 shards of output rows (4 prompts x 4 samples; not 1 shard of prompts), both
     actors busy; the first line counts rows; the summary says how many prefills were shared (the samples of a
