@@ -65,6 +65,35 @@ def test_readme_is_a_front_page():
     assert size <= README_MAX_BYTES, f"README.md is {size} bytes; at most {README_MAX_BYTES}: move detail to docs/"
 
 
+DOCS_MAX_BYTES = 90 * 1024  # docs/ is read in an afternoon: at most 90 KB of pages in all
+PAGE_MAX_BYTES = 15 * 1024  # and no page over 15 KB (history goes beside its data in benchmarks/results/)
+
+
+def oversized(folder: Path) -> list[str]:
+    """The budget's breaches in a folder of Markdown pages: each page over PAGE_MAX_BYTES, and the total."""
+    sizes = {page.name: len(page.read_bytes()) for page in sorted(folder.glob("*.md"))}
+    found = [f"{name} is {size} bytes (at most {PAGE_MAX_BYTES})" for name, size in sizes.items()
+             if size > PAGE_MAX_BYTES]
+    if sum(sizes.values()) > DOCS_MAX_BYTES:
+        found.append(f"the pages are {sum(sizes.values())} bytes in all (at most {DOCS_MAX_BYTES})")
+    return found
+
+
+def test_the_docs_fit_their_budget():
+    breaches = oversized(ROOT / "docs")
+    assert not breaches, "; ".join(breaches) + ": say what is true now, move history to benchmarks/results/"
+
+
+def test_the_budget_check_names_a_page_and_the_total(tmp_path):
+    (tmp_path / "small.md").write_text("x" * 100)
+    assert oversized(tmp_path) == []
+    (tmp_path / "big.md").write_text("x" * (PAGE_MAX_BYTES + 1))
+    assert oversized(tmp_path) == [f"big.md is {PAGE_MAX_BYTES + 1} bytes (at most {PAGE_MAX_BYTES})"]
+    for i in range(6):
+        (tmp_path / f"page{i}.md").write_text("x" * PAGE_MAX_BYTES)
+    assert oversized(tmp_path)[-1].startswith("the pages are ")
+
+
 def broken_links(page: Path) -> list[str]:
     """The page's relative links whose file does not exist, or whose #anchor is no heading of that page."""
     broken = []
