@@ -56,48 +56,39 @@ a slot is free (pack_below = 1); on CUDA a small forward is bound by reading the
 masked row costs little, so the default never packs (not measured on a GPU yet; see
 `DEFAULT_PACK_BELOW`).
 
-This module knows nothing about tokenizers, Ray or files: prompts are lists of token ids.
+The batcher's jobs live in one module each: admission and prefill sharing (`spectr.admission`), packing and
+retirement (`spectr.retirement`), the compile decision (`spectr.compile_decision`), the pair's wrapping and
+checks (`spectr.pair`); here: the pool, `step` and the iteration. This module knows nothing about tokenizers,
+Ray or files: prompts are lists of token ids.
 """
 
 from __future__ import annotations
 
 import contextlib
-import heapq
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Iterator
 
 import torch
 
+from spectr.admission import Admission, _Request
+from spectr.compile_decision import CompileDecision
 from spectr.drafting import TreeDrafter
-from spectr.feature_draft import FeatureDrafter, FeatureDraftLM, FeatureTap
-from spectr.hf import HFCausalLM
+from spectr.feature_draft import FeatureDrafter, FeatureDraftLM
 from spectr.iteration import Loop, autoregressive_step, speculative_step
-from spectr.native import (
-    NativeCausalLM,
-    auto_compile,
-    check_compile,
-    compile_seconds_so_far,
-    native_supported,
-    shape_rules,
-)
-from spectr.records import DRAFT_NONFINITE, STOP, TARGET_NONFINITE, Records, SlotResult
-from spectr.rng import row_keys
-from spectr.rows import PromptLogprobs, RowState, prefill, prompt_logprob_tensors
-from spectr.sequence import sequence_methods
-from spectr.settings import (
-    AUTOREGRESSIVE,
-    Settings,
-    check_max_new_tokens,
-    check_prompts,
-    check_prompts_fit,
-    check_seeds,
-)
+from spectr.native import check_compile, shape_rules
+from spectr.pair import feature_tap, known_methods, load_models, model_limit, wrap_model
+from spectr.records import Records
+from spectr.retirement import FinishedRow, Retirement
+from spectr.rows import RowState, prefill, prompt_logprob_tensors
+from spectr.settings import Settings
 from spectr.stats import GenerationStats, PhaseTimer
 from spectr.steps import StepConfig, StepReport
-from spectr.warps import RowWarps, SamplingWarp
+from spectr.warps import RowWarps
+
+# the names callers import from here (the batcher's parts live in their own modules)
+__all__ = ["DEFAULT_PACK_BELOW", "ContinuousBatcher", "FinishedRow", "feature_tap", "known_methods", "load_models",
+           "model_limit", "wrap_model"]
 
 # Pack live rows into the holes below them when at most this fraction of the slots is live, by device type. On
 # the CPU a forward costs about in proportion to its rows, so packing pays as soon as a slot is free (measured:
@@ -105,112 +96,10 @@ from spectr.warps import RowWarps, SamplingWarp
 DEFAULT_PACK_BELOW = {"cpu": 1.0}
 
 
-@dataclass
-class FinishedRow:
-    """One finished prompt: its tokens and its own statistics (see `spectr.stats` for the terms).
-
-    request: admission order over the batcher's life (0, 1, ...); tag: what the caller gave with
-    the prompt (`admit(..., tags=...)`), or None.
-    """
-
-    request: int
-    tag: Any
-    tokens: list[int]
-    finish_reason: str  # "eos" | "length" | "error" | "stop" (ended by `ContinuousBatcher.finish_rows`)
-    target_calls: int
-    error: str | None
-    accepted_per_position: list[int] = field(default_factory=list)
-    tested_positions: int = 0
-    tree_nodes: int = 0
-    tokens_per_call_histogram: list[int] = field(default_factory=list)
-    logprobs: list[float] | None = None  # with logprobs: per token, log q of its warped target law ("raw": log-softmax)
-    top_logprobs: list[list[tuple[int, float]]] | None = None  # with top_logprobs=N: per token, N (id, log-prob)
-    prompt_logprobs: PromptLogprobs | None = None  # admitted with prompt_logprobs=N: vLLM's, from the prefill
-
-    @property
-    def generated_tokens(self) -> int:
-        return len(self.tokens)
-
-
-@dataclass
-class _Request:
-    request: int
-    prompt: list[int]
-    budget: int
-    seed: int
-    tag: Any
-    warp: SamplingWarp | None = None  # None: the run's warp
-    stops: tuple[int, ...] | None = None  # None: the run's EOS ids end the row; else these tokens (empty: none)
-    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs=N (None: not asked)
-    prompt_state: tuple | None = None  # its `prompt_logprob_tensors` (device), set at the prefill
-
-
-def known_methods() -> list[str]:
-    """The concrete methods (`spectr.generate(method="auto")` picks among them per iteration)."""
-    return [AUTOREGRESSIVE, *sequence_methods()]
-
-
-def wrap_model(model, role: str, native: bool = False) -> HFCausalLM:
-    """The engine's view of an HF model: `NativeCausalLM` (compilable) when `native` and the model is of
-    the Llama / Qwen2 family (`spectr.native`), else `HFCausalLM` (eager HF forward); a feature draft's
-    `FeatureDraftLM` (unbound: its vocabulary and limits only)."""
-    if getattr(model, "is_feature_draft", False):
-        return FeatureDraftLM(model, role=role)
-    if native and native_supported(model) is None:
-        return NativeCausalLM(model, role=role)
-    return HFCausalLM(model, role=role)
-
-
-def load_models(target, draft, settings: Settings, speculative: bool | None = None,
-                native: bool = False) -> tuple[HFCausalLM, HFCausalLM | None]:
-    """Wrap the pair and check that it is one: vocabulary, device. The draft is kept when some
-    iteration may speculate (`speculative`, default: the settings' method is speculative).
-    native: wrap Llama / Qwen2 models as `NativeCausalLM` (so that they may be compiled)."""
-    feature = getattr(draft, "is_feature_draft", False)
-    # a feature draft reads the target's hidden states from HF's forward (hooks): the target runs eagerly
-    target_lm = wrap_model(target, "target", native and not feature)
-    if not (settings.speculative if speculative is None else speculative):
-        return target_lm, None
-    if draft is None:
-        raise ValueError(f"method {settings.method!r} needs a draft model; got draft=None")
-    if feature:
-        draft_lm = FeatureDraftLM(draft.bind(target))
-        target_lm.tap = feature_tap(target, draft.config.feature_layers)
-    else:
-        draft_lm = wrap_model(draft, "draft", native)
-    if draft_lm.vocab_size != target_lm.vocab_size:
-        raise ValueError(
-            f"target and draft must share a vocabulary: target vocab size {target_lm.vocab_size} "
-            f"({target_lm.model_type}), draft vocab size {draft_lm.vocab_size} ({draft_lm.model_type})"
-        )
-    if draft_lm.device != target_lm.device:
-        raise ValueError(
-            f"target and draft must be on the same device: target on {target_lm.device}, draft on {draft_lm.device}"
-        )
-    return target_lm, draft_lm
-
-
-def feature_tap(target, layers: list[int]) -> FeatureTap:
-    """The target's feature tap for these layers, installed once per model (kept on the model, so that
-    batchers over the same target share its hooks instead of stacking them)."""
-    tap = getattr(target, "_spectr_feature_tap", None)
-    if tap is not None and tap.layers == list(layers):
-        return tap
-    if tap is not None:
-        tap.close()
-    tap = FeatureTap(target, layers)
-    target._spectr_feature_tap = tap
-    return tap
-
-
-def model_limit(models: Sequence[HFCausalLM]) -> int | None:
-    """The longest sequence every model can take (positions, sliding window), None if unbounded."""
-    limits = [limit for m in models for limit in (m.max_positions, m.sliding_window) if limit is not None]
-    return min(limits) if limits else None
-
-
-class ContinuousBatcher:
-    """Rows in flight over one cache pool; see the module docstring.
+class ContinuousBatcher(Admission, Retirement, CompileDecision):
+    """Rows in flight over one cache pool; see the module docstring. Its parts: `Admission` (admit, fill,
+    prefill sharing: `spectr.admission`), `Retirement` (packing, the host copy, retiring rows:
+    `spectr.retirement`), `CompileDecision` (`spectr.compile_decision`); here: the pool, `step`, the iteration.
 
     method / num_drafts / draft_length are the default configuration (`config`, what `step()` runs);
     max_num_drafts / max_draft_length (default: the default configuration's K and L) bound the
@@ -358,49 +247,6 @@ class ContinuousBatcher:
         caches = [self.target_cache.rows] + ([] if self.rows.drafter is None else [self.rows.drafter.cache.rows])
         return sum(c.nbytes for c in caches) + self.records.nbytes + self.rows.nbytes
 
-    def admit(self, prompts, *, max_new_tokens: int | Sequence[int] = 64, seed: int | Sequence[int] = 0,
-              tags: Sequence[Any] | None = None, warps: Sequence[SamplingWarp | None] | None = None,
-              stop_token_ids: Sequence[Sequence[int] | None] | None = None,
-              prompt_logprobs: Sequence[int | None] | None = None) -> list[int]:
-        """Queue prompts (token-id lists), in order; returns their request ids.
-
-        max_new_tokens: an int >= 1 or one per prompt; seed: an int (prompt i uses seed + i) or one
-        per prompt; tags: None or one value per prompt, returned with the row; warps: None or one
-        `SamplingWarp` (or None: the run's) per prompt, the law that row samples (rows of several
-        warps share the batch, each exact for its own; penalties and min_tokens are counted on each draft-tree
-        node's own path, `spectr.penalties`); stop_token_ids: None or one entry per prompt, None (the
-        run's EOS ids end it) or the token ids that end that row instead (vLLM's stop_token_ids, with its EOS
-        unless ignore_eos; an empty list: the row runs its whole budget); prompt_logprobs: None or one
-        entry per prompt, None or vLLM's N >= 0 (`FinishedRow.prompt_logprobs`: each prompt token's
-        log-probability and rank under the target, and the N most likely tokens at each position).
-        """
-        checked = check_prompts(prompts)
-        budgets = check_max_new_tokens(max_new_tokens, len(checked))
-        seeds = check_seeds(seed, len(checked))
-        for name, values in (("tags", tags), ("warps", warps), ("stop_token_ids", stop_token_ids),
-                             ("prompt_logprobs", prompt_logprobs)):
-            if values is not None and len(values) != len(checked):
-                raise ValueError(f"{name} has {len(values)} entries but there are {len(checked)} prompts")
-        if warps is not None and not all(w is None or isinstance(w, SamplingWarp) for w in warps):
-            raise ValueError("warps must be None or one SamplingWarp (or None) per prompt")
-        if prompt_logprobs is not None and not all(n is None or (isinstance(n, int) and not isinstance(n, bool)
-                                                                 and n >= 0) for n in prompt_logprobs):
-            raise ValueError(f"prompt_logprobs must be None or one int >= 0 (or None) per prompt, got {prompt_logprobs!r}")
-        for model in (self.target, self.draft):
-            if model is not None:
-                check_prompts_fit(checked, model, budgets)
-        for row, (prompt, budget) in enumerate(zip(checked, budgets)):
-            if len(prompt) + budget > self.max_length:
-                raise ValueError(f"prompt {row}: {len(prompt)} prompt tokens + max_new_tokens {budget} = "
-                                 f"{len(prompt) + budget} exceeds the batcher's max_length {self.max_length}")
-        first = self._next_request
-        self._next_request += len(checked)
-        for row, (prompt, budget, row_seed) in enumerate(zip(checked, budgets, seeds)):
-            stops = None if stop_token_ids is None or stop_token_ids[row] is None else tuple(stop_token_ids[row])
-            self._waiting.append(_Request(first + row, prompt, budget, row_seed, None if tags is None else tags[row],
-                                          None if warps is None else warps[row], stops,
-                                          None if prompt_logprobs is None else prompt_logprobs[row]))
-        return list(range(first, self._next_request))
 
     def step(self, config: StepConfig | None = None) -> list[FinishedRow]:
         """Fill free slots, run one iteration with `config` (default: `self.config`), return the rows
@@ -438,99 +284,6 @@ class ContinuousBatcher:
         self.stats.compile_seconds = self.compile_seconds()
         return self.stats
 
-    def _count_fallbacks(self) -> None:
-        """GenerationStats.compile_fallbacks: compiled model calls and selections answered eagerly (host ints)."""
-        models = [m for m in (self.target, self.draft) if isinstance(m, NativeCausalLM)]
-        self.stats.compile_fallbacks = sum(m.compile_fallbacks for m in models) + self.loop.selection_fallbacks
-        self.stats.graph_shapes = sum(len(m.state.graph_shapes) for m in models)
-
-    def compile_seconds(self) -> float:
-        """Compiled mode: what this process compiled since this batcher's first step (dynamo's timer; 0 eager)."""
-        return max(0.0, compile_seconds_so_far() - self._compile_base) if self.compiled else 0.0
-
-    def _decide_compile(self) -> None:
-        """Compile the native models now (compile=True), never (False), or when the queued work pays for it
-        ("auto": `spectr.native.auto_compile`); decided once, before the first iteration."""
-        models = [m for m in (self.target, self.draft) if isinstance(m, NativeCausalLM)]
-        if self.compile == "auto":
-            queued = sum(r.budget for r in self._waiting) + sum(r.budget for r in self._in_slot if r is not None)
-            compiled = bool(models) and auto_compile(self.device, queued, self.batch_size)
-        else:
-            compiled = bool(models) and self.compile
-        self._compile_base = compile_seconds_so_far()
-        for model in models:
-            model.set_compiled(compiled)  # may refuse (ValueError): then nothing is decided, nothing half set
-        draft_cache = getattr(self.rows.drafter, "cache", None)
-        for model, cache in ((self.target, self.target_cache), (self.draft, draft_cache)):
-            if compiled and isinstance(model, NativeCausalLM) and cache is not None:
-                model.take_pool(cache.rows)  # the model's static pool, before any view of the cache is taken
-        self.compiled = self.loop.compiled = self.stats.compiled = compiled
-
-    # -- admission -----------------------------------------------------------------------
-    def fill(self) -> None:
-        """Move waiting prompts into free slots: prefill of those rows only. No host sync."""
-        count = min(len(self._free), len(self._waiting))
-        if count == 0:
-            return
-        if self.in_flight == 0:
-            self.loop.draft_lag = 0  # every row is new: their draft caches are prefilled, nothing to catch up
-        with self._engaged():
-            requests = [self._waiting.popleft() for _ in range(count)]
-            slots = sorted(heapq.heappop(self._free) for _ in range(count))
-            index = torch.tensor(slots, dtype=torch.int64, device=self.device)  # [N]
-            prompts = [r.prompt for r in requests]
-            self._prefill(slots, requests)
-            self._set_warps(index, requests, slots)
-            last_tokens = torch.tensor([p[-1] for p in prompts], dtype=torch.int64, device=self.device)  # [N]
-            self.rows.admit(index, last_tokens, row_keys([r.seed for r in requests], self.device))
-            self.occupied.index_fill_(0, index, True)
-            budgets = torch.tensor([r.budget for r in requests], dtype=torch.int64, device=self.device)  # [N]
-            self.records.reset(index, budgets)
-            if self.records.custom_stops or any(r.stops is not None for r in requests):
-                self.records.set_stops(index, [r.stops for r in requests])
-        for slot, request in zip(slots, requests):
-            self._in_slot[slot] = request
-        self._top = max(self._top, slots[-1] + 1)
-        self.rows_running += count
-        longest = max(len(p) for p in prompts)
-        loop = self.loop
-        loop.target_longest = max(loop.target_longest, longest - 1)
-        loop.draft_extent = (max(loop.draft_extent[0], longest), max(loop.draft_extent[1], 1))
-        self.stats.admissions += 1
-
-    def _prefill(self, slots: list[int], requests: list[_Request]) -> None:
-        """Prefill the new rows, once per distinct prompt: a row whose prompt a live row or another new row
-        already holds copies that row's prompt slots instead (both caches are left-aligned, so a row's
-        first len(prompt) - 1 slots are its prompt whatever it generated since). One forward per model
-        for the prompts no slot holds; the samples of a prompt share its prefill this way. Rows that ask
-        for prompt_logprobs run in a forward of their own that keeps every position's logits (shared only
-        with a row of this admission that asks the same), so that the other rows keep only their last."""
-        holders = {tuple(r.prompt): slot for slot, r in enumerate(self._in_slot) if r is not None}  # live rows
-        copies: list[tuple[int, int, int]] = []  # (source slot, dest slot, prompt length - 1)
-        groups: dict[bool, list[tuple[int, _Request]]] = {False: [], True: []}  # keeps logits -> its rows
-        asked: dict[tuple, _Request] = {}  # (prompt, N) -> the row of this admission that computes it
-        for slot, request in zip(slots, requests):  # admission (host), not the per-iteration loop
-            key, wants = tuple(request.prompt), request.prompt_logprobs is not None
-            source = asked.get((key, request.prompt_logprobs)) if wants else None
-            if self.share_prefill and key in holders and (not wants or source is not None):
-                copies.append((holders[key], slot, len(request.prompt) - 1))
-                if source is not None:
-                    request.prompt_state = source  # filled in below, with the source's forward
-            else:
-                holders[key] = slot
-                groups[wants].append((slot, request))
-                if wants:
-                    asked[(key, request.prompt_logprobs)] = request
-        for keep, rows in groups.items():
-            if rows:
-                self._prefill_rows([slot for slot, _ in rows], [r for _, r in rows], keep)
-        for request in requests:
-            if isinstance(request.prompt_state, _Request):
-                request.prompt_state = request.prompt_state.prompt_state
-        if copies:
-            self._copy_prompts(copies)
-        self.stats.prefilled_rows += sum(map(len, groups.values()))
-        self.stats.shared_prefill_rows += len(copies)
 
     def _prefill_rows(self, slots: list[int], requests: list[_Request], keep_logits: bool) -> None:
         """One forward per model over these rows' prompts; keep_logits: the target's logits at every prompt
@@ -553,36 +306,6 @@ class ContinuousBatcher:
             with self.loop.timer.phase("draft"):
                 prefill(self.draft, drafter.cache, prompts, self.device, rows=index)
 
-    def _copy_prompts(self, copies: list[tuple[int, int, int]]) -> None:
-        """Rows whose prompt another slot holds: (source slot, dest slot, prompt length - 1) each."""
-        source, dest, lengths = (torch.tensor(c, dtype=torch.int64, device=self.device)
-                                 for c in zip(*copies))  # [C] each
-        drafter = self.rows.drafter
-        caches = [("target", self.target_cache)]
-        if drafter is not None and not isinstance(drafter, FeatureDrafter):
-            caches.append(("draft", drafter.cache))
-        for phase, cache in caches:
-            with self.loop.timer.phase(phase):
-                cache.rows.copy_rows(source, dest, max(c[2] for c in copies))
-                cache.rows.lengths.index_copy_(0, dest, lengths)
-        if isinstance(drafter, FeatureDrafter):
-            with self.loop.timer.phase("draft"):
-                drafter.prefill_rows(dest[:0], [], None, copies)
-
-    def _set_warps(self, index: torch.Tensor, requests: list[_Request], slots: list[int]) -> None:
-        """Rows with their own warp: the pool switches to per-row warps (`RowWarps`) on the first one."""
-        if self.row_warps is None:
-            if all(r.warp is None for r in requests):
-                return
-            self.row_warps = RowWarps(self.batch_size, self.settings.warp, self.device, self.target.vocab_size)
-            self.loop.warp = self.row_warps
-            if self.rows.drafter is not None:
-                self.rows.drafter.warp = self.row_warps
-        warps = [self.settings.warp if r.warp is None else r.warp for r in requests]
-        penalised = self.row_warps.path_dependent or any(w.path_dependent for w in warps)
-        self.row_warps.set(index, warps, slots, prompts=[r.prompt for r in requests] if penalised else None,
-                           stops=[self.settings.eos_ids if r.stops is None else r.stops for r in requests]
-                           if penalised else None)  # repetition reads the prompt, min_tokens masks the stops
 
     # -- one iteration -------------------------------------------------------------------
     def _iterate(self, config: StepConfig) -> None:
@@ -604,130 +327,6 @@ class ContinuousBatcher:
             self.stats.narrow_iterations += 1
         self.stats.iterations += 1
 
-    def _pack(self) -> None:
-        """Move the highest live rows into the empty slots below the live count (host bookkeeping, no sync)."""
-        live = self.rows_running
-        holes = [slot for slot in range(live) if self._in_slot[slot] is None]
-        sources = [slot for slot in range(self._top - 1, live - 1, -1) if self._in_slot[slot] is not None]
-        source = torch.tensor(sources, dtype=torch.int64, device=self.device)  # [M]
-        dest = torch.tensor(holes, dtype=torch.int64, device=self.device)  # [M]
-        loop = self.loop
-        caches = [(self.target_cache.rows, loop.target_longest)]
-        if self.rows.drafter is not None:
-            caches.append((self.rows.drafter.cache.rows, loop.draft_extent[0]))
-        for cache, used in caches:  # every row's used slots are below the host bound of its lengths
-            cache.move_rows(source, dest, min(cache.capacity, used))
-        self.rows.move(source, dest)
-        self.records.move(source, dest)
-        if self.row_warps is not None:
-            self.row_warps.move(source, dest, (sources, holes))
-        self.occupied.index_fill_(0, dest, True)
-        self.occupied.index_fill_(0, source, False)
-        for slot, hole in zip(sources, holes):
-            self._in_slot[hole], self._in_slot[slot] = self._in_slot[slot], None
-        self._free = list(range(live, self.batch_size))  # already a heap
-        self._top = live
-        self.stats.packed_rows += len(holes)
-
-    def _sync(self) -> tuple[int, int, int]:
-        """The iteration's host copy: running rows, the longest cache rows (they size the next forwards)
-        and the records' totals; returns the tokens, accepted and tested positions of the iteration."""
-        extent = torch.stack([self.rows.running.sum(), self.target_cache.rows.lengths.max()])  # [2]
-        parts = [extent, self.records.totals(self.occupied)]  # [2], [3]
-        if self.rows.drafter is not None:
-            parts.append(self.rows.drafter.host_extent())  # [2]
-        if self.watch_tokens:  # the rows' newest tokens ride the same copy: [top * (1 + E)]
-            parts.append(self.records.recent(self._top).reshape(-1))
-        host = torch.cat(parts).tolist()  # the host sync of every iteration (the only one with a single draft)
-        if self.watch_tokens:
-            self._note_recent(host[len(host) - self._top * (1 + self.records.emit_width):])
-        self.rows_running, self.loop.target_longest = host[0], host[1]
-        if self.rows.drafter is not None:
-            self.loop.draft_extent = (host[5], host[6])
-        done = [now - before for now, before in zip(host[2:5], self._totals)]
-        self._totals = host[2:5]
-        return done[0], done[1], done[2]
-
-    def _note_recent(self, values: list[int]) -> None:
-        """recent_tokens from `Records.recent`'s host copy (watching only: a host loop over the slots)."""
-        width = 1 + self.records.emit_width
-        self.recent_tokens = {}
-        for slot in range(self._top):
-            request = self._in_slot[slot]
-            if request is None:
-                continue
-            length, tail = values[slot * width], values[slot * width + 1 : (slot + 1) * width]
-            new = length - self._seen.get(request.request, 0)
-            if new > 0:
-                self.recent_tokens[request.request] = tail[len(tail) - new :]
-                self._seen[request.request] = length
-
-    # -- retirement ----------------------------------------------------------------------
-    def finish_rows(self, requests) -> list[FinishedRow]:
-        """End the given rows now (request ids; the caller found a stop string in their tokens): they come
-        back finished, reason "stop", and their slots take the next prompts. Rows not running are ignored.
-        One host copy of those rows, none when no row is given."""
-        wanted = set(requests)
-        slots = [slot for slot, r in enumerate(self._in_slot) if r is not None and r.request in wanted]
-        if not slots:
-            return []
-        with self._engaged():
-            index = torch.tensor(slots, dtype=torch.int64, device=self.device)  # [S]
-            self.rows.running.index_fill_(0, index, False)
-            self.records.reason.index_fill_(0, index, STOP)
-            rows = self._retire_slots(index)
-        self.rows_running -= len(slots)
-        return rows
-
-    def _retire(self, count: int) -> list[FinishedRow]:
-        """Read back the `count` rows that finished in this iteration and reset their slots."""
-        finished = self.occupied & ~self.rows.running  # [B]
-        index = torch.argsort((~finished).to(torch.int8), stable=True)[:count]  # [F] finished slots, in order
-        return self._retire_slots(index)
-
-    def _retire_slots(self, index: torch.Tensor) -> list[FinishedRow]:
-        """Read back the finished rows of slots `index` ([F] int64) and reset those slots."""
-        results = self.records.read(index)  # host copy: the finished rows
-        broken = [r.slot for r in results if r.error_flags]
-        self.occupied.index_fill_(0, index, False)
-        caches = [self.target_cache.rows] + ([] if self.rows.drafter is None else [self.rows.drafter.cache.rows])
-        for cache in caches:
-            cache.reset_rows(index)
-            if broken:  # a row with non-finite logits may have left non-finite cache entries
-                cache.reset_rows(torch.tensor(broken, dtype=torch.int64, device=self.device), zero=True)
-        rows = [self._finished_row(result) for result in results]
-        for result in results:  # their counters leave the occupied slots' totals
-            self._totals[0] -= len(result.tokens)
-            self._totals[1] -= sum(result.accepted_per_position)
-            self._totals[2] -= result.tested_positions
-        for result in results:
-            self._seen.pop(self._in_slot[result.slot].request, None)
-            self._in_slot[result.slot] = None
-            heapq.heappush(self._free, result.slot)
-        while self._top and self._in_slot[self._top - 1] is None:
-            self._top -= 1
-        return rows
-
-    def _finished_row(self, result: SlotResult) -> FinishedRow:
-        request = self._in_slot[result.slot]
-        error = None
-        if result.error_flags:
-            models = [m.description for bit, m in ((TARGET_NONFINITE, self.target), (DRAFT_NONFINITE, self.draft))
-                      if result.error_flags & bit]
-            error = (f"row {request.request}: the {' and the '.join(models)} produced non-finite logits (NaN or "
-                     f"inf) after {len(result.tokens)} generated tokens; the row stopped there")
-        finish_reason = result.finish_reason
-        grammar_error = None if self.row_warps is None else self.row_warps.grammar_error(result.slot)
-        if error is None and grammar_error is not None:  # spectr.structured: a dead end of the row's grammar
-            error, finish_reason = f"row {request.request}: {grammar_error}", "error"
-        return FinishedRow(request=request.request, tag=request.tag, tokens=result.tokens,
-                           finish_reason=finish_reason, target_calls=result.target_calls, error=error,
-                           accepted_per_position=result.accepted_per_position,
-                           tested_positions=result.tested_positions, tree_nodes=result.tree_nodes,
-                           tokens_per_call_histogram=result.tokens_per_call_histogram, logprobs=result.logprobs,
-                           top_logprobs=result.top_logprobs,
-                           prompt_logprobs=None if request.prompt_state is None else
-                           PromptLogprobs.read(request.prompt, request.prompt_state))
 
     @contextlib.contextmanager
     def _engaged(self):
