@@ -59,7 +59,7 @@ class TrainSpec:
     sequences: int | None = None  # training prompts completed at most (the first ones); None: as many as drawn
     batch_size: int = 8  # sequences per step
     steps: int = 1000
-    max_minutes: float | None = None  # wall-clock budget of the training loop (None: steps only)
+    max_minutes: float | None = None  # wall-clock budget of the whole run, preparation included (None: steps only)
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 50

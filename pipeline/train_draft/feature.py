@@ -192,8 +192,11 @@ class Batch:
     top_log_probs: torch.Tensor  # [B, T, k]
 
 
-def make_batch(data: FeatureSet, rows: list[int], device: str, regression_size: int) -> Batch:
-    """Pairs (x_{j+1}, f_j) for j = 0 .. n-2 of each chosen sequence, right-padded."""
+def make_batch(data: FeatureSet, rows: list[int], device: str, regression_size: int,
+               prompt_positions: bool = False) -> Batch:
+    """Pairs (x_{j+1}, f_j) for j = 0 .. n-2 of each chosen sequence, right-padded; the loss reads the pairs
+    that predict a completion token, or (`prompt_positions`) every pair: the prompt's text is the target's
+    own features and laws too, free data from the same pass."""
     width = max(len(data.tokens[i]) for i in rows) - 1
     size = data.features[rows[0]].shape[-1]
     k = data.top_ids[rows[0]].shape[-1]
@@ -212,7 +215,7 @@ def make_batch(data: FeatureSet, rows: list[int], device: str, regression_size: 
         top_ids[b, :n] = data.top_ids[i][1:]
         top_log_probs[b, :n] = data.top_log_probs[i][1:]
         # pair j predicts token j + 2: a completion token when j + 2 >= prompt length (and it exists: j + 2 < n + 1)
-        mask[b, max(data.prompt_lengths[i] - 2, 0): n - 1] = True
+        mask[b, 0 if prompt_positions else max(data.prompt_lengths[i] - 2, 0): n - 1] = True
     positions = torch.arange(1, width + 1).expand(batch, width)
     return Batch(tokens.to(device), features.to(device).float(), following.to(device).float(), positions.to(device),
                  mask.to(device), top_ids.to(device).long(), top_log_probs.to(device).float())
@@ -228,20 +231,55 @@ def shuffle_laws(batch: Batch, generator: torch.Generator) -> None:
         batch.next_features.shape)
 
 
+def _attend(keys: list[tuple[torch.Tensor, torch.Tensor]]):
+    """The attention of drafting depth d = len(keys) + 1 at every position j at once (EAGLE-3's training-time
+    test): the pairs before the depth-1 node read the target's features (pass 1's keys at i <= j - d + 1), the
+    nodes of depths 2 .. d are this position's own chain (pass r's key at j - (d - r)): what the engine's
+    drafter attends to when it drafts depth d after the committed tokens."""
+    def attend(k: torch.Tensor, v: torch.Tensor):  # k, v: [B, Hkv, T, D]
+        width, depth = k.shape[2], len(keys) + 1
+        ones = torch.ones(width, width, dtype=torch.bool, device=k.device)
+        masks = [ones.tril(-(depth - 1))] + [ones.tril(-(depth - r)) & ones.triu(-(depth - r))
+                                             for r in range(2, depth + 1)]
+        mask = torch.cat(masks, -1).expand(k.shape[0], width, width * depth)
+        return torch.cat([x for x, _ in keys] + [k], 2), torch.cat([y for _, y in keys] + [v], 2), mask
+    return attend
+
+
+def unrolled(head: FeatureDraftModel, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+             passes: int):
+    """The head's hidden states [B, T, H] for drafting depths 1 .. `passes` at every position: pass 1 reads the
+    target's features; pass d reads, at position j, the head's own state of pass d - 1 at j - 1 (its guess of
+    the feature there) and attends as `_attend` says."""
+    keys: list[tuple[torch.Tensor, torch.Tensor]] = []
+    from_target = True
+    for depth in range(1, passes + 1):
+        def record(k, v, _depth=depth, _chain=_attend(list(keys))):
+            if _depth < passes:
+                keys.append((k, v))
+            if _depth > 1:
+                return _chain(k, v)
+            width = k.shape[2]
+            causal = torch.ones(width, width, dtype=torch.bool, device=k.device).tril()
+            return k, v, causal.expand(k.shape[0], width, width)
+        hidden = head(tokens, features, positions, from_target=from_target,
+                      attend=record if passes > 1 else None)  # [B, T, H]
+        yield hidden
+        features = torch.cat([hidden[:, :1], hidden[:, :-1]], 1)  # position j reads the head's guess of f_j
+        from_target = head.config.kind == EAGLE  # EAGLE-1's fc reads H either way; EAGLE-3's reads its own H raw
+
+
 def head_loss(head: FeatureDraftModel, batch: Batch, index: torch.Tensor | None, unroll: int,
               regression_weight: float) -> tuple[torch.Tensor, dict[str, float]]:
     """KL from the target's top-k law (restricted to the draft vocabulary) plus EAGLE-1's feature regression,
-    over `unroll` passes (pass 2 reads the head's own hidden states of pass 1 as features)."""
+    over `unroll` drafting depths (`unrolled`: depth d reads the head's own states of depth d - 1)."""
     total = torch.zeros((), device=batch.tokens.device)
     parts = {}
-    features, from_target = batch.features, True
     mask = batch.mask
-    for step in range(unroll):
-        hidden = head(batch.tokens, features, batch.positions, from_target=from_target)  # [B, T, H]
+    ids = batch.top_ids if index is None else index[batch.top_ids]  # [B, T, k] draft index (-1: none)
+    q = batch.top_log_probs.exp() * (ids >= 0)
+    for step, hidden in enumerate(unrolled(head, batch.tokens, batch.features, batch.positions, unroll)):
         log_p = torch.log_softmax(head.draft_logits(hidden).float(), -1)  # [B, T, Vd]
-        ids = batch.top_ids if index is None else index[batch.top_ids]  # [B, T, k] draft index (-1: none)
-        inside = ids >= 0
-        q = batch.top_log_probs.exp() * inside
         picked = log_p.gather(-1, ids.clamp(min=0))  # [B, T, k]
         kl = (q * (batch.top_log_probs - picked)).sum(-1)  # [B, T]
         loss = kl[mask].mean()
@@ -251,11 +289,8 @@ def head_loss(head: FeatureDraftModel, batch: Batch, index: torch.Tensor | None,
             parts[f"regression{step}"] = float(regression.detach())
             loss = loss + regression_weight * regression
         total = total + loss
-        # the next pass: position j reads the head's own state from position j - 1 (its guess of f_j)
-        features = torch.cat([hidden[:, :1], hidden[:, :-1]], 1)
-        from_target = head.config.kind == EAGLE  # EAGLE-1's fc reads H either way; EAGLE-3's reads its own H raw
         mask = mask.clone()
-        mask[:, 0] = False
+        mask[:, step] = False  # depth step + 2 has no chain at position step
     return total / unroll, parts
 
 
@@ -284,13 +319,11 @@ def heldout_acceptance(target: Any, head: FeatureDraftModel, heldout: Sequences,
         q = torch.softmax(out.logits.float()[:, 1:-1] / temperature, -1)  # [B, T-2, V] law of x_{j+2}
         tokens = ids[:, 1:]
         positions = torch.arange(1, width, device=device).expand(len(rows), -1)
-        hidden = head(tokens, fused, positions, from_target=True)
-        p = torch.softmax(head.full_logits(hidden).float()[:, :-1] / temperature, -1)
+        depth1, depth2 = unrolled(head, tokens, fused, positions, 2)
+        p = torch.softmax(head.full_logits(depth1).float()[:, :-1] / temperature, -1)
         m = mask[:, :-1]
         totals[0] += float(torch.minimum(p, q).sum(-1)[m].sum())
-        own = torch.cat([hidden[:, :1], hidden[:, :-1]], 1)  # position j reads the head's guess of f_j
-        hidden2 = head(tokens, own, positions, from_target=head.config.kind == EAGLE)
-        p2 = torch.softmax(head.full_logits(hidden2).float()[:, :-1] / temperature, -1)
+        p2 = torch.softmax(head.full_logits(depth2).float()[:, :-1] / temperature, -1)
         m2 = m.clone()
         m2[:, 0] = False
         totals[1] += float(torch.minimum(p2, q).sum(-1)[m2].sum() / max(int(m2.sum()), 1) * int(m.sum()))
@@ -299,4 +332,4 @@ def heldout_acceptance(target: Any, head: FeatureDraftModel, heldout: Sequences,
 
 
 __all__ = ["EAGLE", "EAGLE3", "FeatureSet", "build_head", "collect", "frequent_tokens", "head_loss",
-           "heldout_acceptance", "make_batch"]
+           "heldout_acceptance", "make_batch", "unrolled"]

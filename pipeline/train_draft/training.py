@@ -73,6 +73,7 @@ def resolve_device(name: str) -> str:
 
 def run_train_draft(config: DraftJobConfig, tracker: Any = None) -> DraftResult:
     # 1) checks, before anything is written
+    started = time.monotonic()  # train.max_minutes is the whole run's budget: preparation counts
     device = resolve_device(config.device)
     if config.threads:
         torch.set_num_threads(int(config.threads))
@@ -90,7 +91,8 @@ def run_train_draft(config: DraftJobConfig, tracker: Any = None) -> DraftResult:
     eos_ids = eos_token_ids_of(target, tokenizer)
     train_set, heldout_set = cached_completions(folder, target, train_prompts, heldout_prompts, config.train, eos_ids)
     if config.draft.kind != "model":
-        return _run_feature(config, tracker, folder, target, tokenizer, train_set, heldout_set, eos_ids, device)
+        return _run_feature(config, tracker, folder, target, tokenizer, train_set, heldout_set, eos_ids, device,
+                            started)
     # 3) the draft
     draft = build_draft(target, tokenizer, shape, config.draft.init_embedding, seed=config.train.seed).to(device)
     if tracker is not None:
@@ -99,7 +101,8 @@ def run_train_draft(config: DraftJobConfig, tracker: Any = None) -> DraftResult:
     # 4) the target's laws, once (not kept on disk: a resumed run computes them again, one pass)
     laws = _laws_in_memory(config, target, train_set, pad_id, device)
     # 5) the loop
-    loop = _train_model(config, folder, target, draft, train_set, laws, pad_id, device, tracker)
+    loop = _train_model(config, folder, target, draft, train_set, laws, pad_id, device, tracker,
+                        time.monotonic() - started)
     # 6) save, then measure the saved weights
     root = Path(config.out).expanduser()
     output.save_draft(root, draft, tokenizer, config.train.save_dtype)
@@ -122,7 +125,7 @@ def run_train_draft(config: DraftJobConfig, tracker: Any = None) -> DraftResult:
 
 
 def _run_feature(config: DraftJobConfig, tracker: Any, folder: Path, target: Any, tokenizer: Any, train_set: Sequences,
-                 heldout_set: Sequences, eos_ids: list[int], device: str) -> DraftResult:
+                 heldout_set: Sequences, eos_ids: list[int], device: str, started: float) -> DraftResult:
     """Steps 3-6 for a feature draft (`pipeline.train_draft.feature`): the draft vocabulary, the target's
     features and top-k laws from one pass, the head, the loop, the saved head and its held-out acceptance."""
     from pipeline.train_draft import feature
@@ -155,7 +158,8 @@ def _run_feature(config: DraftJobConfig, tracker: Any, folder: Path, target: Any
         optimizer.zero_grad(set_to_none=True)
         return float(loss.detach())
 
-    loop = _train(config, folder, head, optimizer, generator, len(train_set), step, tracker)
+    loop = _train(config, folder, head, optimizer, generator, len(train_set), step, tracker,
+                  time.monotonic() - started)
     root = Path(config.out).expanduser()
     save_feature_draft(head, root, dtype=getattr(torch, train.save_dtype))
     tokenizer.save_pretrained(root)  # the target's: the directory is self-contained (the head reads its ids)
@@ -220,7 +224,7 @@ def _make_optimizer(draft: Any, config: DraftJobConfig) -> torch.optim.Optimizer
 
 
 def _train_model(config, folder: Path, target, draft, train_set: Sequences, laws: TargetLaws | None, pad_id: int,
-                 device: str, tracker) -> dict:
+                 device: str, tracker, prepared_s: float) -> dict:
     """The loop for an independent draft: the divergence at every completion position of a batch."""
     optimizer = _make_optimizer(draft, config)
     generator = torch.Generator().manual_seed(config.train.seed)
@@ -231,16 +235,18 @@ def _train_model(config, folder: Path, target, draft, train_set: Sequences, laws
         return _train_step(config, target, draft, optimizer, train_set, laws, rows, pad_id, device, autocast,
                            generator)
 
-    return _train(config, folder, draft, optimizer, generator, len(train_set), step, tracker)
+    return _train(config, folder, draft, optimizer, generator, len(train_set), step, tracker, prepared_s)
 
 
 def _train(config, folder: Path, draft, optimizer, generator: torch.Generator, count: int, step_fn,
-           tracker) -> dict:
+           tracker, prepared_s: float = 0.0) -> dict:
     """Steps of `step_fn(rows) -> loss` over `count` sequences (`batch_rows`), warm-up then cosine by steps or
-    minutes, a progress bar, MLflow's step metrics, checkpoints in `folder` (a rerun resumes from the last)."""
+    minutes, a progress bar, MLflow's step metrics, checkpoints in `folder` (a rerun resumes from the last).
+    The loop's budget is what `train.max_minutes` leaves after this run's `prepared_s` (completions, laws or
+    features) and the loop seconds of the runs it resumes, minus a reserve for the held-out measure."""
     train = config.train
     step, seconds_before = output.load_checkpoint(folder, draft, optimizer, generator)
-    budget_s = None if train.max_minutes is None else train.max_minutes * 60.0
+    budget_s = None if train.max_minutes is None else max(train.max_minutes * 60.0 - prepared_s - _RESERVE_S, 1.0)
     state = {"step": step, "loss": float("nan"), "stopped_by": "steps", "history": []}
     start = time.monotonic()
     bar = tqdm(total=train.steps, initial=step, disable=not config.show_progress, desc="train_draft",
@@ -271,6 +277,9 @@ def _train(config, folder: Path, draft, optimizer, generator: torch.Generator, c
     output.save_checkpoint(folder, draft, optimizer, state["step"], generator, state["seconds"])
     draft.eval()
     return state
+
+
+_RESERVE_S = 60.0  # the held-out measure and the save, after the loop (a few seconds to a minute on 2 cores)
 
 
 def batch_rows(count: int, batch_size: int, step: int, seed: int) -> list[int]:

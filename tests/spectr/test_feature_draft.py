@@ -219,15 +219,33 @@ def _reference_root_law(target, head, sequence: list[int]) -> torch.Tensor:
         return torch.softmax(head.full_logits(hidden[:, -1]).float(), -1)[0]
 
 
+def _reference_depth2_law(target, head, sequence: list[int], drafted: int) -> torch.Tensor:
+    """The head's law at drafting depth 2 after `sequence` and its drafted token, as the training's
+    `feature.unrolled` computes it for every position at once (EAGLE-3's training-time test)."""
+    from pipeline.train_draft.feature import unrolled
+
+    with torch.no_grad():
+        states = target(input_ids=torch.tensor([sequence]), output_hidden_states=True).hidden_states
+        features = torch.cat([states[i] for i in head.config.feature_layers], -1).float()  # [1, n, F]
+        tokens = torch.tensor([sequence[1:] + [drafted]])
+        positions = torch.arange(1, len(sequence) + 1)[None]
+        _, depth2 = unrolled(head, tokens, features, positions, 2)  # the last feature is never read at depth 2
+        return torch.softmax(head.full_logits(depth2[:, -1]).float(), -1)[0]
+
+
 @pytest.mark.parametrize("kind", [EAGLE, EAGLE3])
 def test_the_drafters_laws_are_the_heads_laws_over_the_true_features(target, heads, monkeypatch, kind):
+    """The root law is the head's over the target's true features; the law at depth 2 is the one the training
+    unrolls (`feature.unrolled`), so the head is trained on what the engine asks of it."""
     head = heads[kind]
-    seen = []  # (request, committed tokens before the iteration, root law)
+    seen = []  # (root law, running, depth-1 token of draft 0, its depth-2 law or None)
     propose = FeatureDrafter.propose
 
     def spy(self, uniforms, extent, running):
         tree = propose(self, uniforms, extent, running)
-        seen.append((tree.draft_probs[:, 0, 0].clone(), running.clone()))
+        deeper = tree.draft_probs.shape[2] > 1
+        seen.append((tree.draft_probs[:, 0, 0].clone(), running.clone(), tree.tokens[:, 0, 0].clone(),
+                     tree.draft_probs[:, 0, 1].clone() if deeper else None))
         return tree
 
     monkeypatch.setattr(FeatureDrafter, "propose", spy)
@@ -237,7 +255,7 @@ def test_the_drafters_laws_are_the_heads_laws_over_the_true_features(target, hea
     batcher.admit(prompts, max_new_tokens=[14, 16, 12], seed=[1, 2, 3])
     batcher.watch_tokens = True
     history = {i: list(p) for i, p in enumerate(prompts)}
-    checked = 0
+    checked = deep = 0
     for iteration in range(200):
         if batcher.idle:
             break
@@ -245,17 +263,21 @@ def test_the_drafters_laws_are_the_heads_laws_over_the_true_features(target, hea
         before = len(seen)
         finished = batcher.step(SWITCHING[iteration % len(SWITCHING)])
         if len(seen) > before:  # a speculative iteration: each running row's root law vs the reference
-            laws, running = seen[-1]
+            laws, running, drafted, deeper = seen[-1]
             for slot, request in enumerate(in_slot):
                 if request is not None and slot < len(running) and bool(running[slot]):
                     expected = _reference_root_law(target, head, history[request])
                     torch.testing.assert_close(laws[slot], expected, atol=2e-5, rtol=1e-4)
                     checked += 1
+                    if deeper is not None:
+                        expected = _reference_depth2_law(target, head, history[request], int(drafted[slot]))
+                        torch.testing.assert_close(deeper[slot], expected, atol=2e-5, rtol=1e-4)
+                        deep += 1
         for request, tokens in batcher.recent_tokens.items():
             history[request].extend(tokens)
         for row in finished:
             history[row.request] = list(prompts[row.request]) + list(row.tokens)
-    assert batcher.idle and checked >= 10
+    assert batcher.idle and checked >= 10 and deep >= 4
 
 
 # --- published layouts --------------------------------------------------------------------------------------
