@@ -243,10 +243,10 @@ def test_negative_control_a_prefill_into_the_wrong_slot_is_rejected_mid_run(pair
 
     prefill = rows_module.prefill
 
-    def off_by_one(model, cache, prompts, device, rows=None):
+    def off_by_one(model, cache, prompts, device, rows=None, **kwargs):
         if rows is not None and cache.rows.batch_size > 1 and len(prompts) < cache.rows.batch_size:
             rows = (rows + 1) % cache.rows.batch_size
-        return prefill(model, cache, prompts, device, rows)
+        return prefill(model, cache, prompts, device, rows, **kwargs)
 
     monkeypatch.setattr("spectr.batching.prefill", off_by_one)
     out = run(pair, "spectr", 3, 2, "plain", 6000, batch_size=MID_RUN_BATCH)
