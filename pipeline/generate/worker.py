@@ -499,7 +499,9 @@ class ShardGenerator:
         seed = shard.seeds[i] if settings.seed is None else settings.seed
         stops = tuple(s.stop or ()) + tuple(settings.stop)
         stop_ids = settings.stop_ids(self.eos_token_id)  # None: the model's EOS ids end the row
-        return [Row(first + k, shard.prompt_token_ids[i], budget, sample_seed(seed, sample), warp, stops, stop_ids)
+        prompt = settings.prompt_ids(shard.prompt_token_ids[i])  # vLLM's truncate_prompt_tokens
+        return [Row(first + k, prompt, budget, sample_seed(seed, sample), warp, stops, stop_ids,
+                    prompt_logprobs=settings.prompt_logprobs)
                 for k, sample in enumerate(samples)]
 
     def _budget(self, shard: Shard, i: int) -> int:
@@ -527,6 +529,7 @@ class ShardGenerator:
         end-of-sequence token, a stop token (stop_reason: its id as text) or a stop string (stop_reason: the
         string; the completion is cut before it, or after it with include_stop_str_in_output:
         `pipeline.stops`), "length" for the budget."""
+        from pipeline.generate.output import with_vllm_fields
         from pipeline.stops import cut_at_stop
 
         tokens = [int(t) for t in finished.tokens]
@@ -534,9 +537,11 @@ class ShardGenerator:
         top = getattr(finished, "top_logprobs", None)
         calls = int(finished.target_calls)
         reason = str(finished.finish_reason)
-        stop_reason = None
+        stop_reason = stop_token_id = None
+        options = {"skip_special_tokens": True} if settings is None else settings.decode_options()
+
         def decode(ids):
-            return self.tokenizer.decode(ids, skip_special_tokens=True)
+            return self.tokenizer.decode(ids, **options)
 
         include = bool(settings is not None and settings.include_stop_str_in_output)
         min_tokens = (settings.min_tokens or 0) if settings is not None else 0  # stop strings count after them
@@ -551,7 +556,7 @@ class ShardGenerator:
             last = tokens[-1] if tokens else None
             eos = set(self.eos_token_id or []) if settings is None or not settings.ignore_eos else set()
             if settings is not None and last in (settings.stop_token_ids or ()) and last not in eos:
-                stop_reason = str(last)
+                stop_reason, stop_token_id = str(last), last
         row = {
             "id": shard.ids[i],
             "prompt": shard.prompts[i],
@@ -561,6 +566,7 @@ class ShardGenerator:
             "completion_tokens": len(tokens),
             "finish_reason": reason,
             "stop_reason": stop_reason,
+            "stop_token_id": stop_token_id,
             "target_calls": calls,
             "block_efficiency": len(finished.tokens) / calls if calls else 0.0,
             "seed": shard.seeds[i],
@@ -572,6 +578,8 @@ class ShardGenerator:
         if top_logprobs(self.spectr):
             row["completion_top_logprobs"] = [[{"token_id": i, "logprob": v} for i, v in entries]
                                               for entries in (top or [])]
+        prompt = shard.prompt_token_ids[i] if settings is None else settings.prompt_ids(shard.prompt_token_ids[i])
+        row = with_vllm_fields(row, finished, settings, prompt, self.spectr.logprobs)
         return self._with_extras(shard, i, row)
 
     def _with_extras(self, shard: Shard, i: int, row: dict[str, Any]) -> dict[str, Any]:
