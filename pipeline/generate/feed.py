@@ -537,6 +537,8 @@ class ShardFeed:
 
     def _capacity(self, needed: int) -> int:
         capacity = max(2, 1 << (max(needed, 2) - 1).bit_length())
+        if self.spectr.max_row_tokens is not None:  # the memory cap (configured, or the GPU's: the worker's)
+            capacity = min(capacity, max(2, self.spectr.max_row_tokens))
         return capacity if self._limit is None else min(capacity, self._limit)
 
     def _build(self, config: EngineConfig) -> None:

@@ -78,8 +78,8 @@ def test_one_row_per_prompt_with_contract_types(finished_run, prompts_jsonl):
     assert [f.name for f in schema] == [
         "id", "prompt", "completion", "completion_token_ids", "prompt_tokens", "completion_tokens",
         "finish_reason", "stop_reason", "target_calls", "block_efficiency", "seed", "error", "sample_index",
-        "time_taken_s",
-    ]  # fmt: skip (completion_logprobs with spectr.logprobs, then the data.keep_columns)
+        "time_taken_s", "prompt_token_ids", "stop_token_id", "prompt_logprobs",
+    ]  # fmt: skip (completion_logprobs and cumulative_logprob with spectr.logprobs, then the data.keep_columns)
     assert set(table.column("finish_reason").to_pylist()) <= {"stop", "length"}
     assert table.column("error").null_count == 40
     parts = sorted(p.name for p in out.glob("part-*"))
