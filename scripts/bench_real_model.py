@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import re
 import statistics
@@ -38,6 +37,7 @@ from pathlib import Path
 
 from bench_jobs import parse_summary
 from build_real_model import DEFAULT_OUT, build
+from harness import Report, interleaved, machine_line
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = PROJECT_ROOT / "assets" / "prompts.jsonl"
@@ -46,12 +46,6 @@ SETTINGS = {
     "default": ["spectr.max_new_tokens=128"],
 }
 ARMS = {"auto": ["spectr.method=auto"], "autoregressive": ["spectr.method=autoregressive"]}
-
-
-def machine() -> str:
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor())
-    return f"{model}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f} at the start"
 
 
 def split_prompts(workdir: Path, heldout: int) -> tuple[Path, Path]:
@@ -111,7 +105,7 @@ def report(records: list[dict[str, object]]) -> dict[str, dict[str, object]]:
         if not ratios:
             continue
 
-        def arm_median(arm, key):
+        def arm_median(arm, key, setting=setting):
             values = [r[key] for r in records if r["setting"] == setting and r["arm"] == arm and key in r]
             return statistics.median(values) if values else None
 
@@ -123,8 +117,8 @@ def report(records: list[dict[str, object]]) -> dict[str, dict[str, object]]:
     return out
 
 
-def markdown(summary: dict, train: dict | None, command: str, where: str, date: str) -> str:
-    lines = [f"Command: `{command}`  ", f"Machine: {where}  ", f"Date: {date}", ""]
+def markdown(summary: dict, train: dict | None) -> str:
+    lines = []
     if train:
         lines += [f"Draft: `python -m {train.get('command', '')}`: {train.get('wall_s', 0) / 60:.1f} min, "
                   f"acceptance {train.get('acceptance', float('nan')):.3f} on {train.get('heldout_positions', 0)} "
@@ -149,8 +143,8 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=1800.0)
     parser.add_argument("--out", type=Path, default=PROJECT_ROOT / "benchmarks" / "results" / "real_model")
     args = parser.parse_args()
-    command = "python " + " ".join(sys.argv)
-    where, date = machine(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    bench = Report("report", args=args)
+    print(bench.header(), flush=True)
     model = build(DEFAULT_OUT)
     workdir = Path(tempfile.mkdtemp(prefix="bench-real-"))
     train_prompts, bench_prompts = split_prompts(workdir, args.heldout)
@@ -162,24 +156,26 @@ def main() -> None:
         print(json.dumps(train), flush=True)
         if train["returncode"] != 0:
             sys.exit(f"jobs.train_draft failed: {train.get('error')}")
-    records = []
-    rng = random.Random(0)
-    for index in range(args.rounds):
-        plan = [(s, a) for s in args.settings for a in ARMS]
-        rng.shuffle(plan)
-        for setting, arm in plan:
-            record = {"round": index, **run_job(model, draft, bench_prompts, setting, arm, workdir, args.timeout_s)}
-            records.append(record)
-            print(json.dumps({k: v for k, v in record.items() if k != "error"}), flush=True)
-            if "error" in record:
-                print(record["error"], file=sys.stderr)
+
+    def arm(setting: str, name: str):
+        return lambda: run_job(model, draft, bench_prompts, setting, name, workdir, args.timeout_s)
+
+    def show(index: int, key: str, record: dict) -> None:
+        record["round"] = index
+        print(json.dumps({k: v for k, v in record.items() if k != "error"}), flush=True)
+        if "error" in record:
+            print(record["error"], file=sys.stderr)
+
+    arms = {f"{setting}/{name}": arm(setting, name) for setting in args.settings for name in ARMS}
+    runs = interleaved(arms, rounds=args.rounds, shuffle=random.Random(0), on_run=show)
+    records = sorted((r for results in runs.values() for r in results), key=lambda r: r["round"])
     summary = report(records)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "runs.json").write_text(json.dumps({"command": command, "machine": where, "date": date,
+    (args.out / "runs.json").write_text(json.dumps({"command": bench.meta["command"], "date": bench.meta["date"],
+                                                     "machine": machine_line(bench.meta["machine"]),
                                                      "train": train, "records": records}, indent=2) + "\n")
-    (args.out / "report.json").write_text(json.dumps(summary, indent=2) + "\n")
-    text = markdown(summary, train, command, where, date)
-    (args.out / "report.md").write_text(text)
+    text = markdown(summary, train)
+    bench.write(args.out / "report.json", summary, markdown=text)
     print(text)
 
 

@@ -97,6 +97,5 @@ def test_benchmark_scripts_share_the_harness():
     scripts/harness.py rather than its own copy."""
     scripts = sorted((REPO / "scripts").glob("bench_*.py")) + sorted((REPO / "scripts").glob("measure_*.py"))
     assert scripts
-    pending = {"bench_real_model.py"}  # converted separately; drop it from here once it imports the harness
-    missing = [p.name for p in scripts if "from harness import" not in p.read_text() and p.name not in pending]
+    missing = [p.name for p in scripts if "from harness import" not in p.read_text()]
     assert missing == [], f"benchmark scripts not on scripts/harness.py: {missing}"
