@@ -73,6 +73,7 @@ class TrainSpec:
     top_k: int = 32  # feature drafts: the target's top-k law kept per position (the loss's support)
     unroll: int = 1  # feature drafts: passes per step (2: the head also reads its own previous states)
     regression_weight: float = 1.0  # feature drafts (eagle): weight of the hidden-state regression
+    prompt_positions: bool = False  # feature drafts: the loss also reads the prompts' positions (free data)
 
 
 @dataclass(frozen=True)

@@ -148,7 +148,7 @@ def _run_feature(config: DraftJobConfig, tracker: Any, folder: Path, target: Any
     index = feature.draft_index(head)
 
     def step(rows: list[int]) -> float:
-        batch = feature.make_batch(data, rows, device, head.config.hidden_size)
+        batch = feature.make_batch(data, rows, device, head.config.hidden_size, train.prompt_positions)
         if train.shuffle_targets:  # negative control: each position gets another position's target law
             feature.shuffle_laws(batch, generator)
         loss, _ = feature.head_loss(head, batch, index, train.unroll, train.regression_weight)
