@@ -45,7 +45,7 @@ class DraftShape:
     num_key_value_heads: int | None = None
     tie_word_embeddings: bool = True
     init_embedding: str = "target"  # target: the target's embedding projected on its top directions | random
-    kind: str = "eagle"  # eagle (a head over the target's last hidden state) | eagle3 (three fused layers) | model
+    kind: str = "eagle3"  # eagle3 (a head over three fused layers of the target) | eagle (its last state) | model
     vocab_size: int | None = 8192  # feature drafts: the N most frequent completion tokens (null: the whole vocabulary)
     init: str = "target"  # feature drafts: the head starts from the target's last layer | random
 
@@ -71,9 +71,9 @@ class TrainSpec:
     seed: int = 0
     shuffle_targets: bool = False  # negative control: the target distributions permuted across positions
     top_k: int = 32  # feature drafts: the target's top-k law kept per position (the loss's support)
-    unroll: int = 1  # feature drafts: passes per step (2: the head also reads its own previous states)
+    unroll: int = 2  # feature drafts: passes per step (2: the head also reads its own previous states)
     regression_weight: float = 1.0  # feature drafts (eagle): weight of the hidden-state regression
-    prompt_positions: bool = False  # feature drafts: the loss also reads the prompts' positions (free data)
+    prompt_positions: bool = True  # feature drafts: the loss also reads the prompts' positions (free data)
 
 
 @dataclass(frozen=True)
