@@ -120,7 +120,7 @@ def report(records: list[dict[str, object]]) -> dict[str, dict[str, object]]:
 def markdown(summary: dict, train: dict | None) -> str:
     lines = []
     if train:
-        lines += [f"Draft: `python -m {train.get('command', '')}`: {train.get('wall_s', 0) / 60:.1f} min, "
+        lines += [f"Draft: `python {train.get('command', '')}`: {train.get('wall_s', 0) / 60:.1f} min, "
                   f"acceptance {train.get('acceptance', float('nan')):.3f} on {train.get('heldout_positions', 0)} "
                   "held-out positions", ""]
     lines += ["| setting | rounds | auto tokens/s | autoregressive tokens/s | throughput ratio (median; each round) "

@@ -109,6 +109,8 @@ class Row:
     stops: tuple[str, ...] = ()  # its stop strings: the row ends once its newest tokens complete one
     stop_ids: tuple[int, ...] | None = None  # the tokens that end it (None: the model's EOS ids); see the worker
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs=N: `FinishedRow.prompt_logprobs` (None: not asked)
+    decode_options: tuple = ()  # the row's text options as (key, value) pairs (vLLM's skip_special_tokens, ...):
+    # its stop strings are looked for in the text its completion will have
 
     @property
     def min_tokens(self) -> int:
@@ -390,8 +392,9 @@ class ShardFeed:
             if length <= min_tokens:
                 continue  # no stop string counts yet
             early = max(0, min_tokens - (length - len(tail)))  # the tail's tokens among the first min_tokens
-            after = len(self.decode(tail[:early])) if early else 0
-            if stop_at(self.decode(tail), entry[1].stops, after) is not None:
+            options = dict(entry[1].decode_options)
+            after = len(self.decode(tail[:early], **options)) if early else 0
+            if stop_at(self.decode(tail, **options), entry[1].stops, after) is not None:
                 found.append(request)
         return engine.finish_rows(found) if found else []
 

@@ -501,7 +501,8 @@ class ShardGenerator:
         stop_ids = settings.stop_ids(self.eos_token_id)  # None: the model's EOS ids end the row
         prompt = settings.prompt_ids(shard.prompt_token_ids[i])  # vLLM's truncate_prompt_tokens
         return [Row(first + k, prompt, budget, sample_seed(seed, sample), warp, stops, stop_ids,
-                    prompt_logprobs=settings.prompt_logprobs)
+                    prompt_logprobs=settings.prompt_logprobs,
+                    decode_options=tuple(settings.decode_options().items()) if stops else ())
                 for k, sample in enumerate(samples)]
 
     def _budget(self, shard: Shard, i: int) -> int:
@@ -517,10 +518,11 @@ class ShardGenerator:
         except Exception as err:  # noqa: BLE001 - progress is best effort
             log.warning("progress report failed (%s: %s); generation goes on", type(err).__name__, err)
 
-    def _decode(self, ids: list[int]) -> str:
-        """Token ids -> text, as the completion is decoded (the feed's stop check, on the stepping thread)."""
+    def _decode(self, ids: list[int], **options) -> str:
+        """Token ids -> text, as the completion is decoded (the feed's stop check, on the stepping thread):
+        special tokens skipped unless the row's `options` say otherwise."""
         with self._text_lock:
-            return self.tokenizer.decode(ids, skip_special_tokens=True)
+            return self.tokenizer.decode(ids, **{"skip_special_tokens": True, **options})
 
     def _row(self, shard: Shard, i: int, finished: Any, sample: int = 0, stops: list[str] | None = None,
              settings: Any = None) -> dict[str, Any]:

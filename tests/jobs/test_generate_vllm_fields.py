@@ -174,6 +174,8 @@ def test_vllms_row_fields_through_the_worker(tmp_path):
              {"id": "trunc", "prompt": prompt, "params": {**greedy, "truncate_prompt_tokens": 3}},
              {"id": "special", "prompt": prompt, "params": {**eos_first, "skip_special_tokens": False}},
              {"id": "skipped", "prompt": prompt, "params": eos_first},
+             {"id": "specialstop", "prompt": prompt,  # a stop string only the kept special tokens' text holds
+              "params": {**eos_first, "max_tokens": 16, "skip_special_tokens": False, "stop": ["<|endoftext|>"]}},
              {"id": "stoptok", "prompt": prompt, "params": forced},
              {"id": "lp", "prompt": prompt, "params": {"max_tokens": 5, "logprobs": 1, "output_kind": 2}},
              {"id": "lp_over", "prompt": prompt, "params": {"max_tokens": 5, "logprobs": 4}},
@@ -193,6 +195,10 @@ def test_vllms_row_fields_through_the_worker(tmp_path):
     assert rows["special"]["completion"].startswith(tokenizer.decode([EOS], skip_special_tokens=False)) \
         and tokenizer.decode([EOS], skip_special_tokens=False) != ""
     assert EOS not in tokenizer(rows["skipped"]["completion"], add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode([EOS], skip_special_tokens=False) == "<|endoftext|>"
+    special = rows["specialstop"]  # found by the feed's early check in the row's own text: it ends at once
+    assert special["stop_reason"] == "<|endoftext|>" and special["completion"] == ""
+    assert special["target_calls"] == 1  # not 4: the budget's 16 tokens, then cut
     stop = rows["stoptok"]
     assert stop["finish_reason"] == "stop" and stop["stop_token_id"] == 300 and stop["stop_reason"] == "300"
     assert rows["plain"]["stop_token_id"] is None
