@@ -227,7 +227,7 @@ def test_failed_rows_carry_their_error_or_fail_the_batch(stage):
         {"prompt": "def x", "sampling_params": {"temperature": -1.0}},
         {"prompt": "def x", "sampling_params": {"best_of": 2}},  # cannot be exact: refused with the reason
         {"prompt": " ".join(["x"] * 70), "sampling_params": None},  # longer than the model's 64 positions
-        {"prompt": "return value", "sampling_params": {"max_tokens": 3}},
+        {"prompt": "return value", "sampling_params": {"max_tokens": 3, "ignore_eos": True}},  # 3 tokens, always
     ]
     out = stage.generate(pa.Table.from_pylist(rows)).to_pylist()
     errors = [r[ERROR_COLUMN] for r in out]
