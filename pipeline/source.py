@@ -30,6 +30,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -270,6 +271,7 @@ def check_columns(names: list[str], schema: pa.Schema | None, data: DataConfig, 
         raise JobInputError(
             f"{key}: column '{column}' of {where} holds {schema.field(column).type}, expected strings"
         )
+    _hint_unread_sampling_params(names, data, where)
     budget = data.max_new_tokens_column
     if budget is not None and budget not in names:
         raise JobInputError(
@@ -290,6 +292,19 @@ def check_columns(names: list[str], schema: pa.Schema | None, data: DataConfig, 
             f"data.id_column: column '{data.id_column}' of {where} holds {schema.field(data.id_column).type}, expected ints or strings"
         )
     return data.id_column in names
+
+
+_HINTED: set[str] = set()
+
+
+def _hint_unread_sampling_params(names: list[str], data: DataConfig, where: str) -> None:
+    """A column named as vLLM's and the Ray Data stage's per-row settings, which the job reads only when told
+    (`data.sampling_params_column`): say so once, rather than run every row with the job's settings silently."""
+    if data.sampling_params_column is None and "sampling_params" in names and "sampling_params" not in _HINTED:
+        _HINTED.add("sampling_params")
+        logging.getLogger("pipeline").warning(
+            "%s has a column 'sampling_params' that this job does not read: every row uses the job's settings "
+            "(data.sampling_params_column=sampling_params reads each row's own)", where)
 
 
 def scan_error(where: str, err: Exception) -> JobInputError:

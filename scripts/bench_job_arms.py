@@ -37,7 +37,9 @@ def parse_job(text: str) -> dict:
     found: dict = {}
     for key, pattern in (("throughput_tokens_per_s", r"throughput\s+([\d.]+) tokens/s"),
                          ("generation_s", r"generation ([\d.]+) s"),
-                         ("generated_tokens", r"generated tokens\s+([\d,]+)")):
+                         ("generated_tokens", r"generated tokens\s+([\d,]+)"),
+                         ("block_efficiency", r"block efficiency\s+([\d.]+)"),
+                         ("acceptance", r"acceptance rate\s+([\d.]+)")):
         match = re.search(pattern, text)
         if match:
             found[key] = float(match.group(1).replace(",", ""))
@@ -97,7 +99,9 @@ def main(argv=None) -> None:
     for name, records in runs.items():
         ok = [r for r in records if "throughput_tokens_per_s" in r]
         speed = summary(r["throughput_tokens_per_s"] for r in ok) if ok else {}
+        blocks = [r["block_efficiency"] for r in ok if "block_efficiency" in r]
         rows.append(dict(arm=name, tokens_per_s=speed.get("median"), low=speed.get("low"), high=speed.get("high"),
+                         block_efficiency=summary(blocks)["median"] if blocks else None,
                          wall_s=summary(r["wall_s"] for r in records)["median"], runs=len(ok)))
     print(table(rows))
     if args.out:

@@ -9,6 +9,12 @@ block efficiency, mean completion length and the grammar work's share. CPU by de
 
     .venv/bin/python scripts/bench_structured.py [--rows 96] [--batch-size 32] [--max-new-tokens 64] [--repeat 2]
         [--json out.json]
+
+`--jobs OUT` measures whole default jobs instead (`python -m jobs.generate`, through `bench_job_arms.py`): the same
+rows with a per-row `sampling_params.structured_outputs`, and without it at the same per-row lengths (see
+`whole_jobs`), under `auto` and forced autoregressive, `--repeat` rounds ABBA; OUT.json / OUT.md get each arm's
+throughput and block efficiency.
+`--single`: one actor at `spectr.batch_size=1`, where speculation pays on a CPU.
 """
 
 from __future__ import annotations
@@ -45,7 +51,12 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", help="write the medians here (and .md)")
+    parser.add_argument("--jobs", metavar="OUT", help="whole default jobs instead, results to OUT.json / OUT.md")
+    parser.add_argument("--single", action="store_true",
+                        help="with --jobs: one actor at spectr.batch_size=1 (as bench_jobs.py's `single`)")
     args = parser.parse_args()
+    if args.jobs:
+        return whole_jobs(args)
     report = Report("bench_structured", args=args)
     print(report.header(), flush=True)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -110,6 +121,41 @@ def main() -> None:
         report.write(args.json, dict(medians=medians, runs={str(k): v for k, v in results.items()}),
                      markdown=table(medians))
 
+
+def whole_jobs(args) -> None:
+    """Whole jobs: the rows constrained, and unconstrained at the same lengths, under `auto` and autoregressive,
+    interleaved ABBA. Constrained rows end early (a label, a short JSON object): left free they would run to
+    their budget, and tokens per second would then compare a few long rows against many short ones (each row's
+    prefill and admission spread over fewer tokens). So a first constrained job (autoregressive) sets each row's
+    length, and the unconstrained rows get that many tokens (`max_tokens`, `ignore_eos`): the same work in
+    tokens, with and without the grammar."""
+    import bench_job_arms
+
+    from pipeline.generate.reader import read_output
+
+    work = Path(args.jobs).with_suffix("")
+    work.mkdir(parents=True, exist_ok=True)
+    rows = [json.loads(line) for line in (REPO / "assets/prompts.jsonl").read_text().splitlines()[: args.rows]]
+    common = [f"spectr.max_new_tokens={args.max_new_tokens}", "data.sampling_params_column=sampling_params"]
+    common += ["ray.num_actors=1", "spectr.batch_size=1"] if args.single else []
+    constrained = work / "constrained.jsonl"
+    constrained.write_text("".join(json.dumps({**row, "sampling_params": {"structured_outputs": KINDS[i % 3]}}) + "\n"
+                                   for i, row in enumerate(rows)))
+    first = bench_job_arms.run_job("lengths", [f"data.path={constrained}", "spectr.method=autoregressive", *common],
+                                   REPO, work, 0, None)
+    assert first["returncode"] == 0, first.get("error")
+    table = read_output(work / "lengths-0").to_pydict()
+    lengths = {i: len(t) for i, t in zip(table["id"], table["completion_token_ids"], strict=True)}
+    free = work / "free_same_lengths.jsonl"
+    free.write_text("".join(json.dumps({**row, "sampling_params": {"max_tokens": max(1, lengths[row["id"]]),
+                                                                    "ignore_eos": True}}) + "\n" for row in rows))
+    print(f"# constrained rows' lengths (autoregressive job): mean {statistics.mean(lengths.values()):.1f}, "
+          f"{sum(lengths.values())} tokens; the free rows get the same", flush=True)
+    arms = []
+    for method in ("auto", "autoregressive"):
+        for name, path in (("free", free), ("constrained", constrained)):
+            arms += ["--arm", f"{name}-{method}", f"data.path={path}", f"spectr.method={method}", *common]
+    bench_job_arms.main([*arms, "--rounds", str(args.repeat), "--alternate", "--out", str(work / "jobs")])
 
 if __name__ == "__main__":
     main()

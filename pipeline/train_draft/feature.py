@@ -254,7 +254,7 @@ def unrolled(head: FeatureDraftModel, tokens: torch.Tensor, features: torch.Tens
     keys: list[tuple[torch.Tensor, torch.Tensor]] = []
     from_target = True
     for depth in range(1, passes + 1):
-        def record(k, v, _depth=depth, _chain=_attend(list(keys))):
+        def record(k, v, _depth=depth, _chain=_attend(list(keys))):  # noqa: B008 (bound per pass)
             if _depth < passes:
                 keys.append((k, v))
             if _depth > 1:

@@ -95,10 +95,9 @@ def test_the_schema_has_vllms_columns():
 
 
 def test_with_vllm_fields_fills_a_row():
+    from pipeline.generate.output import with_vllm_fields
     from spectr import FinishedRow
     from spectr.rows import PromptLogprobs
-
-    from pipeline.generate.output import with_vllm_fields
 
     asked = PromptLogprobs([4, 7, 9], [None, -0.5, -2.0], [None, 1, 3], [[], [(7, -0.5), (2, -1.0)],
                                                                         [(5, -0.1), (6, -1.5)]])

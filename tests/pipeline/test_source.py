@@ -398,3 +398,21 @@ def test_the_modules_below_the_readers_import_neither_the_readers_nor_the_prompt
         imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
         imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
         assert not imported & {"pipeline.readers", "pipeline.prompts"}, module
+
+
+def test_a_sampling_params_column_the_job_does_not_read_is_named_once(tmp_path, caplog, monkeypatch):
+    import pipeline.source
+
+    monkeypatch.setattr(pipeline.source, "_HINTED", set())
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"prompt": "x", "sampling_params": {"temperature": 0}}) + "\n")
+    with caplog.at_level("WARNING", logger="pipeline"):
+        plan(path)
+        plan(path)
+    hints = [r.getMessage() for r in caplog.records if "sampling_params" in r.getMessage()]
+    assert len(hints) == 1 and "data.sampling_params_column=sampling_params" in hints[0]
+    caplog.clear()
+    monkeypatch.setattr(pipeline.source, "_HINTED", set())
+    with caplog.at_level("WARNING", logger="pipeline"):
+        plan(path, sampling_params_column="sampling_params")
+    assert not [r for r in caplog.records if "does not read" in r.getMessage()]
