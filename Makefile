@@ -25,8 +25,11 @@ setup: $(VENV)/.installed
 run: setup
 	$(PY) -m jobs.generate $(ARGS)
 
+# Two pytest workers, a test file each at a time (its module fixtures set up once): much of a test's time is
+# waiting on Ray, subprocesses and servers, so two share 2 cores well. TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -m "not slow" -q $(ARGS)
+	$(PY) -m pytest -m "not slow" -q -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 test-all: setup
 	$(PY) -m pytest -q $(ARGS)
