@@ -92,7 +92,8 @@ __all__ = ["DEFAULT_PACK_BELOW", "ContinuousBatcher", "FinishedRow", "feature_ta
 
 # Pack live rows into the holes below them when at most this fraction of the slots is live, by device type. On
 # the CPU a forward costs about in proportion to its rows, so packing pays as soon as a slot is free (measured:
-# docs/performance.md#default_pack_below); on CUDA never (not measured on a GPU yet): see the module docstring.
+# benchmarks/results/engine/README.md, "DEFAULT_PACK_BELOW"); on CUDA never (not measured on a GPU yet): see
+# the module docstring.
 DEFAULT_PACK_BELOW = {"cpu": 1.0}
 
 

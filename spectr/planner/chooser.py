@@ -98,7 +98,7 @@ def default_candidates(max_num_drafts: int, max_draft_length: int, greedy: bool 
                   if k <= max_num_drafts for n in range(2, min(4, max_draft_length) + 1)]
         # traversal at the longest draft only: its gain over spectr grows with L while its selection costs more
         # per iteration, and each extra candidate costs exploration (measured on whole default jobs:
-        # docs/performance.md#the-default-job-with-traversal-among-autos-candidates)
+        # benchmarks/results/traversal/default_job_2026-12-06/README.md)
         longest = min(4, max_draft_length)
         found += [StepConfig.of("traversal", k, longest) for k in (2, 4) if k <= max_num_drafts and longest >= 3]
     return found
