@@ -2,7 +2,7 @@
 default jobs against autoregressive, interleaved, on prompts held out from training.
 
     make real-model                                   # once: builds models/SmolLM2-135M-Instruct (outside git)
-    python scripts/bench_real_model.py                # train the draft, then 2 rounds of both settings
+    python scripts/bench_real_model.py --draft-out DIR   # train the draft (kept in DIR), then 2 rounds of both settings
     python scripts/bench_real_model.py --draft DIR --rounds 3    # an existing draft: the jobs only
 
 1. The prompts: `assets/prompts.jsonl` split in two files, the first lines to train on and the last
@@ -138,6 +138,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--heldout", type=int, default=64)
     parser.add_argument("--draft", type=Path, default=None, help="an existing draft: skip training")
+    parser.add_argument("--draft-out", type=Path, default=None,
+                        help="train the draft into this directory (kept for later --draft runs and profiling)")
     parser.add_argument("--train-set", nargs="*", default=[], help="extra overrides for jobs.train_draft")
     parser.add_argument("--settings", nargs="*", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--timeout-s", type=float, default=1800.0)
@@ -151,7 +153,7 @@ def main() -> None:
     train = None
     draft = args.draft
     if draft is None:
-        draft = workdir / "draft"
+        draft = args.draft_out or workdir / "draft"
         train = train_draft(model, train_prompts, draft, args.train_set)
         print(json.dumps(train), flush=True)
         if train["returncode"] != 0:
@@ -177,6 +179,7 @@ def main() -> None:
     text = markdown(summary, train)
     bench.write(args.out / "report.json", summary, markdown=text)
     print(text)
+    print(f"the draft: {draft} (again: --draft {draft})")
 
 
 if __name__ == "__main__":
