@@ -294,14 +294,14 @@ def check_columns(names: list[str], schema: pa.Schema | None, data: DataConfig, 
     return data.id_column in names
 
 
-_HINTED: set[str] = set()
+_HINTED = [False]  # the hint below, said once per process (not once per input file)
 
 
 def _hint_unread_sampling_params(names: list[str], data: DataConfig, where: str) -> None:
     """A column named as vLLM's and the Ray Data stage's per-row settings, which the job reads only when told
     (`data.sampling_params_column`): say so once, rather than run every row with the job's settings silently."""
-    if data.sampling_params_column is None and "sampling_params" in names and "sampling_params" not in _HINTED:
-        _HINTED.add("sampling_params")
+    if data.sampling_params_column is None and "sampling_params" in names and not _HINTED[0]:
+        _HINTED[0] = True
         logging.getLogger("pipeline").warning(
             "%s has a column 'sampling_params' that this job does not read: every row uses the job's settings "
             "(data.sampling_params_column=sampling_params reads each row's own)", where)

@@ -403,7 +403,7 @@ def test_the_modules_below_the_readers_import_neither_the_readers_nor_the_prompt
 def test_a_sampling_params_column_the_job_does_not_read_is_named_once(tmp_path, caplog, monkeypatch):
     import pipeline.source
 
-    monkeypatch.setattr(pipeline.source, "_HINTED", set())
+    monkeypatch.setattr(pipeline.source, "_HINTED", [False])
     path = tmp_path / "rows.jsonl"
     path.write_text(json.dumps({"prompt": "x", "sampling_params": {"temperature": 0}}) + "\n")
     with caplog.at_level("WARNING", logger="pipeline"):
@@ -412,7 +412,7 @@ def test_a_sampling_params_column_the_job_does_not_read_is_named_once(tmp_path, 
     hints = [r.getMessage() for r in caplog.records if "sampling_params" in r.getMessage()]
     assert len(hints) == 1 and "data.sampling_params_column=sampling_params" in hints[0]
     caplog.clear()
-    monkeypatch.setattr(pipeline.source, "_HINTED", set())
+    monkeypatch.setattr(pipeline.source, "_HINTED", [False])
     with caplog.at_level("WARNING", logger="pipeline"):
         plan(path, sampling_params_column="sampling_params")
     assert not [r for r in caplog.records if "does not read" in r.getMessage()]
