@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -29,24 +28,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
-from harness import Report, interleaved, summary, table  # noqa: E402
-
-
-def parse_job(text: str) -> dict:
-    """The numbers of a job's printed summary: throughput, generation seconds, generated tokens, method."""
-    found: dict = {}
-    for key, pattern in (("throughput_tokens_per_s", r"throughput\s+([\d.]+) tokens/s"),
-                         ("generation_s", r"generation ([\d.]+) s"),
-                         ("generated_tokens", r"generated tokens\s+([\d,]+)"),
-                         ("block_efficiency", r"block efficiency\s+([\d.]+)"),
-                         ("acceptance", r"acceptance rate\s+([\d.]+)")):
-        match = re.search(pattern, text)
-        if match:
-            found[key] = float(match.group(1).replace(",", ""))
-    method = re.search(r"^\s+method\s+(.*)$", text, re.M)
-    if method:
-        found["method_line"] = method.group(1).strip()
-    return found
+from harness import Report, interleaved, job_summary, summary, table  # noqa: E402
 
 
 def run_job(name: str, overrides: list[str], tree: Path, work: Path, number: int, inductor: Path | None) -> dict:
@@ -59,7 +41,7 @@ def run_job(name: str, overrides: list[str], tree: Path, work: Path, number: int
     started = time.perf_counter()
     done = subprocess.run(command, cwd=tree, env={**os.environ, **env}, capture_output=True, text=True)
     record = {"arm": name, "round": number, "returncode": done.returncode, "wall_s": time.perf_counter() - started,
-              **parse_job(done.stdout + done.stderr)}
+              **job_summary(done.stdout + done.stderr)}
     (work / f"{name}-{number}.log").write_text(done.stdout + done.stderr)
     if done.returncode != 0:
         record["error"] = (done.stderr or done.stdout)[-2000:]

@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import random
-import re
 import subprocess
 import sys
 import tempfile
@@ -40,7 +39,7 @@ from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(PROJECT_ROOT / "scripts"))
-from harness import Report, summary, table  # noqa: E402
+from harness import Report, job_summary, summary, table  # noqa: E402
 
 SETTINGS = {
     "default": [],
@@ -69,24 +68,6 @@ def overrides(config: str) -> list[str]:
     return found
 
 
-def parse_summary(text: str) -> dict[str, object]:
-    """The numbers of the job's printed summary table."""
-    found: dict[str, object] = {}
-    throughput = re.search(r"throughput\s+([\d.]+) tokens/s", text)
-    generation = re.search(r"generation ([\d.]+) s", text)
-    method = re.search(r"^\s+method\s+(.*)$", text, re.M)
-    wasted = re.search(r"wasted ([\d.]+) s", text)
-    if throughput:
-        found["throughput_tokens_per_s"] = float(throughput.group(1))
-    if generation:
-        found["generation_s"] = float(generation.group(1))
-    if method:
-        found["method_line"] = method.group(1).strip()
-    if wasted:
-        found["planner_wasted_s"] = float(wasted.group(1))
-    return found
-
-
 def run_job(setting: str, config: str, workdir: Path, warm_cache: Path, timeout_s: float) -> dict[str, object]:
     """One whole job in a fresh process; its summary's numbers."""
     output = Path(tempfile.mkdtemp(prefix="job-", dir=workdir))
@@ -97,7 +78,7 @@ def run_job(setting: str, config: str, workdir: Path, warm_cache: Path, timeout_
     started = time.perf_counter()
     done = subprocess.run(command, cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
     record: dict[str, object] = {"setting": setting, "config": config, "returncode": done.returncode,
-                                 "wall_s": time.perf_counter() - started, **parse_summary(done.stdout)}
+                                 "wall_s": time.perf_counter() - started, **job_summary(done.stdout)}
     if done.returncode != 0 or "throughput_tokens_per_s" not in record:
         record["error"] = (done.stderr or done.stdout)[-2000:]
     return record

@@ -35,9 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_jobs import parse_summary
 from build_real_model import DEFAULT_OUT, build
-from harness import Report, interleaved, machine_line
+from harness import Report, interleaved, job_summary, machine_line
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = PROJECT_ROOT / "assets" / "prompts.jsonl"
@@ -82,10 +81,7 @@ def run_job(model: Path, draft: Path, prompts: Path, setting: str, arm: str, wor
     done = subprocess.run(command, cwd=PROJECT_ROOT, env={**os.environ, "SPECTR_CACHE_DIR": str(cache)},
                           capture_output=True, text=True, timeout=timeout_s)
     record: dict[str, object] = {"setting": setting, "arm": arm, "returncode": done.returncode,
-                                 "wall_s": time.perf_counter() - started, **parse_summary(done.stdout)}
-    efficiency = re.search(r"block efficiency\s+([\d.]+)", done.stdout)
-    if efficiency:
-        record["block_efficiency"] = float(efficiency.group(1))
+                                 "wall_s": time.perf_counter() - started, **job_summary(done.stdout)}
     if done.returncode != 0 or "throughput_tokens_per_s" not in record:
         record["error"] = (done.stderr or done.stdout)[-2000:]
     return record

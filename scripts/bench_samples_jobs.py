@@ -36,7 +36,7 @@ from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(PROJECT_ROOT / "scripts"))
-from harness import Report, interleaved, summary, table  # noqa: E402
+from harness import Report, interleaved, job_summary, summary, table  # noqa: E402
 
 COMMON = ["spectr.method=speculative", "spectr.draft_length=3", "mlflow.enabled=false", "progress=false"]
 SCENARIOS = {
@@ -91,15 +91,8 @@ def write_inputs(scenario: dict, workdir: Path) -> dict[str, Path]:
 
 
 def parse_summary(text: str) -> dict[str, object]:
-    found: dict[str, object] = {}
-    for key, pattern in (("throughput_tokens_per_s", r"throughput\s+([\d.]+) tokens/s"),
-                         ("generation_s", r"generation ([\d.]+) s"),
-                         ("generated_tokens", r"generated tokens\s+(\d+)"),
-                         ("target_calls", r"target calls\s+(\d+)"),
-                         ("block_efficiency", r"block efficiency\s+([\d.]+) tokens per target call")):
-        match = re.search(pattern, text)
-        if match:
-            found[key] = float(match.group(1))
+    """The job summary's numbers (`harness.job_summary`), its prefills, shards and first line."""
+    found: dict[str, object] = job_summary(text)
     prefills = re.search(r"prefills\s+(\d+) run, (\d+) shared", text)
     found["prefilled_rows"], found["shared_prefill_rows"] = (int(prefills.group(1)), int(prefills.group(2))) \
         if prefills else (None, 0)

@@ -33,6 +33,7 @@ import math
 import os
 import platform
 import random
+import re
 import shlex
 import socket
 import statistics
@@ -191,6 +192,28 @@ def summary(values: Iterable[float], confidence: float = 0.95) -> dict:
 def ratio_summary(runs_a: list[Mapping], runs_b: list[Mapping], key: str) -> dict:
     """The per-round ratio a[key] / b[key] over paired rounds, summarised (the drift between rounds cancels)."""
     return summary(a[key] / b[key] for a, b in zip(runs_a, runs_b, strict=True))
+
+
+_JOB_NUMBERS = (("throughput_tokens_per_s", r"throughput\s+([\d.]+) tokens/s"),
+                ("generation_s", r"generation ([\d.]+) s"),
+                ("generated_tokens", r"generated tokens\s+([\d,]+)"),
+                ("target_calls", r"target calls\s+([\d,]+)"),
+                ("block_efficiency", r"block efficiency\s+([\d.]+)"),
+                ("acceptance", r"acceptance rate\s+([\d.]+)"),
+                ("planner_wasted_s", r"wasted ([\d.]+) s"))
+
+
+def job_summary(text: str) -> dict:
+    """The numbers of `python -m jobs.generate`'s printed summary (those it printed), and its method line."""
+    found: dict = {}
+    for key, pattern in _JOB_NUMBERS:
+        match = re.search(pattern, text)
+        if match:
+            found[key] = float(match.group(1).replace(",", ""))
+    method = re.search(r"^\s+method\s+(.*)$", text, re.M)
+    if method:
+        found["method_line"] = method.group(1).strip()
+    return found
 
 
 def _cell(value: object) -> str:
