@@ -18,6 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(TORCH_INSTALL)
 	$(PIP) install -e '.[dev]'
+	$(PY) -c "from spectr import cpu_linear; cpu_linear.report()"  # the CPU kernel, built once (spectr/cpu_linear.py)
 	touch $@
 
 setup: $(VENV)/.installed

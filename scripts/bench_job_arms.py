@@ -9,6 +9,7 @@ Each run is `python -m jobs.generate` in a fresh process (the `make run` default
 a fresh output directory and SQLite MLflow store, progress off). `--tree NAME=DIR` runs that arm's job from
 another checkout (`PYTHONPATH=DIR`, working directory DIR: e.g. a `git worktree` of another commit). Each arm
 keeps its own SPECTR_CACHE_DIR across rounds (the plan cache's warm start, as a user's later jobs get);
+`--env NAME=KEY=VALUE` sets an environment variable for that arm's jobs (`--env mkl=SPECTR_CPU_LINEAR=0`);
 `--cold-inductor` gives every compiled arm a fresh TORCHINDUCTOR_CACHE_DIR on its first run (the compile a
 fresh machine pays) and keeps it for later rounds. Rounds run the arms in the given order, or ABBA with
 `--alternate`. Reported per arm: the job's own `throughput` line (generated tokens over its generation
@@ -31,9 +32,10 @@ sys.path.insert(0, str(REPO / "scripts"))
 from harness import Report, interleaved, job_summary, summary, table  # noqa: E402
 
 
-def run_job(name: str, overrides: list[str], tree: Path, work: Path, number: int, inductor: Path | None) -> dict:
+def run_job(name: str, overrides: list[str], tree: Path, work: Path, number: int, inductor: Path | None,
+            extra_env: dict | None = None) -> dict:
     out = work / f"{name}-{number}"
-    env = {"PYTHONPATH": str(tree), "SPECTR_CACHE_DIR": str(work / f"cache-{name}")}
+    env = {"PYTHONPATH": str(tree), "SPECTR_CACHE_DIR": str(work / f"cache-{name}"), **(extra_env or {})}
     if inductor is not None:
         env["TORCHINDUCTOR_CACHE_DIR"] = str(inductor)
     command = [sys.executable, "-m", "jobs.generate", *overrides, f"output_dir={out}", "progress=false",
@@ -52,6 +54,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arm", nargs="+", action="append", required=True, metavar="NAME [OVERRIDE ...]")
     parser.add_argument("--tree", action="append", default=[], metavar="NAME=DIR")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=KEY=VALUE",
+                        help="an environment variable for that arm's jobs (e.g. off=SPECTR_CPU_LINEAR=0)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--alternate", action="store_true", help="every other round in reverse order (ABBA)")
     parser.add_argument("--cold-inductor", action="store_true")
@@ -60,6 +64,10 @@ def main(argv=None) -> None:
     report = Report("job_arms", argv=None if argv is None else [__file__, *argv], args=args)
     print(report.header(), flush=True)
     trees = dict(item.split("=", 1) for item in args.tree)
+    envs: dict = {}
+    for item in args.env:
+        name, key, value = item.split("=", 2)
+        envs.setdefault(name, {})[key] = value
     work = Path(args.out).with_suffix("") if args.out else Path(tempfile.mkdtemp(prefix="job_arms_"))
     work.mkdir(parents=True, exist_ok=True)
     rounds = {}
@@ -69,7 +77,8 @@ def main(argv=None) -> None:
         inductor = work / f"inductor-{name}" if args.cold_inductor else None
         if inductor is not None and rounds[name] == 1:
             shutil.rmtree(inductor, ignore_errors=True)  # cold on the first run, warm after
-        return run_job(name, overrides, Path(trees.get(name, REPO)).resolve(), work, rounds[name], inductor)
+        return run_job(name, overrides, Path(trees.get(name, REPO)).resolve(), work, rounds[name], inductor,
+                       envs.get(name))
 
     def progress(_round, name, record):
         print(f"round {record['round']} {name:<20} {record.get('throughput_tokens_per_s', 'failed')} tokens/s, "

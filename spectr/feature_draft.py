@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from spectr import cpu_linear
 from spectr.drafting import TreeDrafter, nonfinite_rows
 from spectr.kv_cache import RowKVCache, tree_attention
 from spectr.penalties import root_paths
@@ -521,6 +522,8 @@ class FeatureDraftLM:
         self.sliding_window = None
         self.num_layers = 1
         self.name = f"{model.config.kind} head"
+        if self.device.type == "cpu":  # float32 linears over a few rows: one pass over the weights
+            cpu_linear.install(model)
 
     @property
     def description(self) -> str:
@@ -542,8 +545,9 @@ class FeatureDraftLM:
             keys, values = rows.write(0, k, v)
             return keys, values, allowed
 
-        hidden = self.model(tokens, features.to(self.dtype), positions, from_target=from_target, attend=attend)
-        return self.model.full_logits(hidden), hidden
+        with cpu_linear.active():
+            hidden = self.model(tokens, features.to(self.dtype), positions, from_target=from_target, attend=attend)
+            return self.model.full_logits(hidden), hidden
 
 
 # --------------------------------------------------------------------------------------------------------

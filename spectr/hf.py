@@ -38,6 +38,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import AttentionInterface
 
+from spectr import cpu_linear
 from spectr.kv_cache import RowKVCache, RowView
 from spectr.split import layer_groups, moved
 
@@ -158,6 +159,8 @@ class HFCausalLM:
         self._cache_kwarg = "cache" if "cache" in parameters else "past_key_values"
         self._takes_logits_to_keep = "logits_to_keep" in parameters
         self.name = getattr(config, "_name_or_path", "") or type(model).__name__
+        if self.device.type == "cpu":  # float32 linears over a few rows: one pass over the weights
+            cpu_linear.install(model)
         self.tap = None  # a feature draft's `spectr.feature_draft.FeatureTap` on this model's forwards
         # The configs whose attention implementation the engine's forwards switch to the grouped one.
         self._attention_configs = [c for c in {id(config): config, id(text_config): text_config}.values()
@@ -234,13 +237,14 @@ class HFCausalLM:
         try:
             for c in self._attention_configs:
                 c._attn_implementation_internal = GROUPED_ATTENTION
-            output = self.model(
-                input_ids=input_ids,
-                attention_mask=self.additive_mask(allowed),
-                position_ids=position_ids,
-                use_cache=True,
-                **kwargs,
-            )
+            with cpu_linear.active():
+                output = self.model(
+                    input_ids=input_ids,
+                    attention_mask=self.additive_mask(allowed),
+                    position_ids=position_ids,
+                    use_cache=True,
+                    **kwargs,
+                )
         finally:
             for c, implementation in zip(self._attention_configs, saved):
                 c._attn_implementation_internal = implementation

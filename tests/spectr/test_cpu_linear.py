@@ -1,0 +1,144 @@
+"""The CPU small-row linear kernel (`spectr.cpu_linear`): same products as `F.linear`, one row's result
+independent of how many rows share the call, used only inside the engine's forwards, and `F.linear` bit for
+bit everywhere else (more rows, other dtypes, autograd, outside `active()`, a failed build)."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hf_tiny import hf_greedy, tiny_model
+
+import spectr
+from spectr import cpu_linear
+
+
+def linear(in_features=37, out_features=45, bias=True, seed=0, dtype=torch.float32):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        layer = torch.nn.Linear(in_features, out_features, bias=bias).to(dtype)
+    assert cpu_linear.install(layer) == (1 if dtype == torch.float32 else 0)
+    return layer
+
+
+@pytest.fixture(scope="module")
+def built():
+    if cpu_linear.kernel() is None:
+        pytest.skip("the kernel could not be built on this machine (a warning said why)")
+    return cpu_linear.kernel()
+
+
+@pytest.mark.parametrize("rows", range(1, cpu_linear.MAX_ROWS + 1))
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_computes_the_linear(built, rows, bias):
+    layer = linear(in_features=16 * 3 + 5, bias=bias)  # K not a multiple of the kernel's 16 lanes
+    x = torch.randn(rows, layer.in_features)
+    with torch.no_grad(), cpu_linear.active():
+        out = layer(x)
+    torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    assert not torch.equal(out, F.linear(x, layer.weight, layer.bias)) or rows == 1  # another summation order
+
+
+def test_batched_shapes_keep_their_leading_axes(built):
+    layer = linear()
+    x = torch.randn(2, 3, layer.in_features)  # 6 rows: [B, T, K]
+    with torch.no_grad(), cpu_linear.active():
+        out = layer(x)
+    assert out.shape == (2, 3, layer.out_features)
+    torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(built):
+    layer = linear(in_features=576, out_features=300)
+    x = torch.randn(cpu_linear.MAX_ROWS, layer.in_features)
+    with torch.no_grad(), cpu_linear.active():
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
+        together = layer(x)
+    assert torch.equal(alone, together)
+    # the control: MKL's GEMM is not row-invariant here, so the test can tell the two apart
+    mkl_alone = torch.cat([F.linear(x[i : i + 1], layer.weight, layer.bias) for i in range(len(x))])
+    assert not torch.equal(mkl_alone, F.linear(x, layer.weight, layer.bias))
+
+
+def test_everything_else_is_f_linear_bit_for_bit(built):
+    layer = linear()
+    few, many = torch.randn(3, layer.in_features), torch.randn(cpu_linear.MAX_ROWS + 1, layer.in_features)
+    with torch.no_grad():
+        assert torch.equal(layer(few), F.linear(few, layer.weight, layer.bias))  # outside active()
+        with cpu_linear.active():
+            assert torch.equal(layer(many), F.linear(many, layer.weight, layer.bias))  # past MAX_ROWS
+    with cpu_linear.active():  # autograd: the kernel has no backward
+        out = layer(few)
+        assert torch.equal(out, F.linear(few, layer.weight, layer.bias))
+        out.sum().backward()
+    assert layer.weight.grad is not None
+    bf16 = linear(dtype=torch.bfloat16)  # not patched at all
+    assert "forward" not in bf16.__dict__
+
+
+def test_a_failed_build_warns_once_and_falls_back(monkeypatch, tmp_path):
+    import torch.utils.cpp_extension
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no C++ compiler here")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", no_compiler)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_linear, "_kernel", [])
+    layer = linear()
+    x = torch.randn(2, layer.in_features)
+    with pytest.warns(RuntimeWarning, match="could not be built.*no C\\+\\+ compiler here"):
+        assert cpu_linear.kernel() is None
+    with torch.no_grad(), cpu_linear.active():
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+def test_a_build_in_progress_elsewhere_is_waited_for_then_given_up_on(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_linear, "BUILD_TIMEOUT_S", 1.0)
+    where = cpu_linear.build_dir()
+    where.mkdir(parents=True)
+    (where / "building").touch()  # another process's build, still fresh: this one waits, then gives up
+    with pytest.warns(RuntimeWarning, match="TimeoutError: another process has been building"):
+        assert cpu_linear._build() is None
+
+
+def test_a_dead_builders_marker_is_taken_over(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_linear, "STALE_MARKER_S", 60.0)
+    compiled = []
+    monkeypatch.setattr(cpu_linear, "_compile", lambda where, built: compiled.append(built) or F.linear)
+    where = cpu_linear.build_dir()
+    where.mkdir(parents=True)
+    marker = where / "building"
+    marker.touch()
+    old = marker.stat().st_mtime - 120  # its builder died two minutes ago
+    os.utime(marker, (old, old))
+    assert cpu_linear._build() is F.linear and compiled == [where / f"{cpu_linear.NAME}.so"]
+    assert not marker.exists()
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv(cpu_linear.ENV, "0")
+    layer = torch.nn.Linear(8, 8)
+    assert cpu_linear.install(layer) == 0 and "forward" not in layer.__dict__
+
+
+def test_the_engine_uses_it_and_hf_generate_does_not(built, monkeypatch):
+    calls = []
+
+    def counting(x, w):
+        calls.append(x.shape[0])
+        return built(x, w)
+
+    monkeypatch.setattr(cpu_linear, "_kernel", [counting])
+    target = tiny_model(seed=3)
+    prompt = [1, 5, 9, 2]
+    ours = spectr.generate(target, None, [prompt], method="autoregressive", max_new_tokens=12, temperature=0.0)
+    linears = sum(isinstance(m, torch.nn.Linear) for m in target.modules())
+    assert len(calls) >= linears * 11  # every linear of every one-token step after the prefill
+    assert set(calls) <= set(range(1, cpu_linear.MAX_ROWS + 1))
+    calls.clear()
+    reference = hf_greedy(target, prompt, 12)  # the same patched modules, outside the engine's forwards
+    assert calls == []
+    assert ours.tokens[0] == reference
