@@ -7,10 +7,13 @@ batch-1 verify of 2-3 tokens cost 1.6-2x an autoregressive step, and even one ro
 memory bandwidth. The kernel here (`SOURCE`) streams each weight row once and dots it with all M <= `MAX_ROWS`
 input rows held in L1: the whole SmolLM2 forward at batch 1 takes 31 / 38 / 44 / 48 ms at 1 / 2 / 3 / 4
 tokens against MKL's 53 / 91 / 106 / 80 (benchmarks/results/real_model/README.md#the-cpu-linear-kernel).
+From `MAX_ROWS` + 1 to `PACKED_MAX_ROWS` rows (a batch of 8 rows, their verifies) oneDNN's product over a packed
+copy of the weight reads it about once (as the compiled core's `ONEDNN_MAX_ROWS` does): the forward over 8-32
+tokens 1.35-1.5x faster than MKL, for the weights once more in memory (up to `PACKED_MAX_BYTES` per process).
 
 Scope: only inside the engine's own forwards (`active()`: `HFCausalLM.forward`, the feature draft's), on
-linears that `install` patched (float32 weights on the CPU), over 1..`MAX_ROWS` rows, without autograd and
-outside torch.compile; everything else is `F.linear`, bit for bit. So a model used outside the engine (HF
+linears that `install` patched (float32 weights on the CPU), over 1..`PACKED_MAX_ROWS` rows, without autograd
+and outside torch.compile; everything else is `F.linear`, bit for bit. So a model used outside the engine (HF
 `generate` as a baseline, training) is untouched. Each output is one dot product in a fixed order, whatever
 the number of rows: a row's result is the same alone or among others (tested).
 
@@ -37,6 +40,7 @@ import threading
 import time
 import types
 import warnings
+import weakref
 from pathlib import Path
 
 import torch
@@ -46,6 +50,10 @@ MAX_ROWS = 6  # rows (tokens x batch rows) the kernel takes; past it MKL's block
 ENV = "SPECTR_CPU_LINEAR"  # "0": never use the kernel
 NAME = "spectr_cpu_linear"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd")
+# ...and from MAX_ROWS + 1 to PACKED_MAX_ROWS rows, oneDNN's product over a packed copy of the weight (made on first
+# use: the float32 linear weights once more in memory), which reads it about once where MKL reads it every few rows
+PACKED_MAX_ROWS = 32
+PACKED_MAX_BYTES = 4 << 30  # packed copies kept per process at most; past it, F.linear (a large model on a CPU)
 BUILD_TIMEOUT_S = 300.0  # how long a process waits for another one's build before it gives up (F.linear)
 STALE_MARKER_S = 900.0  # a build marker this old was left by a builder that died: the next process takes over
 
@@ -106,6 +114,8 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor w) {
 _local = threading.local()  # .depth: how many `active()` blocks this thread is in
 _lock = threading.Lock()
 _kernel: list = []  # [the built function, or None when it could not be built]
+_packed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> (version, data_ptr, packed weight)
+_packed_bytes = [0]  # bytes of packed copies made in this process (`PACKED_MAX_BYTES`)
 
 
 def enabled() -> bool:
@@ -228,16 +238,40 @@ def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if torch.compiler.is_compiling():  # first: a traced forward never reads the thread-local flag
         return F.linear(x, self.weight, self.bias)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (not getattr(_local, "depth", 0) or not 1 <= rows <= MAX_ROWS or x.dtype != torch.float32
+    if (not getattr(_local, "depth", 0) or not 1 <= rows <= PACKED_MAX_ROWS or x.dtype != torch.float32
             or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
         return F.linear(x, self.weight, self.bias)
-    run = kernel()
-    if run is None:
-        return F.linear(x, self.weight, self.bias)
-    out = run(x.reshape(rows, x.shape[-1]).contiguous(), self.weight.contiguous())
+    if rows > MAX_ROWS:
+        out = _packed_linear(self, x.reshape(rows, x.shape[-1]))
+        if out is None:
+            return F.linear(x, self.weight, self.bias)
+    else:
+        run = kernel()
+        if run is None:
+            return F.linear(x, self.weight, self.bias)
+        out = run(x.reshape(rows, x.shape[-1]).contiguous(), self.weight.contiguous())
     if self.bias is not None:
         out += self.bias
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _packed_linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
+    """x [M, K] times the layer's weight through oneDNN's packed copy of it (made on first use, remade when
+    the weight changes in place), or None without oneDNN."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    weight = layer.weight
+    version = None if weight.is_inference() else weight._version  # an inference tensor keeps no version
+    held = _packed.get(layer)
+    if held is None or held[0] != version or held[1] != weight.data_ptr():
+        if held is None:
+            with _lock:
+                if _packed_bytes[0] + weight.nbytes > PACKED_MAX_BYTES:
+                    return None
+                _packed_bytes[0] += weight.nbytes
+        held = (version, weight.data_ptr(), torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
+        _packed[layer] = held
+    return torch.ops.mkldnn._linear_pointwise(x, held[2], None, "none", [], "")
 
 
 def report() -> None:

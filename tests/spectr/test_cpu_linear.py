@@ -1,7 +1,9 @@
 """The CPU small-row linear kernel (`spectr.cpu_linear`): same products as `F.linear`, one row's result
-independent of how many rows share the call, used only inside the engine's forwards, and `F.linear` bit for
-bit everywhere else (more rows, other dtypes, autograd, outside `active()`, a failed build)."""
+independent of how many rows share the call, oneDNN's packed copy over a few more rows (within a memory
+budget, remade when the weight changes), used only inside the engine's forwards, and `F.linear` bit for bit
+everywhere else (more rows, other dtypes, autograd, outside `active()`, a failed build)."""
 
+import copy
 import os
 
 import pytest
@@ -62,11 +64,11 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(built):
 
 def test_everything_else_is_f_linear_bit_for_bit(built):
     layer = linear()
-    few, many = torch.randn(3, layer.in_features), torch.randn(cpu_linear.MAX_ROWS + 1, layer.in_features)
+    few, many = torch.randn(3, layer.in_features), torch.randn(cpu_linear.PACKED_MAX_ROWS + 1, layer.in_features)
     with torch.no_grad():
         assert torch.equal(layer(few), F.linear(few, layer.weight, layer.bias))  # outside active()
         with cpu_linear.active():
-            assert torch.equal(layer(many), F.linear(many, layer.weight, layer.bias))  # past MAX_ROWS
+            assert torch.equal(layer(many), F.linear(many, layer.weight, layer.bias))  # past PACKED_MAX_ROWS
     with cpu_linear.active():  # autograd: the kernel has no backward
         out = layer(few)
         assert torch.equal(out, F.linear(few, layer.weight, layer.bias))
@@ -74,6 +76,32 @@ def test_everything_else_is_f_linear_bit_for_bit(built):
     assert layer.weight.grad is not None
     bf16 = linear(dtype=torch.bfloat16)  # not patched at all
     assert "forward" not in bf16.__dict__
+
+
+@pytest.mark.parametrize("rows", [cpu_linear.MAX_ROWS + 1, cpu_linear.PACKED_MAX_ROWS])
+def test_more_rows_go_through_onednns_packed_copy(built, rows):
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch build")
+    layer = linear(in_features=64, out_features=70)
+    x = torch.randn(rows, layer.in_features)
+    with torch.no_grad(), cpu_linear.active():
+        out = layer(x)
+        packed = cpu_linear._packed[layer][2]
+        torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        layer.weight.mul_(2)  # a weight changed in place: its packed copy is made again
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    assert cpu_linear._packed[layer][2] is not packed
+    copy.deepcopy(layer)  # the packed copy is not the module's: a model still deep-copies
+
+
+def test_packed_copies_stay_within_their_memory_budget(built, monkeypatch):
+    monkeypatch.setattr(cpu_linear, "_packed_bytes", [0])
+    monkeypatch.setattr(cpu_linear, "PACKED_MAX_BYTES", 0)
+    layer = linear()
+    x = torch.randn(cpu_linear.MAX_ROWS + 1, layer.in_features)
+    with torch.no_grad(), cpu_linear.active():
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    assert layer not in cpu_linear._packed
 
 
 def test_a_failed_build_warns_once_and_falls_back(monkeypatch, tmp_path):
