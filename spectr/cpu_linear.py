@@ -197,6 +197,9 @@ def _claim(marker: Path) -> bool:
 def _compile(where: Path, built: Path):
     from torch.utils.cpp_extension import load_inline
 
+    here = os.path.dirname(sys.executable)  # the environment's own ninja (a dependency) where PATH has none
+    if shutil.which("ninja") is None and shutil.which("ninja", path=here):
+        os.environ["PATH"] = here + os.pathsep + os.environ.get("PATH", "")
     scratch = Path(tempfile.mkdtemp(dir=where, prefix="build-"))
     try:
         module = load_inline(NAME, cpp_sources=SOURCE, functions=["small_linear"], extra_cflags=list(FLAGS),
