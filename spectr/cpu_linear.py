@@ -114,8 +114,8 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor w) {
 _local = threading.local()  # .depth: how many `active()` blocks this thread is in
 _lock = threading.Lock()
 _kernel: list = []  # [the built function, or None when it could not be built]
-_packed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> (version, data_ptr, packed weight)
-_packed_bytes = [0]  # bytes of packed copies made in this process (`PACKED_MAX_BYTES`)
+# layer -> (weight version, data pointer, oneDNN's packed copy, its bytes), dropped with the layer
+_packed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def enabled() -> bool:
@@ -222,7 +222,8 @@ def active():
 
 def install(model: torch.nn.Module) -> int:
     """Patch every float32 CPU `nn.Linear` of `model` (once) so that, inside `active()`, 1..`MAX_ROWS` rows
-    go through the kernel. Returns how many linears are patched. Nothing on other devices or dtypes."""
+    go through the kernel and up to `PACKED_MAX_ROWS` through oneDNN's packed copy. Returns how many linears
+    are patched. Nothing on other devices or dtypes."""
     if not enabled():
         return 0
     count = 0
@@ -267,13 +268,12 @@ def _packed_linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor | No
     version = None if weight.is_inference() else weight._version  # an inference tensor keeps no version
     held = _packed.get(layer)
     if held is None or held[0] != version or held[1] != weight.data_ptr():
-        if held is None:
-            with _lock:
-                if _packed_bytes[0] + weight.nbytes > PACKED_MAX_BYTES:
-                    return None
-                _packed_bytes[0] += weight.nbytes
-        held = (version, weight.data_ptr(), torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
-        _packed[layer] = held
+        with _lock:  # the live copies' bytes (a model's copies go with it); once per layer, not per call
+            others = sum(size for key, (*_, size) in list(_packed.items()) if key is not layer)
+            if others + weight.nbytes > PACKED_MAX_BYTES:
+                return None
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+            held = _packed[layer] = (version, weight.data_ptr(), packed, weight.nbytes)
     return torch.ops.mkldnn._linear_pointwise(x, held[2], None, "none", [], "")
 
 

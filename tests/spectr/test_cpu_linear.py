@@ -95,7 +95,6 @@ def test_more_rows_go_through_onednns_packed_copy(built, rows):
 
 
 def test_packed_copies_stay_within_their_memory_budget(built, monkeypatch):
-    monkeypatch.setattr(cpu_linear, "_packed_bytes", [0])
     monkeypatch.setattr(cpu_linear, "PACKED_MAX_BYTES", 0)
     layer = linear()
     x = torch.randn(cpu_linear.MAX_ROWS + 1, layer.in_features)
@@ -170,3 +169,20 @@ def test_the_engine_uses_it_and_hf_generate_does_not(built, monkeypatch):
     reference = hf_greedy(target, prompt, 12)  # the same patched modules, outside the engine's forwards
     assert calls == []
     assert ours.tokens[0] == reference
+
+
+def test_a_dropped_layers_packed_copy_leaves_the_budget(built, monkeypatch):
+    import gc
+
+    first, second = linear(seed=1), linear(seed=2)
+    held = sum(size for *_, size in list(cpu_linear._packed.values()))  # other tests' live models
+    monkeypatch.setattr(cpu_linear, "PACKED_MAX_BYTES", held + first.weight.nbytes)  # room for one more copy
+    x = torch.randn(cpu_linear.MAX_ROWS + 1, first.in_features)
+    with torch.no_grad(), cpu_linear.active():
+        first(x)
+        second(x)
+        assert first in cpu_linear._packed and second not in cpu_linear._packed  # over the budget: F.linear
+        del first
+        gc.collect()
+        second(x)
+    assert second in cpu_linear._packed
