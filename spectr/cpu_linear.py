@@ -1,15 +1,12 @@
 """Float32 linear layers over a few rows on the CPU: one pass over the weight, whatever the row count.
 
 Why: speculation pays only where a forward over a few tokens costs about one token's forward. On the CPUs
-measured here (AMD EPYC, torch 2.13.0+cpu with MKL 2024.2), `F.linear` over 2 or 3 rows reads the weight once
-per row (SmolLM2's 49,152 x 576 output layer: 11.5 / 24.6 / 36.7 / 17.7 ms at 1 / 2 / 3 / 4 rows), so a
-batch-1 verify of 2-3 tokens cost 1.6-2x an autoregressive step, and even one row reads at about half the
-memory bandwidth. The kernel here (`SOURCE`) streams each weight row once and dots it with all M <= `MAX_ROWS`
-input rows held in L1: the whole SmolLM2 forward at batch 1 takes 31 / 38 / 44 / 48 ms at 1 / 2 / 3 / 4
-tokens against MKL's 53 / 91 / 106 / 80 (benchmarks/results/real_model/README.md#the-cpu-linear-kernel).
-From `MAX_ROWS` + 1 to `PACKED_MAX_ROWS` rows (a batch of 8 rows, their verifies) oneDNN's product over a packed
-copy of the weight reads it about once (as the compiled core's `ONEDNN_MAX_ROWS` does): the forward over 8-32
-tokens 1.35-1.5x faster than MKL, for the weights once more in memory (up to `PACKED_MAX_BYTES` per process).
+measured, MKL's `F.linear` over 2 or 3 rows reads the weight once per row, so a batch-1 verify of 2-3 tokens
+cost 1.6-2x an autoregressive step. The kernel here (`SOURCE`) streams each weight row once and dots it with
+all M <= `MAX_ROWS` input rows held in L1. From `MAX_ROWS` + 1 to `PACKED_MAX_ROWS` rows (a batch of 8 rows,
+their verifies) oneDNN's product over a packed copy of the weight reads it about once (as the compiled core's
+`ONEDNN_MAX_ROWS` does), for the weights once more in memory (up to `PACKED_MAX_BYTES` per process).
+Measurements: docs/performance.md#speed-on-a-real-model-smollm2-135m-instruct-a-feature-draft.
 
 Scope: only inside the engine's own forwards (`active()`: `HFCausalLM.forward`, the feature draft's), on
 linears that `install` patched (float32 weights on the CPU), over 1..`PACKED_MAX_ROWS` rows, without autograd
@@ -50,8 +47,7 @@ MAX_ROWS = 6  # rows (tokens x batch rows) the kernel takes; past it MKL's block
 ENV = "SPECTR_CPU_LINEAR"  # "0": never use the kernel
 NAME = "spectr_cpu_linear"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd")
-# ...and from MAX_ROWS + 1 to PACKED_MAX_ROWS rows, oneDNN's product over a packed copy of the weight (made on first
-# use: the float32 linear weights once more in memory), which reads it about once where MKL reads it every few rows
+# ...and from MAX_ROWS + 1 to PACKED_MAX_ROWS rows, oneDNN's product over a packed copy of the weight (made on first use)
 PACKED_MAX_ROWS = 32
 PACKED_MAX_BYTES = 4 << 30  # packed copies kept per process at most; past it, F.linear (a large model on a CPU)
 BUILD_TIMEOUT_S = 300.0  # how long a process waits for another one's build before it gives up (F.linear)
@@ -259,12 +255,18 @@ def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
+def onednn_packs(weight: torch.Tensor) -> bool:
+    """Whether oneDNN can multiply by a packed copy of `weight` (float32 on a CPU with oneDNN); the compiled
+    core's kmajor layout asks the same (`spectr.native`)."""
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
 def _packed_linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
     """x [M, K] times the layer's weight through oneDNN's packed copy of it (made on first use, remade when
     the weight changes in place), or None without oneDNN."""
-    if not torch.backends.mkldnn.is_available():
-        return None
     weight = layer.weight
+    if not onednn_packs(weight):
+        return None
     version = None if weight.is_inference() else weight._version  # an inference tensor keeps no version
     held = _packed.get(layer)
     if held is None or held[0] != version or held[1] != weight.data_ptr():

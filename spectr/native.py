@@ -69,6 +69,7 @@ import weakref
 
 import torch
 
+from spectr.cpu_linear import onednn_packs
 from spectr.hf import HFCausalLM
 from spectr.kv_cache import RowView
 from spectr.outcome import SequenceSelection
@@ -129,11 +130,6 @@ LINEAR_LAYOUT = "auto"
 # oneDNN's packed one (`torch.ops.mkldnn`), which reads the weights once per call where MKL reads them again every
 # few rows; past ONEDNN_MAX_ROWS rows MKL is faster again (docs/compile.md#onednn_max_rows).
 ONEDNN_MAX_ROWS = 32
-
-
-def onednn_packs(weight: torch.Tensor) -> bool:
-    """Whether the kmajor layout keeps a oneDNN-packed copy of `weight` (float32 on a CPU with oneDNN)."""
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
 @torch.library.custom_op("spectr::onednn_linear", mutates_args=())
