@@ -47,6 +47,7 @@ def options() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--cache", default="/tmp/feature_heads_cache.pt")
     parser.add_argument("--out", default="/tmp")
+    parser.add_argument("--bf16", action="store_true", help="the head's steps under CPU autocast to bfloat16")
     parser.add_argument("--tag", default="x")
     return parser.parse_args()
 
@@ -99,7 +100,8 @@ def main() -> None:
             group["lr"] = a.lr * min(1.0, (step + 1) / 50) * cosine
         rows = torch.randint(0, len(data), (a.batch,), generator=generator).tolist()
         batch = feature.make_batch(data, rows, "cpu", head.config.hidden_size, a.prompt_pos)
-        loss, parts = feature.head_loss(head, batch, index, a.unroll, a.reg)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.bf16):
+            loss, parts = feature.head_loss(head, batch, index, a.unroll, a.reg)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()

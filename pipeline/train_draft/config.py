@@ -48,6 +48,7 @@ class DraftShape:
     kind: str = "eagle3"  # eagle3 (a head over three fused layers of the target) | eagle (its last state) | model
     vocab_size: int | None = 8192  # feature drafts: the N most frequent completion tokens (null: the whole vocabulary)
     init: str = "target"  # feature drafts: the head starts from the target's last layer | random
+    train_lm_head: bool = True  # feature drafts: the head's output rows are trained (false: kept as the target's)
 
 
 @dataclass(frozen=True)
@@ -148,6 +149,8 @@ def validate(config: DraftJobConfig) -> None:
     train, draft, data = config.train, config.draft, config.data
     if draft.kind not in DRAFT_KINDS:
         raise JobInputError(f"draft.kind: {draft.kind!r} is not one of {', '.join(DRAFT_KINDS)}")
+    if not isinstance(draft.train_lm_head, bool):
+        raise JobInputError(f"draft.train_lm_head: true or false, got {draft.train_lm_head!r}")
     if draft.init not in ("target", "random"):
         raise JobInputError(f"draft.init: {draft.init!r} is not target or random")
     if draft.vocab_size is not None and (not isinstance(draft.vocab_size, int) or draft.vocab_size < 2):

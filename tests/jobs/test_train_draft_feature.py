@@ -73,6 +73,32 @@ def test_an_eagle3_head_trains_and_loads(sharp_target, tmp_path):  # noqa: F811
     assert result.acceptance > 0.3
 
 
+def test_a_head_can_keep_the_targets_output_rows(sharp_target, tmp_path):  # noqa: F811
+    """draft.train_lm_head=false: the head's output layer stays the target's rows for its draft vocabulary (what
+    EAGLE-1 does with the whole output layer), the rest of the head trains; true (the control) moves them."""
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(sharp_target["target"])
+    rows = {}
+    for train_head in (False, True):
+        out = tmp_path / f"head-{train_head}"
+        result = run(eagle(sharp_target, out, "draft.kind=eagle3", "draft.vocab_size=24",
+                           f"draft.train_lm_head={str(train_head).lower()}"))
+        head = load_feature_draft(out, target)
+        expected = target.get_output_embeddings().weight[head.draft_ids()].detach().float()
+        # saved in bfloat16: equal up to its rounding (a relative 2^-8)
+        rows[train_head] = torch.allclose(head.lm_head.weight.detach().float(), expected, rtol=2 ** -7, atol=1e-6)
+        assert result.history[-1][1] < result.history[0][1], "the loss goes down either way"
+    assert rows == {False: True, True: False}, rows
+
+
+def test_train_lm_head_must_be_a_boolean(sharp_target, tmp_path):  # noqa: F811
+    from pipeline.errors import JobInputError
+
+    with pytest.raises(JobInputError, match="draft.train_lm_head: true or false, got 'maybe'"):
+        run(eagle(sharp_target, tmp_path / "bad", "draft.train_lm_head=maybe"))
+
+
 @pytest.mark.parametrize("size,expected", [(None, None), (4, [2, 5, 6, 9])])
 def test_the_draft_vocabulary_is_the_most_frequent_completion_tokens(size, expected):
     from pipeline.train_draft.completions import Sequences
