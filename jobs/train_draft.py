@@ -33,13 +33,21 @@ def run(cfg: DictConfig) -> DraftResult:
     return result
 
 
+OVERFIT_GAP = 0.05  # training-sequence acceptance this far above the held-out one: say that more data would help
+
+
 def summary_line(result: DraftResult, target: str) -> str:
     compare = ("" if result.compare_acceptance is None
                else f" (compare_draft: {result.compare_acceptance:.3f})")
+    fit = ""
+    if result.fit_acceptance is not None:
+        fit = f"; on training sequences {result.fit_acceptance:.3f}"
+        if result.fit_acceptance - result.acceptance >= OVERFIT_GAP:
+            fit += " (the head fits its training text better than new text: more prompts help more than more steps)"
     return (f"draft of {result.draft_parameters:,} parameters (target {result.target_parameters:,}) in "
             f"{result.out}: {result.steps} steps, {result.train_seconds / 60:.1f} min, stopped by "
             f"{result.stopped_by}; acceptance sum_x min(p, q) on {result.heldout_positions} held-out positions "
-            f"{result.acceptance:.3f}{compare}; use it: {result.generate_command(target)}")
+            f"{result.acceptance:.3f}{compare}{fit}; use it: {result.generate_command(target)}")
 
 
 @hydra.main(config_path="../conf", config_name="train_draft", version_base="1.3")

@@ -48,7 +48,7 @@ class DraftShape:
     kind: str = "eagle3"  # eagle3 (a head over three fused layers of the target) | eagle (its last state) | model
     vocab_size: int | None = 8192  # feature drafts: the N most frequent completion tokens (null: the whole vocabulary)
     init: str = "target"  # feature drafts: the head starts from the target's last layer | random
-    train_lm_head: bool = True  # feature drafts: the head's output rows are trained (false: kept as the target's)
+    train_lm_head: bool = False  # feature drafts: the head's output rows are trained (false: kept as the target's)
 
 
 @dataclass(frozen=True)

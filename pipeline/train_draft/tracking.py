@@ -37,7 +37,9 @@ class DraftTracker:
         self._log({"acceptance": result.acceptance, "final_loss": result.final_loss,
                    "train_seconds": result.train_seconds, "draft_parameters": result.draft_parameters,
                    **({"compare_acceptance": result.compare_acceptance}
-                      if result.compare_acceptance is not None else {})}, result.steps)
+                      if result.compare_acceptance is not None else {}),
+                   **({"fit_acceptance": result.fit_acceptance} if result.fit_acceptance is not None else {})},
+                  result.steps)
         self.run.terminate()
 
     def fail(self) -> None:

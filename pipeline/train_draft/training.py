@@ -60,6 +60,7 @@ class DraftResult:
     history: list[tuple[int, float]] = field(default_factory=list)  # (step, loss)
     kind: str = "model"
     second_acceptance: float | None = None  # feature drafts: at the second drafted token (the head's own features)
+    fit_acceptance: float | None = None  # feature drafts: the same measure on training sequences (overfitting: above)
 
     def generate_command(self, target: str) -> str:
         return f"python -m jobs.generate model.target={target} model.draft={self.out} data.path=PROMPTS"
@@ -171,6 +172,11 @@ def _run_feature(config: DraftJobConfig, tracker: Any, folder: Path, target: Any
     accepted, second, positions = feature.heldout_acceptance(target, saved, heldout_set, train.temperature, device)
     log.info("held-out acceptance: %.3f at the first drafted token, %.3f at the second (own features)",
              accepted, second)
+    # the same measure on as many training sequences: far above the held-out one, the head learnt its training
+    # text rather than the target (more prompts help more than more steps)
+    fitted = Sequences(train_set.token_ids[: len(heldout_set)], train_set.prompt_lengths[: len(heldout_set)])
+    fit = feature.heldout_acceptance(target, saved, fitted, train.temperature, device)[0]
+    log.info("acceptance on %d training sequences: %.3f", len(fitted), fit)
     compare = None
     if config.compare_draft:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_ids or [0])[0]
@@ -181,7 +187,7 @@ def _run_feature(config: DraftJobConfig, tracker: Any, folder: Path, target: Any
         steps=loop["step"], train_seconds=loop["seconds"], stopped_by=loop["stopped_by"], final_loss=loop["loss"],
         acceptance=accepted, heldout_positions=positions, train_sequences=len(train_set),
         train_completion_tokens=train_set.completion_tokens(), compare_acceptance=compare, history=loop["history"],
-        kind=kind, second_acceptance=second,
+        kind=kind, second_acceptance=second, fit_acceptance=fit,
     )
     output.write_json(folder / "run.json", {"run_key": config.run_key(), "config": config.to_dict(),
                                             "result": {k: v for k, v in vars(result).items() if k != "history"}})
