@@ -130,7 +130,7 @@ def _run_feature(config: DraftJobConfig, tracker: Any, folder: Path, target: Any
     """Steps 3-6 for a feature draft (`pipeline.train_draft.feature`): the draft vocabulary, the target's
     features and top-k laws from one pass, the head, the loop, the saved head and its held-out acceptance."""
     from pipeline.train_draft import feature
-    from spectr.feature_draft import save_feature_draft
+    from spectr.feature_draft import load_feature_draft, save_feature_draft
 
     train, kind = config.train, config.draft.kind
     vocab = int(target.get_output_embeddings().weight.shape[0])
@@ -166,17 +166,9 @@ def _run_feature(config: DraftJobConfig, tracker: Any, folder: Path, target: Any
     root = Path(config.out).expanduser()
     save_feature_draft(head, root, dtype=getattr(torch, train.save_dtype))
     tokenizer.save_pretrained(root)  # the target's: the directory is self-contained (the head reads its ids)
-    from spectr.feature_draft import load_feature_draft
-
     saved = load_feature_draft(root, target, dtype=torch.float32)
-    accepted, second, positions = feature.heldout_acceptance(target, saved, heldout_set, train.temperature, device)
-    log.info("held-out acceptance: %.3f at the first drafted token, %.3f at the second (own features)",
-             accepted, second)
-    # the same measure on as many training sequences: far above the held-out one, the head learnt its training
-    # text rather than the target (more prompts help more than more steps)
-    fitted = Sequences(train_set.token_ids[: len(heldout_set)], train_set.prompt_lengths[: len(heldout_set)])
-    fit = feature.heldout_acceptance(target, saved, fitted, train.temperature, device)[0]
-    log.info("acceptance on %d training sequences: %.3f", len(fitted), fit)
+    accepted, second, positions, fit = _feature_acceptance(target, saved, train_set, heldout_set, train.temperature,
+                                                           device)
     compare = None
     if config.compare_draft:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_ids or [0])[0]
@@ -192,6 +184,22 @@ def _run_feature(config: DraftJobConfig, tracker: Any, folder: Path, target: Any
     output.write_json(folder / "run.json", {"run_key": config.run_key(), "config": config.to_dict(),
                                             "result": {k: v for k, v in vars(result).items() if k != "history"}})
     return result
+
+
+def _feature_acceptance(target: Any, head: Any, train_set: Sequences, heldout_set: Sequences, temperature: float,
+                        device: str) -> tuple[float, float, int, float]:
+    """(held-out acceptance at the first and second drafted token, positions, the same measure on as many
+    training sequences): far above the held-out one, the head learnt its training text rather than the target,
+    and more prompts help more than more steps."""
+    from pipeline.train_draft import feature
+
+    accepted, second, positions = feature.heldout_acceptance(target, head, heldout_set, temperature, device)
+    log.info("held-out acceptance: %.3f at the first drafted token, %.3f at the second (own features)",
+             accepted, second)
+    fitted = Sequences(train_set.token_ids[: len(heldout_set)], train_set.prompt_lengths[: len(heldout_set)])
+    fit = feature.heldout_acceptance(target, head, fitted, temperature, device)[0]
+    log.info("acceptance on %d training sequences: %.3f", len(fitted), fit)
+    return accepted, second, positions, fit
 
 
 def _laws_in_memory(config: DraftJobConfig, target: Any, train_set: Sequences, pad_id: int,
