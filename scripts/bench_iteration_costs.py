@@ -11,6 +11,7 @@ verify cost against one autoregressive step, which bounds the speed-up a given a
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -34,16 +35,18 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.add_argument("--out", default=None, help="write the runs here (JSON, and the table as .md)")
     a = parser.parse_args()
 
-    from harness import machine_line
+    from harness import Report, interleaved, table
     from transformers import AutoTokenizer
 
     import spectr
     from pipeline.config import ModelConfig
     from pipeline.models import load_model
 
+    report = Report("iteration_costs", args=a)
+    print(report.header())
     pair = ModelConfig(target=a.target, draft=a.draft, dtype="float32")
     target = load_model(pair.target, pair, "cpu")
     draft = load_model(pair.draft, pair, "cpu")
@@ -52,34 +55,33 @@ def main() -> None:
     prompts = [tokenizer(r["prompt"])["input_ids"] for r in rows]
     for arm in ARMS.values():  # warm-up: kernels, packed weights
         spectr.generate(target, draft, prompts[:2], max_new_tokens=8, batch_size=a.batch, **arm)
-    runs = []
-    for round_ in range(a.rounds):
-        for name, arm in ARMS.items():
-            start = time.perf_counter()
-            out = spectr.generate(target, draft, prompts, max_new_tokens=a.max_new_tokens, batch_size=a.batch,
-                                  seed=round_, **arm)
-            wall = time.perf_counter() - start
-            s = out.stats
-            runs.append({"arm": name, "round": round_, "wall_s": wall, "tokens": sum(s.generated_tokens),
-                         "iterations": s.iterations, "draft_s": s.draft_seconds, "target_s": s.target_seconds,
-                         "selection_s": s.selection_seconds, "other_s": s.other_seconds})
-    print(f"{machine_line()}; batch {a.batch}, {len(prompts)} prompts x {a.max_new_tokens} tokens, {a.rounds} "
-          f"rounds (medians)")
-    print("| arm | tokens/s | tokens / iteration | ms / iteration | draft | target | selection | other |")
-    print("|---|---|---|---|---|---|---|---|")
-    base = None
-    for name in ARMS:
-        mine = [r for r in runs if r["arm"] == name]
+
+    rounds = {name: itertools.count() for name in ARMS}  # round r runs every arm with seed r
+
+    def run(name: str) -> dict:
+        start = time.perf_counter()
+        stats = spectr.generate(target, draft, prompts, max_new_tokens=a.max_new_tokens, batch_size=a.batch,
+                                seed=next(rounds[name]), **ARMS[name]).stats
+        return {"wall_s": time.perf_counter() - start, "tokens": sum(stats.generated_tokens),
+                "iterations": stats.iterations, "draft_s": stats.draft_seconds, "target_s": stats.target_seconds,
+                "selection_s": stats.selection_seconds, "other_s": stats.other_seconds}
+
+    runs = interleaved({name: (lambda name=name: run(name)) for name in ARMS}, a.rounds)
+    lines, base = [], None
+    for name, mine in runs.items():
         rate = median([r["tokens"] / r["wall_s"] for r in mine])
         base = base or rate
-        ms = {key: 1e3 * median([r[key] / r["iterations"] for r in mine])
-              for key in ("wall_s", "draft_s", "target_s", "selection_s", "other_s")}
-        per_iteration = median([r["tokens"] / r["iterations"] for r in mine])
-        print(f"| {name} | {rate:.1f} ({rate / base:.2f}x) | {per_iteration:.2f} | {ms['wall_s']:.1f} | "
-              f"{ms['draft_s']:.1f} | {ms['target_s']:.1f} | {ms['selection_s']:.1f} | {ms['other_s']:.1f} |")
+        row = {"arm": name, "tokens/s": f"{rate:.1f} ({rate / base:.2f}x)",
+               "tokens / iteration": f"{median([r['tokens'] / r['iterations'] for r in mine]):.2f}"}
+        for key, column in (("wall_s", "ms / iteration"), ("draft_s", "draft"), ("target_s", "target"),
+                            ("selection_s", "selection"), ("other_s", "other")):
+            row[column] = f"{1e3 * median([r[key] / r['iterations'] for r in mine]):.1f}"
+        lines.append(row)
+    body = (f"batch {a.batch}, {len(prompts)} prompts x {a.max_new_tokens} tokens, {a.rounds} rounds (medians)\n\n"
+            + table(lines))
+    print(body)
     if a.out:
-        Path(a.out).write_text(json.dumps({"args": vars(a), "runs": runs}, indent=1))
-
+        report.write(a.out, {"runs": runs}, markdown=body)
 
 if __name__ == "__main__":
     main()

@@ -142,7 +142,7 @@ def _run_feature(config: DraftJobConfig, tracker: Any, folder: Path, target: Any
              sum(len(t) for t in data.tokens), data.nbytes() / 2**20, time.monotonic() - start)
     head = feature.build_head(target, kind, draft_ids, config.draft.init, train.seed)
     if not config.draft.train_lm_head and head.lm_head is not None:
-        head.lm_head.requires_grad_(False)  # the target's own rows: half the head's parameters, not fitted
+        head.lm_head.requires_grad_(False)  # the target's own rows, the head's largest matrix: not fitted
     if tracker is not None:
         tracker.started(config, count_parameters(head), count_parameters(target), len(train_set))
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=train.lr,

@@ -94,8 +94,8 @@ def test_a_head_can_keep_the_targets_output_rows(sharp_target, tmp_path):  # noq
 
 
 def test_the_last_line_says_when_the_head_learnt_its_training_text_rather_than_the_target():
-    """A training-sequence acceptance well above the held-out one (the head overfits: on a 2-core CPU the real
-    target's 512 completions gave 0.62 against 0.44) is said with what to do; a small gap is not."""
+    """A training-sequence acceptance well above the held-out one (the head overfits) is said with what to do;
+    a small gap is not."""
     from jobs.train_draft import OVERFIT_GAP
     from pipeline.train_draft.training import DraftResult
 
