@@ -1,6 +1,7 @@
-"""The CPU small-row linear kernel (`spectr.cpu_linear`): same products as `F.linear`, one row's result
-independent of how many rows share the call, oneDNN's packed copy over a few more rows (within a memory
-budget, remade when the weight changes), used only inside the engine's forwards, and `F.linear` bit for bit
+"""The CPU small-row linear kernel (`spectr.cpu_linear`): same products as `F.linear` over its packed copy of
+the weight (any shape), on torch's threads, one row's result independent of how many rows share the call,
+oneDNN's packed copy over a few more rows (both copies within one memory budget, remade when the weight
+changes), used only inside the engine's forwards, and `F.linear` bit for bit
 everywhere else (more rows, other dtypes, autograd, outside `active()`, a failed build)."""
 
 import copy
@@ -78,6 +79,34 @@ def test_everything_else_is_f_linear_bit_for_bit(built):
     assert "forward" not in bf16.__dict__
 
 
+@pytest.mark.parametrize("shape", [(1, 1), (15, 3), (16, 4), (17, 5), (576, 192)])  # K, N around 16 lanes, 4 rows
+def test_the_packed_copy_pads_any_shape(built, shape):
+    in_features, out_features = shape
+    layer = linear(in_features=in_features, out_features=out_features, bias=False)
+    x = torch.randn(cpu_linear.MAX_ROWS, in_features)
+    with torch.no_grad(), cpu_linear.active():
+        out = layer(x)
+        packed = cpu_linear._rows_packed[layer][2]
+        torch.testing.assert_close(out, F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+        layer.weight.mul_(2)  # a weight changed in place: its packed copy is made again
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+    assert cpu_linear._rows_packed[layer][2] is not packed
+    assert packed.shape == (-(-out_features // 4), -(-in_features // 16), 4, 16)  # blocks of 4 rows x 16 lanes
+
+
+def test_the_kernel_runs_on_torchs_threads(built):
+    """Built with OpenMP, `at::parallel_for` splits the weight's blocks over torch's threads (without it, the
+    kernel ran on one core): the structural count is the distinct OpenMP threads that ran a product."""
+    x, packed, before = torch.zeros(1, 64), built.pack(torch.zeros(4096, 64)), torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # the suite runs one thread per worker
+        assert built.threads_used(x, packed, 4096) == 2
+        torch.set_num_threads(1)  # the control: one thread allowed, one thread used
+        assert built.threads_used(x, packed, 4096) == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("rows", [cpu_linear.MAX_ROWS + 1, cpu_linear.PACKED_MAX_ROWS])
 def test_more_rows_go_through_onednns_packed_copy(built, rows):
     if not torch.backends.mkldnn.is_available():
@@ -94,13 +123,14 @@ def test_more_rows_go_through_onednns_packed_copy(built, rows):
     copy.deepcopy(layer)  # the packed copy is not the module's: a model still deep-copies
 
 
-def test_packed_copies_stay_within_their_memory_budget(built, monkeypatch):
+@pytest.mark.parametrize("rows", [2, cpu_linear.MAX_ROWS + 1])  # the kernel's copy, oneDNN's
+def test_packed_copies_stay_within_their_memory_budget(built, monkeypatch, rows):
     monkeypatch.setattr(cpu_linear, "PACKED_MAX_BYTES", 0)
     layer = linear()
-    x = torch.randn(cpu_linear.MAX_ROWS + 1, layer.in_features)
+    x = torch.randn(rows, layer.in_features)
     with torch.no_grad(), cpu_linear.active():
         assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
-    assert layer not in cpu_linear._packed
+    assert layer not in cpu_linear._packed and layer not in cpu_linear._rows_packed
 
 
 def test_a_failed_build_warns_once_and_falls_back(monkeypatch, tmp_path):
@@ -151,13 +181,23 @@ def test_switched_off_by_the_environment(monkeypatch):
     assert cpu_linear.install(layer) == 0 and "forward" not in layer.__dict__
 
 
+class Counting:
+    """The built module, counting the rows of each product."""
+
+    def __init__(self, module):
+        self.module, self.calls = module, []
+
+    def pack(self, weight):
+        return self.module.pack(weight)
+
+    def packed_linear(self, x, packed, out_features):
+        self.calls.append(x.shape[0])
+        return self.module.packed_linear(x, packed, out_features)
+
+
 def test_the_engine_uses_it_and_hf_generate_does_not(built, monkeypatch):
-    calls = []
-
-    def counting(x, w):
-        calls.append(x.shape[0])
-        return built(x, w)
-
+    counting = Counting(built)
+    calls = counting.calls
     monkeypatch.setattr(cpu_linear, "_kernel", [counting])
     target = tiny_model(seed=3)
     prompt = [1, 5, 9, 2]
@@ -175,7 +215,8 @@ def test_a_dropped_layers_packed_copy_leaves_the_budget(built, monkeypatch):
     import gc
 
     first, second = linear(seed=1), linear(seed=2)
-    held = sum(size for *_, size in list(cpu_linear._packed.values()))  # other tests' live models
+    held = sum(size for copies in (cpu_linear._packed, cpu_linear._rows_packed)
+               for *_, size in list(copies.values()))  # other tests' live models (both kinds of copy)
     monkeypatch.setattr(cpu_linear, "PACKED_MAX_BYTES", held + first.weight.nbytes)  # room for one more copy
     x = torch.randn(cpu_linear.MAX_ROWS + 1, first.in_features)
     with torch.no_grad(), cpu_linear.active():
