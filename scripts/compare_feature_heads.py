@@ -1,7 +1,7 @@
 """Feature heads compared on a real target at equal steps: one layout or loss setting per process.
 
 Reads the completions a `jobs.train_draft` run kept (`OUT/_train_draft/completions.pt`), keeps the target's
-features at every layer either layout reads and its top-32 laws in one pass (cached in `--cache`), then trains
+features at every layer either layout reads and its top-`--collect-k` laws in one pass (cached in `--cache`), then trains
 one head with the job's own code (`pipeline.train_draft.feature`: `build_head`, `make_batch`, `head_loss`) for
 `--minutes`, printing the held-out acceptance (first drafted token, second) every `--eval-every` minutes.
 Several processes with `--threads 1` side by side compare settings at equal steps (the table in
@@ -48,21 +48,30 @@ def options() -> argparse.Namespace:
     parser.add_argument("--cache", default="/tmp/feature_heads_cache.pt")
     parser.add_argument("--out", default="/tmp")
     parser.add_argument("--bf16", action="store_true", help="the head's steps under CPU autocast to bfloat16")
+    parser.add_argument("--top-k", type=int, default=32, help="the target's top-k law the loss reads (train.top_k)")
+    parser.add_argument("--collect-k", type=int, default=256, help="the top-k kept in --cache (>= every --top-k)")
+    parser.add_argument("--freeze-head", action="store_true", help="the output rows stay the target's "
+                        "(draft.train_lm_head=false)")
     parser.add_argument("--tag", default="x")
     return parser.parse_args()
 
 
-def features(target, train_set: Sequences, kind: str, cache: Path) -> feature.FeatureSet:
-    """The target's features at the layers of both layouts (one pass, cached), cut to `kind`'s."""
+def features(target, train_set: Sequences, kind: str, cache: Path, collect_k: int, top_k: int) -> feature.FeatureSet:
+    """The target's features at the layers of both layouts and its top-`collect_k` laws (one pass, cached), cut
+    to `kind`'s features and the top `top_k`."""
     layers = feature.feature_layers(target.config, "eagle3") + feature.feature_layers(target.config, "eagle")
     if cache.exists():
         data = feature.FeatureSet(**torch.load(cache, weights_only=True))
     else:
         start = time.monotonic()
-        data = feature.collect(target, train_set, layers, 1.0, 32, "cpu")
+        data = feature.collect(target, train_set, layers, 1.0, collect_k, "cpu")
         print("collect", round(time.monotonic() - start), "s", flush=True)
         torch.save(vars(data), cache)
     size = target.config.hidden_size
+    if top_k > data.top_ids[0].shape[-1]:
+        raise SystemExit(f"--top-k {top_k} is more than the {data.top_ids[0].shape[-1]} kept in {cache}")
+    data.top_ids = [t[:, :top_k].contiguous() for t in data.top_ids]  # torch.topk: sorted, so a prefix
+    data.top_log_probs = [t[:, :top_k].contiguous() for t in data.top_log_probs]
     data.features = [f[:, -size:].contiguous() if kind == "eagle" else f[:, :3 * size].contiguous()
                      for f in data.features]
     return data
@@ -77,11 +86,13 @@ def main() -> None:
     target = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval().requires_grad_(False)
     saved = torch.load(a.completions, weights_only=True)
     train_set, heldout = Sequences(**saved["train"]), Sequences(**saved["heldout"])
-    data = features(target, train_set, a.kind, Path(a.cache))
+    data = features(target, train_set, a.kind, Path(a.cache), a.collect_k, a.top_k)
     eos = target.config.eos_token_id
     ids = feature.frequent_tokens(train_set, a.vocab, target.config.vocab_size, [eos] if isinstance(eos, int) else eos)
     head = feature.build_head(target, a.kind, ids, "target", 0)
     index = feature.draft_index(head)
+    if a.freeze_head and head.lm_head is not None:
+        head.lm_head.requires_grad_(False)
     params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=a.lr, weight_decay=0.1, betas=(0.9, 0.95))
     generator = torch.Generator().manual_seed(0)
