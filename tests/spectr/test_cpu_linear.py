@@ -50,8 +50,9 @@ def test_batched_shapes_keep_their_leading_axes(built):
     torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
 
 
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it(built):
-    layer = linear(in_features=576, out_features=300)
+@pytest.mark.parametrize("in_features", [576, 53])  # whole blocks of 16 lanes, and a zero-padded tail
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(built, in_features):
+    layer = linear(in_features=in_features, out_features=301)  # and a last block of one output row
     x = torch.randn(cpu_linear.MAX_ROWS, layer.in_features)
     with torch.no_grad(), cpu_linear.active():
         alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
