@@ -7,7 +7,8 @@ of 4 output rows, so that each load of an input row serves 4 outputs) and multip
 input rows held in L1, on torch's threads (OpenMP; built without it, it had run on one core). From `MAX_ROWS` + 1
 to `PACKED_MAX_ROWS` rows (a batch of 8 rows, their verifies) oneDNN's product over its own packed copy of the
 weight reads it about once (as the compiled core's `ONEDNN_MAX_ROWS` does). Both copies are made on first use,
-the weights once or twice more in memory (up to `PACKED_MAX_BYTES` per process in all; past it, `F.linear`).
+the weights once or twice more in memory (up to `PACKED_MAX_BYTES` per process in all; past it, `F.linear`);
+the kernel's copies of 2 MiB or more are advised as huge pages (fewer TLB misses while streaming them).
 Measurements: docs/performance.md#speed-on-a-real-model-smollm2-135m-instruct-a-feature-draft.
 
 Scope: only inside the engine's own forwards (`active()`: `HFCausalLM.forward`, the feature draft's), on
@@ -59,7 +60,9 @@ STALE_MARKER_S = 900.0  # a build marker this old was left by a builder that die
 SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <cstdlib>
 #include <cstring>
+#include <sys/mman.h>
 
 // 16 float lanes: one zmm with AVX-512 (its intrinsics: about 10% faster here than the generic form), else
 // GCC's vector extension (two ymm with AVX2, whatever -march gives). `reduce` sums the 16 lanes in one fixed
@@ -89,12 +92,29 @@ static inline float reduce(lanes v) {
 constexpr int R = 4;
 constexpr int64_t GRAIN = 16;  // blocks per task at least
 
+// Memory for a copy of at least 2 MiB: 2 MiB-aligned and advised to the kernel as huge pages (transparent huge
+// pages, where the system allows them), so that streaming it misses the TLB once per 2 MiB, not per 4 KiB;
+// smaller copies, or where this fails, torch's own allocation.
+static torch::Tensor streamed_empty(at::IntArrayRef shape, const torch::TensorOptions& options) {
+  constexpr size_t huge = size_t(2) << 20;
+  size_t bytes = sizeof(float);
+  for (int64_t size : shape) bytes *= size_t(size);
+  void* memory = nullptr;
+  if (bytes < huge || posix_memalign(&memory, huge, bytes) != 0) return torch::empty(shape, options);
+#ifdef MADV_HUGEPAGE
+  madvise(memory, bytes, MADV_HUGEPAGE);  // advice: without transparent huge pages, ordinary ones
+#endif
+  return torch::from_blob(memory, shape, [](void* data) { std::free(data); }, options);
+}
+
 torch::Tensor pack(torch::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "pack: w [N, K] float32");
   const int64_t N = w.size(0), K = w.size(1), Kp = (K + 15) / 16 * 16, Np = (N + R - 1) / R * R;
   auto padded = torch::zeros({Np, Kp}, w.options());
   padded.narrow(0, 0, N).narrow(1, 0, K).copy_(w);
-  return padded.view({Np / R, R, Kp / 16, 16}).permute({0, 2, 1, 3}).contiguous();
+  auto packed = streamed_empty({Np / R, Kp / 16, R, 16}, w.options());
+  packed.copy_(padded.view({Np / R, R, Kp / 16, 16}).permute({0, 2, 1, 3}));
+  return packed;
 }
 
 // y[m, n] = sum_k x[m, k] * w[n, k] for M rows of x (zero-padded to Kp): each block of w is read once, for all

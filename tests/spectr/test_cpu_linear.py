@@ -108,6 +108,30 @@ def test_the_kernel_runs_on_torchs_threads(built):
         torch.set_num_threads(before)
 
 
+def vm_flags(address: int) -> list[str]:
+    """The kernel's VmFlags of the mapping that holds `address` in this process (`/proc/self/smaps`)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            start, end = (int(part, 16) for part in head.split("-"))
+            inside = start <= address < end
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_large_packed_copies_are_advised_as_huge_pages(built):
+    """Streaming a copy of 2 MiB or more misses the TLB once per huge page: it is 2 MiB-aligned and advised
+    (`hg` in its mapping's VmFlags); a smaller copy is torch's ordinary allocation (the control)."""
+    if not os.path.exists("/proc/self/smaps") or not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"):
+        pytest.skip("no transparent huge pages on this system")
+    large = built.pack(torch.zeros(1024, 576))  # 2.25 MiB
+    assert large.data_ptr() % (2 << 20) == 0 and "hg" in vm_flags(large.data_ptr())
+    small = built.pack(torch.zeros(64, 64))
+    assert "hg" not in vm_flags(small.data_ptr())
+
+
 @pytest.mark.parametrize("rows", [cpu_linear.MAX_ROWS + 1, cpu_linear.PACKED_MAX_ROWS])
 def test_more_rows_go_through_onednns_packed_copy(built, rows):
     if not torch.backends.mkldnn.is_available():
